@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the three stores share: liveness by lease/TTL and errors that say what to do.
+
+Mooncake's stores keep a segment's keys until someone deletes them, so an engine that
+dies leaves its descriptor behind and peers keep writing to addresses that no longer
+exist (``../reference/mooncake-te.md`` §9; Mooncake issue #2762). Here every key an
+engine publishes is tied to a lifetime of ``ttl`` seconds (an etcd lease, a redis
+``EX``, our HTTP server's per-key TTL) that a background thread renews every
+``ttl / 3`` seconds; a SIGKILLed engine stops renewing and its keys vanish within
+``ttl``. Renewal re-puts the current values, so a store that lost its data (a redis or
+metadata server restarted without persistence) gets them back within one period.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from abc import abstractmethod
+from urllib.parse import parse_qsl
+
+from ...errors import MetadataError, ERR_MALFORMED_JSON
+from ..base import KeyValueBackend, ram_key, rpc_meta_key
+from ..descriptor import SegmentDescriptor
+
+log = logging.getLogger("mooncake_te.metadata")
+
+#: default lifetime of published keys, seconds (``MC_METADATA_TTL`` or ``?ttl=`` override)
+DEFAULT_TTL = 10.0
+
+# Default ports of each kind of server, used only to guess a likely mistake in errors
+# (reference §10 item 4: Mooncake issues #16 and #391 are an etcd port given to the wrong
+# backend). 2379: etcd client port; 6379: redis; 8080: Mooncake's HTTP metadata server.
+_DEFAULT_PORTS = {2379: "etcd", 2380: "etcd (peer port)", 6379: "redis", 8080: "http"}
+
+
+def split_options(rest: str) -> tuple[str, dict]:
+    """``"h:2379?ttl=3"`` -> (``"h:2379"``, ``{"ttl": "3"}``)."""
+    base, sep, query = rest.partition("?")
+    return base, (dict(parse_qsl(query, keep_blank_values=True)) if sep else {})
+
+
+def ttl_from(options: dict) -> float:
+    raw = options.pop("ttl", None) or os.environ.get("MC_METADATA_TTL") or DEFAULT_TTL
+    try:
+        ttl = float(raw)
+    except ValueError:
+        raise MetadataError(f"metadata TTL {raw!r} is not a number of seconds "
+                            f"(from '?ttl=' or MC_METADATA_TTL)") from None
+    if ttl < 1:
+        raise MetadataError(f"metadata TTL {ttl} s is too short; use at least 1 s "
+                            f"(peers must renew it three times per TTL)")
+    return ttl
+
+
+def port_hint(kind: str, port: int | None) -> str:
+    """A sentence naming the likely mistake when ``port`` is another server's default."""
+    other = _DEFAULT_PORTS.get(port or 0)
+    if other is None or other.startswith(kind):
+        return ""
+    scheme = other.split()[0]
+    if scheme == "etcd" and other != "etcd":
+        return f" Port {port} is etcd's peer port; clients use 2379."
+    return (f" Port {port} is {other}'s default port: did you mean "
+            f"metadata='{scheme}://HOST:{port}{'/metadata' if scheme == 'http' else ''}' "
+            f"(config.toml [metadata] server_type = \"{scheme}\")?")
+
+
+class LeasedStore(KeyValueBackend):
+    """A :class:`KeyValueBackend` whose published keys live only while it renews them.
+
+    Subclasses implement ``get``/``put``/``delete`` plus :meth:`_put_leased` (put with
+    the lifetime attached), :meth:`_renew` (extend or re-create every owned key) and
+    :meth:`_release` (end the lifetime at close).
+
+    Parameters
+    ----------
+    address : str
+        What the user gave, shown in every error.
+    ttl : float
+        Seconds a key outlives its last renewal.
+    """
+
+    def __init__(self, address: str, ttl: float, cluster_id: str | None = None):
+        super().__init__(cluster_id)
+        self.address = address
+        self.ttl = float(ttl)
+        self._lock = threading.RLock()          # one request at a time per client
+        self._owned: dict[str, dict[str, bytes]] = {}   # segment name -> {key: value}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._closed = False
+        self._failing = False                   # renewal failing: log once per outage
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.address!r} ttl={self.ttl:g}s>"
+
+    # -- the lifetime hooks -------------------------------------------------------------
+    @abstractmethod
+    def _put_leased(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` so that it expires ``ttl`` after the last renewal."""
+
+    @abstractmethod
+    def _renew(self, records: dict[str, bytes]) -> None:
+        """Extend the lifetime of every owned key, re-creating any the store lost."""
+
+    def _release(self) -> None:
+        """End the lifetime (etcd: revoke the lease). Keys are deleted before this."""
+
+    # -- MetadataBackend ----------------------------------------------------------------
+    def publish(self, desc: SegmentDescriptor) -> None:
+        records = dict(self.records(desc))
+        with self._lock:
+            if self._closed:
+                raise MetadataError(f"{self.kind} metadata backend {self.address!r} is closed")
+            # Own the records first: if the store is down now, the renewer publishes
+            # them as soon as it is back.
+            self._owned[desc.name] = records
+            for key, value in records.items():
+                self._put_leased(key, value)
+        self._start_renewer()
+
+    def unpublish(self, name: str) -> None:
+        with self._lock:
+            records = self._owned.pop(name, None)
+            keys = list(records) if records else [ram_key(name, self.cluster_id),
+                                                    rpc_meta_key(name, self.cluster_id)]
+            for key in keys:
+                self.delete(key)
+
+    def fetch(self, name: str, timeout: float) -> SegmentDescriptor:
+        key = ram_key(name, self.cluster_id)
+        raw = self.get(key)
+        if raw is None:
+            return super().fetch(name, timeout)       # raises SegmentNotFoundError
+        try:
+            return SegmentDescriptor.decode(raw)
+        except MetadataError as e:
+            preview = bytes(raw[:40])
+            raise MetadataError(
+                f"{self.kind} metadata store {self.address!r}: key {key!r} holds "
+                f"{len(raw)} bytes that are not a segment descriptor ({e}; starts with "
+                f"{preview!r}); something other than a mooncake engine wrote it. Delete the "
+                f"key or use another MC_METADATA_CLUSTER_ID.", status=ERR_MALFORMED_JSON) from None
+
+    def close(self) -> None:
+        """Stop renewing, delete every key this backend still owns, end the lease."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        if os.getpid() != self._pid:
+            return          # a forked child does not own the parent's keys
+        try:
+            with self._lock:
+                for name in list(self._owned):
+                    records = self._owned.pop(name)
+                    for key in records:
+                        self.delete(key)
+                self._release()
+        except MetadataError as e:
+            # The store is unreachable; the keys expire with their TTL anyway.
+            log.warning("could not remove this engine's keys from %s: %s", self.address, e)
+        finally:
+            self._close_client()
+
+    def _close_client(self) -> None:
+        pass
+
+    # -- the renewer --------------------------------------------------------------------
+    def _start_renewer(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._renew_loop, daemon=True,
+                                        name=f"mte-{self.kind}-lease")
+        self._thread.start()
+
+    def _renew_loop(self) -> None:
+        # Three renewals per TTL: one lost or slow renewal never lets the keys expire.
+        period = self.ttl / 3.0
+        while not self._stop.wait(period):
+            t0 = time.monotonic()
+            try:
+                with self._lock:
+                    if self._closed:
+                        return
+                    records = {k: v for recs in self._owned.values() for k, v in recs.items()}
+                    if records:
+                        self._renew(records)
+            except MetadataError as e:
+                if not self._failing:
+                    log.warning("cannot renew this engine's metadata in %s (%s); peers will "
+                                "stop seeing it after %g s; retrying", self.address, e, self.ttl)
+                self._failing = True
+                continue
+            except Exception:       # never let the renewer die silently
+                log.exception("metadata renewal in %s failed", self.address)
+                continue
+            if self._failing:
+                log.warning("metadata store %s reachable again; keys republished", self.address)
+                self._failing = False
+            log.debug("renewed %s in %.1f ms", self.address, (time.monotonic() - t0) * 1e3)

@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``http://host:port/metadata``: segment descriptors in an HTTP key-value server.
+
+The protocol is Mooncake's (``transfer_metadata_plugin.cpp`` HTTP plugin and
+``mooncake_http_metadata_server``): ``GET/PUT/DELETE <url>?key=<urlencoded key>``, 200
+on success, 404 with the text ``metadata not found`` for a missing key. It works
+against Mooncake's own servers and against ``mooncake-te metadata-server``
+(:mod:`mooncake_te.metadata.server`), which also honours a per-key TTL that this client
+asks for in the ``X-Mooncake-TTL`` request header and confirms in the reply. Mooncake's
+servers ignore the header (keys then live until deleted; a warning says so).
+
+Client: ``requests`` (keep-alive session; ``pip install mooncake-te[http]``).
+"""
+from __future__ import annotations
+
+import logging
+from urllib.parse import urlsplit, urlunsplit, urlencode
+
+from ...errors import MetadataError, ERR_SOCKET
+from ._leased import LeasedStore, port_hint, split_options, ttl_from
+
+try:
+    import requests as _requests
+except ImportError:     # pragma: no cover - depends on the installed extras
+    _requests = None
+
+log = logging.getLogger("mooncake_te.metadata")
+
+#: request header carrying the TTL we ask for, and the reply header confirming it
+TTL_HEADER = "X-Mooncake-TTL"
+#: reply header by which our server marks its own answers (a 404 from it means "no key")
+SERVER_HEADER = "X-Mooncake-Metadata-Server"
+#: the body Mooncake's servers send for a missing key
+NOT_FOUND_TEXT = "metadata not found"
+
+
+class HttpStore(LeasedStore):
+    """Segment descriptors in an HTTP metadata server.
+
+    Parameters
+    ----------
+    scheme : str
+        ``"http"`` or ``"https"``.
+    rest : str
+        ``host:port[/path][?ttl=seconds]``; the path defaults to ``/metadata``.
+    """
+
+    kind = "http"
+
+    def __init__(self, scheme: str, rest: str, cluster_id: str | None = None,
+                 timeout: float = 3.0):
+        if _requests is None:
+            raise MetadataError("metadata='http://...' needs the requests library: "
+                                "pip install mooncake-te[http]")
+        base, options = split_options(rest)
+        ttl = ttl_from(options)
+        u = urlsplit(f"{scheme}://{base}")
+        try:
+            self.port = u.port or (443 if scheme == "https" else 80)
+        except ValueError:
+            raise MetadataError(f"HTTP metadata address {base!r} has an invalid port; "
+                                f"use http://host:8080/metadata") from None
+        if not u.hostname:
+            raise MetadataError(f"HTTP metadata address {scheme}://{base} has no host; "
+                                f"use http://host:8080/metadata")
+        self.host = u.hostname
+        path = u.path if u.path not in ("", "/") else "/metadata"
+        rest_q = urlencode(options)
+        self.url = urlunsplit((scheme, u.netloc, path, rest_q, ""))
+        super().__init__(urlunsplit((scheme, u.netloc, path, "", "")), ttl, cluster_id)
+        self._session = _requests.Session()
+        # Mooncake's libcurl client: 1.5 s to connect, 3 s per request (reference §5).
+        self._timeout = (min(1.5, timeout), timeout)
+        self._ttl_warned = False
+
+    # -- requests & errors -----------------------------------------------------------------
+    def _request(self, method: str, key: str, data: bytes | None = None,
+                 headers: dict | None = None):
+        sep = "&" if "?" in self.url else "?"
+        url = f"{self.url}{sep}{urlencode({'key': key})}"
+        try:
+            with self._lock:
+                return self._session.request(method, url, data=data, headers=headers,
+                                             timeout=self._timeout)
+        except _requests.exceptions.ConnectionError as e:
+            text = str(e)
+            why = ("connection refused: is the metadata server running there? "
+                   "(start one with `mooncake-te metadata-server --port PORT`)"
+                   if "refused" in text.lower() else
+                   f"{type(e).__name__}: {' '.join(text.split())[:200]}")
+            if "BadStatusLine" in text or "RemoteDisconnected" in text:
+                why += "; the port answered, but not in HTTP (a redis port? use redis://)"
+            raise MetadataError(f"HTTP metadata server {self.address}: {method} {key!r} "
+                                f"failed: {why}.{port_hint('http', self.port)}",
+                                status=ERR_SOCKET) from None
+        except _requests.exceptions.RequestException as e:
+            raise MetadataError(f"HTTP metadata server {self.address}: {method} {key!r} "
+                                f"failed: {type(e).__name__}: {e}.{port_hint('http', self.port)}",
+                                status=ERR_SOCKET) from None
+
+    def _unexpected(self, method: str, key: str, resp) -> MetadataError:
+        body = " ".join(resp.text.split())[:120]
+        msg = (f"HTTP metadata server {self.address}: {method} {key!r} answered "
+               f"HTTP {resp.status_code} ({body!r}).")
+        if resp.status_code == 404:
+            msg += self._why_404()
+        elif resp.status_code == 400 and "rpc_meta" in key:
+            # Mooncake's servers refuse a second, different rpc_meta value for one name
+            # (Mooncake PR #2311): two engines with one segment name.
+            msg += (" Another engine already published this segment name with a different "
+                    "address; give this engine another name, or delete the stale key.")
+        elif resp.status_code in (401, 403):
+            msg += " The server wants credentials this client does not send."
+        return MetadataError(msg, status=ERR_SOCKET)
+
+    def _why_404(self) -> str:
+        """A 404 not from a metadata server: find out what answers at this port."""
+        root = urlunsplit((urlsplit(self.url).scheme, urlsplit(self.url).netloc, "/version", "", ""))
+        try:
+            r = self._session.get(root, timeout=self._timeout)
+            if r.ok and "etcdserver" in r.text:
+                return (f" This is an etcd server (its /version says {r.text.strip()[:80]}), "
+                        f"not an HTTP metadata server: use metadata='etcd://{self.host}:"
+                        f"{self.port}' (server_type = \"etcd\").")
+        except Exception:
+            pass
+        return (f" Nothing serves the metadata route {urlsplit(self.url).path!r} there: check "
+                f"the path (Mooncake's servers use /metadata) and the port." +
+                port_hint("http", self.port))
+
+    def _is_missing(self, resp) -> bool:
+        return resp.status_code == 404 and (SERVER_HEADER in resp.headers
+                                            or NOT_FOUND_TEXT in resp.text)
+
+    # -- KeyValueBackend ---------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        resp = self._request("GET", key)
+        if resp.status_code == 200:
+            return resp.content
+        if self._is_missing(resp):
+            return None
+        raise self._unexpected("GET", key, resp)
+
+    def put(self, key: str, value: bytes, headers: dict | None = None) -> None:
+        resp = self._request("PUT", key, data=value, headers=headers)
+        if resp.status_code != 200:
+            raise self._unexpected("PUT", key, resp)
+        if headers and TTL_HEADER in headers and TTL_HEADER not in resp.headers \
+                and not self._ttl_warned:
+            self._ttl_warned = True
+            log.warning("the HTTP metadata server %s does not support key TTLs (Mooncake's "
+                        "servers do not): a killed engine stays listed until its keys are "
+                        "deleted; `mooncake-te metadata-server` supports them", self.address)
+
+    def delete(self, key: str) -> None:
+        resp = self._request("DELETE", key)
+        if resp.status_code != 200 and not self._is_missing(resp):
+            raise self._unexpected("DELETE", key, resp)
+
+    def _put_leased(self, key: str, value: bytes) -> None:
+        self.put(key, value, headers={TTL_HEADER: f"{self.ttl:g}"})
+
+    def _renew(self, records: dict[str, bytes]) -> None:
+        # Re-PUT, not a bare "touch": a server restarted without persistence gets every
+        # live engine back within one renewal period.
+        for key, value in records.items():
+            self._put_leased(key, value)
+
+    def _close_client(self) -> None:
+        self._session.close()

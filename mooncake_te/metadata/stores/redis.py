@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``redis://[user:password@]host:6379[/db]``: segment descriptors in redis.
+
+Client: redis-py (with hiredis for parsing, ``pip install mooncake-te[redis]``).
+Credentials and the database come from the URL, else from Mooncake's
+``MC_REDIS_USERNAME`` / ``MC_REDIS_PASSWORD`` / ``MC_REDIS_DB_INDEX`` (reference §5,
+``transfer_metadata_plugin.cpp``). Keys are plain strings set with ``EX ttl`` and
+re-set every ``ttl / 3`` (``SET`` rather than ``EXPIRE``, so a redis that restarted
+empty gets the keys back).
+"""
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit, unquote
+
+from ...errors import MetadataError, ERR_SOCKET
+from ._leased import LeasedStore, port_hint, split_options, ttl_from
+
+try:
+    import redis as _redis
+except ImportError:     # pragma: no cover - depends on the installed extras
+    _redis = None
+
+
+class RedisStore(LeasedStore):
+    """Segment descriptors in a redis server.
+
+    Parameters
+    ----------
+    rest : str
+        ``[user:password@]host[:port][/db][?ttl=seconds]``.
+    """
+
+    kind = "redis"
+
+    def __init__(self, rest: str, cluster_id: str | None = None, timeout: float = 3.0):
+        if _redis is None:
+            raise MetadataError("metadata='redis://...' needs the redis client library: "
+                                "pip install mooncake-te[redis]  (redis-py with hiredis)")
+        base, options = split_options(rest)
+        ttl = ttl_from(options)
+        u = urlsplit("redis://" + base)
+        try:
+            self.host, self.port = u.hostname or "127.0.0.1", u.port or 6379
+        except ValueError:
+            raise MetadataError(f"redis metadata address {base!r} has an invalid port; "
+                                f"use redis://host:6379[/db]") from None
+        db_text = u.path.strip("/") or os.environ.get("MC_REDIS_DB_INDEX", "") or "0"
+        if not db_text.isdigit():
+            raise MetadataError(f"redis database {db_text!r} in {rest!r} is not a number; "
+                                f"use redis://host:6379/0")
+        super().__init__(f"redis://{self.host}:{self.port}/{db_text}", ttl, cluster_id)
+        self.db = int(db_text)
+        username = unquote(u.username) if u.username else os.environ.get("MC_REDIS_USERNAME")
+        password = unquote(u.password) if u.password else os.environ.get("MC_REDIS_PASSWORD")
+        # Mooncake's libcurl HTTP client allows 1.5 s to connect and 3 s per request;
+        # the same bounds keep a dead redis from stalling an engine for long.
+        self._client = _redis.Redis(host=self.host, port=self.port, db=self.db,
+                                    username=username or None, password=password or None,
+                                    socket_connect_timeout=min(1.5, timeout),
+                                    socket_timeout=timeout, health_check_interval=0)
+        self._ex = max(1, int(round(self.ttl)))
+
+    # -- errors ------------------------------------------------------------------------
+    def _error(self, what: str, e: Exception) -> MetadataError:
+        msg = f"redis metadata store {self.address}: {what} failed: {e}."
+        if isinstance(e, _redis.exceptions.AuthenticationError) or "AUTH" in str(e) \
+                or "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+            msg += (" Check the username/password in the URL or MC_REDIS_USERNAME / "
+                    "MC_REDIS_PASSWORD.")
+        elif isinstance(e, (_redis.exceptions.InvalidResponse,
+                            _redis.exceptions.ResponseError)) and "HTTP" in str(e):
+            msg += (" The server answered in HTTP, not the redis protocol: this is probably "
+                    "etcd (use etcd://) or an HTTP metadata server (use http://HOST:PORT/metadata).")
+        elif isinstance(e, _redis.exceptions.InvalidResponse):
+            msg += " The server does not speak the redis protocol; is this the redis port?"
+        elif isinstance(e, (_redis.exceptions.ConnectionError, _redis.exceptions.TimeoutError)):
+            msg += f" Is redis-server running and reachable at {self.host}:{self.port}?"
+        msg += port_hint("redis", self.port)
+        return MetadataError(msg, status=ERR_SOCKET, errno=getattr(e, "errno", None))
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            with self._lock:
+                return fn(*args, **kwargs)
+        except _redis.exceptions.RedisError as e:
+            raise self._error(what, e) from None
+
+    # -- KeyValueBackend ---------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        return self._call(f"GET {key!r}", self._client.get, key)
+
+    def put(self, key: str, value: bytes) -> None:
+        self._call(f"SET {key!r}", self._client.set, key, value)
+
+    def delete(self, key: str) -> None:
+        self._call(f"DEL {key!r}", self._client.delete, key)
+
+    def _put_leased(self, key: str, value: bytes) -> None:
+        self._call(f"SET {key!r} EX {self._ex}", self._client.set, key, value, ex=self._ex)
+
+    def _renew(self, records: dict[str, bytes]) -> None:
+        def go():
+            pipe = self._client.pipeline(transaction=False)
+            for key, value in records.items():
+                pipe.set(key, value, ex=self._ex)
+            pipe.execute()
+        self._call("renewing keys", go)
+
+    def _close_client(self) -> None:
+        try:
+            self._client.close()
+        except Exception:
+            pass
