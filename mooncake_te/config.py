@@ -1,0 +1,390 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Configuration: ``config.toml`` (the Mooncake deployment skeleton users copy) and the
+``MC_*`` environment variables Mooncake documents, validated up front.
+
+Precedence, lowest first: built-in defaults, the file, ``MC_*`` variables, explicit
+``TransferEngine(...)`` arguments. Unknown keys and wrong types are a
+:class:`ConfigError` naming the file, the key, the bad value and what is expected, with
+the closest known key when the name looks misspelled.
+
+:func:`find_problems` and :meth:`Config.load_lenient` report every problem at once
+instead of stopping at the first; ``mooncake-te doctor`` uses them.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+try:                                    # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:             # pragma: no cover - older Pythons
+    try:
+        import tomli as tomllib         # the same parser, published for 3.7-3.10
+    except ModuleNotFoundError:
+        tomllib = None
+
+from .errors import ConfigError
+
+# section -> key -> (accepted types, default, allowed values or None)
+_STR, _INT, _BOOL, _NUM = (str,), (int,), (bool,), (int, float)
+SCHEMA: dict[str, dict[str, tuple]] = {
+    "metadata": {
+        "server_type": (_STR, "p2p", ("p2p", "etcd", "redis", "http")),
+        "server_address": (_STR, "", None),
+    },
+    "transfer_engine": {
+        "protocol": (_STR, "auto", ("auto", "tcp", "shm", "rdma")),
+        "device_names": ((list,), [], None),
+        "use_gpu_direct": (_BOOL, True, None),
+        "enable_multi_nic": (_BOOL, True, None),
+        "topology_aware": (_BOOL, True, None),
+        "timeout_ms": (_INT, 30000, None),
+        "retry_count": (_INT, 3, None),
+        "tcp_lanes": (_INT, 4, None),
+        "tcp_slice_size": (_INT, 256 << 10, None),
+        "host": (_STR, "", None),
+        "port": (_INT, 0, None),
+        "auth_token": (_STR, "", None),
+    },
+    "kvcache": {
+        "cache_dir": (_STR, "", None),
+        "dram_cache_gb": (_NUM, 0, None),
+        "ssd_cache_gb": (_NUM, 0, None),
+        "eviction_policy": (_STR, "lru", ("lru", "lfu")),
+        "block_size": (_INT, 16, None),
+    },
+    "p2p_store": {
+        "metadata_server": (_STR, "p2p", None),
+        "metadata_address": (_STR, "", None),
+        "decentralized": (_BOOL, True, None),
+    },
+}
+
+# Numeric bounds: key -> (lowest, highest or None, why). Values outside are a ConfigError.
+_BOUNDS: dict[str, tuple] = {
+    "timeout_ms": (1, None, "a positive number of milliseconds"),
+    "tcp_lanes": (1, None, "a positive number of TCP lanes per peer"),
+    "tcp_slice_size": (1, None, "a positive number of bytes"),
+    "retry_count": (0, 127, "0 to 127 (Mooncake's MC_RETRY_CNT must be < 128)"),
+    "port": (0, 65535, "a TCP port, 0 to pick a free one"),
+    "block_size": (1, None, "a positive number of tokens per KV block"),
+    "dram_cache_gb": (0, None, "a size in GB, 0 or more"),
+    "ssd_cache_gb": (0, None, "a size in GB, 0 or more"),
+}
+
+_TYPE_WORDS = {str: "a string", int: "an integer", bool: "true or false",
+               float: "a number", list: "a list of strings"}
+
+
+# MC_* variable -> (section, key, parser). Mooncake's meanings (reference §6).
+def _seconds_to_ms(v: str) -> int:
+    # MC_TRANSFER_TIMEOUT is in seconds in Mooncake's Python wrapper.
+    return int(float(v) * 1000)
+
+
+def _bool(v: str) -> bool:
+    return v.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _device_list(v: str) -> list:
+    return [d.strip() for d in v.split(",") if d.strip()]
+
+
+ENV: dict[str, tuple[str, str, Any]] = {
+    "MC_TRANSFER_TIMEOUT": ("transfer_engine", "timeout_ms", _seconds_to_ms),
+    "MC_TCP_LANES_PER_PEER": ("transfer_engine", "tcp_lanes", int),
+    "MC_TCP_MAX_CONNECTIONS_PER_PEER": ("transfer_engine", "tcp_lanes", int),
+    "MC_TCP_SLICE_SIZE": ("transfer_engine", "tcp_slice_size", int),
+    "MC_TCP_BIND_ADDRESS": ("transfer_engine", "host", str),
+    "MC_TE_FILTERS": ("transfer_engine", "device_names", _device_list),
+    "MC_RETRY_CNT": ("transfer_engine", "retry_count", int),
+    "MC_AUTH_TOKEN": ("transfer_engine", "auth_token", str),
+    "MC_FORCE_TCP": ("transfer_engine", "protocol", lambda v: "tcp" if _bool(v) else None),
+    # MC_FORCE_HCA: "force RDMA, error if no HCA" (Mooncake PR #1259) is protocol = "rdma".
+    "MC_FORCE_HCA": ("transfer_engine", "protocol", lambda v: "rdma" if _bool(v) else None),
+}
+
+# MC_METADATA_SERVER holds a Mooncake connection string ("etcd://h:2379",
+# "redis://h:6379", "http://h:8080/metadata", "P2PHANDSHAKE", or a bare "h:2379", which
+# Mooncake reads as etcd: src/transfer_metadata_plugin.cpp); it sets both [metadata] keys.
+ENV_METADATA = "MC_METADATA_SERVER"
+
+
+def split_metadata_url(spec: str) -> tuple[str, str]:
+    """``(server_type, server_address)`` for a Mooncake metadata connection string."""
+    s = spec.strip()
+    if s.upper() in ("P2PHANDSHAKE", "P2P", ""):
+        return "p2p", ""
+    if "://" not in s:
+        return "etcd", s
+    scheme, rest = s.split("://", 1)
+    scheme = scheme.lower()
+    if scheme in ("http", "https"):
+        return "http", s               # the HTTP store needs the whole URL (path, TLS)
+    return scheme, rest
+
+
+@dataclass
+class Problem:
+    """One thing wrong in a configuration source.
+
+    Attributes
+    ----------
+    where : str
+        The file (or ``$VAR``) it came from.
+    section, key : str
+        Where in it (``key`` is ``""`` for a whole section).
+    value : object
+        The offending value (None for an unknown key whose value does not matter).
+    message : str
+        What is wrong and what is expected.
+    suggestion : str or None
+        The closest known name, for a misspelling.
+    kind : str
+        ``"unknown"`` (section or key), ``"type"``, ``"value"`` or ``"syntax"``.
+    """
+
+    where: str
+    section: str
+    key: str
+    value: Any
+    message: str
+    suggestion: "str | None" = None
+    kind: str = "value"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _closest(name: str, choices) -> "str | None":
+    hits = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return hits[0] if hits else None
+
+
+def _check(section: str, key: str, value, where: str) -> "Problem | None":
+    """The problem with one setting, or None."""
+    keys = SCHEMA.get(section)
+    if keys is None:
+        guess = _closest(section, SCHEMA)
+        hint = f"; did you mean [{guess}]?" if guess else ""
+        return Problem(where, section, "", None,
+                       f"{where}: unknown section [{section}]{hint} known sections: "
+                       f"{', '.join(f'[{s}]' for s in SCHEMA)}", guess, "unknown")
+    if key not in keys:
+        guess = _closest(key, keys)
+        elsewhere = [s for s, k in SCHEMA.items() if key in k]
+        if guess:
+            hint = f"; did you mean {guess!r}?"
+        elif elsewhere:
+            hint = f"; {key!r} belongs in [{elsewhere[0]}]"
+        else:
+            hint = ""
+        return Problem(where, section, key, value,
+                       f"{where}: unknown key {key!r} in [{section}]{hint} known keys: "
+                       f"{', '.join(keys)}", guess, "unknown")
+    types, _, allowed = keys[key]
+    # bool is an int subclass: reject True where a number is expected and vice versa.
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if not ok:
+        want = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in types)
+        return Problem(where, section, key, value,
+                       f"{where}: [{section}] {key} = {value!r} ({type(value).__name__}): "
+                       f"expected {want}", None, "type")
+    if allowed is not None and value not in allowed:
+        guess = _closest(str(value), allowed) if isinstance(value, str) else None
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        return Problem(where, section, key, value,
+                       f"{where}: [{section}] {key} = {value!r}: expected one of "
+                       f"{', '.join(map(repr, allowed))}{hint}", guess, "value")
+    if isinstance(value, list) and not all(isinstance(x, str) and x for x in value):
+        return Problem(where, section, key, value,
+                       f"{where}: [{section}] {key} = {value!r}: expected a list of "
+                       f"non-empty strings, e.g. [\"mlx5_0\", \"mlx5_1\"]", None, "type")
+    if key in _BOUNDS and isinstance(value, (int, float)):
+        lo, hi, why = _BOUNDS[key]
+        if value < lo or (hi is not None and value > hi):
+            return Problem(where, section, key, value,
+                           f"{where}: [{section}] {key} = {value!r}: expected {why}",
+                           None, "value")
+    return None
+
+
+def find_problems(raw: Mapping, where: str = "<dict>") -> list[Problem]:
+    """Every problem in a parsed config (all of them, not just the first)."""
+    problems: list[Problem] = []
+    for section, values in raw.items():
+        if section not in SCHEMA:
+            if not isinstance(values, Mapping):
+                # A top-level key: probably a setting written above any [section].
+                home = [s for s, k in SCHEMA.items() if section in k]
+                hint = f"; put it under [{home[0]}]" if home else ""
+                problems.append(Problem(where, "", section, values,
+                                        f"{where}: {section} = {values!r} is outside any "
+                                        f"section{hint}", home[0] if home else None,
+                                        "unknown"))
+                continue
+            problems.append(_check(section, "", None, where))
+            continue
+        if not isinstance(values, Mapping):
+            problems.append(Problem(where, section, "", values,
+                                    f"{where}: [{section}] must be a table, got "
+                                    f"{values!r}", None, "type"))
+            continue
+        for key, value in values.items():
+            p = _check(section, key, value, where)
+            if p is not None:
+                problems.append(p)
+    return problems
+
+
+def read_toml(path) -> dict:
+    """Parse a TOML file; ConfigError naming the file and the position on failure."""
+    path = os.fspath(path)
+    if tomllib is None:
+        raise ConfigError(f"cannot read {path}: this Python has no tomllib; "
+                          f"pip install tomli")
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a directory") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path!r} is not readable by this user") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+@dataclass
+class Config:
+    """Validated settings: ``cfg["section"]["key"]``, ``cfg.get(section, key)`` or the
+    ``data`` dict of dicts.
+
+    Attributes
+    ----------
+    data : dict
+        ``{section: {key: value}}`` for every key of :data:`SCHEMA`.
+    source : str
+        The file it was loaded from (``"<defaults>"`` for none).
+    env_applied : dict
+        ``{MC_VAR: (section, key)}`` for each environment variable that took effect.
+    """
+
+    data: dict = field(default_factory=lambda: {s: {k: copy.deepcopy(v[1]) for k, v in keys.items()}
+                                               for s, keys in SCHEMA.items()})
+    source: str = "<defaults>"
+    env_applied: dict = field(default_factory=dict)
+
+    def get(self, section: str, key: str):
+        return self.data[section][key]
+
+    def __getitem__(self, section: str) -> dict:
+        return self.data[section]
+
+    @property
+    def timeout_s(self) -> float:
+        return self.data["transfer_engine"]["timeout_ms"] / 1000.0
+
+    @classmethod
+    def load(cls, path: "str | os.PathLike | Config | None" = None,
+             env: Mapping[str, str] | None = None) -> "Config":
+        """Defaults, then ``path`` (if any), then ``MC_*`` variables from ``env``.
+
+        Raises
+        ------
+        ConfigError
+            Listing every problem found in the file, one per line.
+        """
+        if isinstance(path, Config):
+            cfg = copy.deepcopy(path)
+        else:
+            cfg = cls()
+            if path is not None:
+                cfg.merge_file(path)
+        cfg.merge_env(os.environ if env is None else env)
+        return cfg
+
+    @classmethod
+    def load_lenient(cls, path: "str | os.PathLike | None" = None,
+                     env: Mapping[str, str] | None = None) -> tuple["Config", list[Problem]]:
+        """Like :meth:`load`, but keep going: bad settings keep their defaults and are
+        returned as :class:`Problem` objects. A file that cannot be parsed at all is one
+        problem of kind ``"syntax"``."""
+        cfg = cls()
+        problems: list[Problem] = []
+        if path is not None:
+            where = os.fspath(path)
+            try:
+                raw = read_toml(where)
+            except ConfigError as e:
+                return cfg, [Problem(where, "", "", None, str(e), None, "syntax")]
+            problems += find_problems(raw, where)
+            bad = {(p.section, p.key) for p in problems}
+            for section, values in raw.items():
+                if section in SCHEMA and isinstance(values, Mapping):
+                    for key, value in values.items():
+                        if (section, key) not in bad and (section, "") not in bad:
+                            cfg.data[section][key] = copy.deepcopy(value)
+            cfg.source = where
+        try:
+            cfg.merge_env(os.environ if env is None else env)
+        except ConfigError as e:
+            problems.append(Problem("environment", "", "", None, str(e), None, "value"))
+        return cfg, problems
+
+    def merge_file(self, path) -> None:
+        path = os.fspath(path)
+        self.merge(read_toml(path), path)
+        self.source = path
+
+    def merge(self, raw: Mapping, where: str = "<dict>") -> None:
+        problems = find_problems(raw, where)
+        if problems:
+            if len(problems) == 1:
+                raise ConfigError(problems[0].message)
+            raise ConfigError(f"{len(problems)} problems in {where}:\n"
+                              + "\n".join(f"  - {p.message}" for p in problems))
+        for section, values in raw.items():
+            for key, value in values.items():
+                self.data[section][key] = copy.deepcopy(value)
+
+    def merge_env(self, env: Mapping[str, str]) -> None:
+        if _bool(env.get("MC_FORCE_TCP", "")) and _bool(env.get("MC_FORCE_HCA", "")):
+            raise ConfigError("MC_FORCE_TCP and MC_FORCE_HCA are both set; they contradict "
+                              "each other (TCP only vs RDMA only): unset one")
+        for var, (section, key, parse) in ENV.items():
+            if var not in env or env[var] == "":
+                continue
+            try:
+                value = parse(env[var])
+            except ValueError:
+                raise ConfigError(f"environment variable {var}={env[var]!r} is not valid for "
+                                  f"[{section}] {key}: expected "
+                                  f"{_TYPE_WORDS.get(SCHEMA[section][key][0][0], 'a value')}"
+                                  ) from None
+            if value is not None:
+                self.data[section][key] = validate(section, key, value, f"${var}")
+                self.env_applied[var] = (section, key)
+        if env.get(ENV_METADATA):
+            kind, addr = split_metadata_url(env[ENV_METADATA])
+            self.data["metadata"]["server_type"] = validate("metadata", "server_type", kind,
+                                                            f"${ENV_METADATA}")
+            self.data["metadata"]["server_address"] = addr
+            self.env_applied[ENV_METADATA] = ("metadata", "server_type")
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(self.data)
+
+
+def validate(section: str, key: str, value, where: str = "<dict>"):
+    """Check one setting against the schema; return it (or raise ConfigError)."""
+    p = _check(section, key, value, where)
+    if p is not None:
+        raise ConfigError(p.message)
+    return value
