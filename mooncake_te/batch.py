@@ -1,0 +1,157 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Transfer requests, batches and their status."""
+from __future__ import annotations
+
+import enum
+import time
+from typing import NamedTuple
+
+from . import errors as E
+
+
+class Op(enum.IntEnum):
+    """Direction of a one-sided transfer: READ copies remote -> local, WRITE local -> remote."""
+    WRITE = 1
+    READ = 2
+
+
+READ, WRITE = Op.READ, Op.WRITE
+
+
+class TransferRequest(NamedTuple):
+    """One request: ``length`` bytes between local ``source`` and ``target_address`` in
+    segment ``target`` (a name or a Segment)."""
+    op: Op
+    source: int
+    target: object
+    target_address: int
+    length: int
+
+
+class TransferStatus(NamedTuple):
+    state: str                 # "pending" | "completed" | "failed" | "timeout" | "canceled"
+    transferred_bytes: int
+
+
+class Notification(NamedTuple):
+    sender: str
+    message: bytes
+
+
+STATES = ("pending", "completed", "failed", "timeout", "canceled")
+
+
+def error_for(code: int, target: str, index: int, op: int, local: int, remote: int,
+              length: int) -> E.MooncakeError:
+    """The exception for a failed request, saying what failed and what to do."""
+    what = f"request {index} ({Op(op).name} of {length} bytes, local {local:#x}, " \
+           f"remote {remote:#x} in {target})"
+    if code == -3:
+        return E.AddressNotRegisteredError(
+            f"{what} was refused by {target}: [{remote:#x}, {remote + length:#x}) is not inside "
+            f"a region it registered; check the address against open_segment({target!r}).buffers")
+    if code == -1004:
+        return E.AddressNotRegisteredError(
+            f"{what} was refused by {target}: the region does not allow remote "
+            f"{'writes' if op == Op.WRITE else 'reads'} (registered with access='r' or 'local')")
+    if code == -1003:
+        return E.AddressNotRegisteredError(
+            f"{what}: local [{local:#x}, {local + length:#x}) is not inside a region registered "
+            f"with this engine (it was unregistered while the request was queued)")
+    if code == -801:
+        return E.TransferTimeoutError(f"{what} did not complete before its deadline; the peer "
+                                      f"may be overloaded, hung or unreachable")
+    if code == -805:
+        return E.TransferCanceledError(f"{what} was canceled")
+    if code == -1006:
+        return E.TransferError(f"{what}: {target} restarted (its instance id changed); its "
+                               f"descriptor was refreshed, re-resolve addresses with "
+                               f"open_segment({target!r})")
+    if code == -102:
+        return E.TransferError(f"{what}: the connection to {target} failed or was lost (peer "
+                               f"dead, restarted or unreachable)", status=-102)
+    if code == -1008:
+        return E.TransferError(f"{what}: the engine was closed")
+    return E.TransferError(f"{what} failed (status {code})", status=code if code < 0 else None)
+
+
+class Batch:
+    """Requests in flight. ``wait`` blocks (with a deadline); ``done`` never blocks."""
+
+    def __init__(self, native, transport: str, deadline_ns: int, parts: list, engine=None,
+                 order=None):
+        self._native = native
+        self._order = order            # caller's index -> native index (submit()), or None
+        self.transport = transport
+        self._deadline_ns = deadline_ns
+        self._parts = parts            # [(target name, first, local, remote, lens, op)]
+        self._engine = engine
+
+    def __len__(self) -> int:
+        return self._native.size
+
+    def __repr__(self) -> str:
+        return f"<Batch of {len(self)} via {self.transport}, {'done' if self.done() else 'pending'}>"
+
+    def done(self) -> bool:
+        return self._native.done()
+
+    def cancel(self) -> None:
+        """Requests not yet on the wire are dropped (state "canceled"); slices already
+        sent finish."""
+        self._native.cancel()
+
+    def _status(self):
+        states, nbytes, errs = self._native.status()
+        if self._order is not None:
+            states, nbytes, errs = states[self._order], nbytes[self._order], errs[self._order]
+        return states, nbytes, errs
+
+    def status(self) -> list:
+        states, nbytes, _ = self._status()
+        return [TransferStatus(STATES[s], int(b)) for s, b in zip(states.tolist(), nbytes.tolist())]
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Return when every request finished; raise the first failure.
+
+        ``timeout`` (seconds) bounds this wait only: when it passes first,
+        TransferTimeoutError is raised and the batch goes on. The batch's own deadline
+        (``timeout_ms`` / ``MC_TRANSFER_TIMEOUT``) always holds: when it passes, pending
+        requests are marked "timeout" and TransferTimeoutError is raised.
+        """
+        limit = self._deadline_ns
+        own = timeout is not None
+        if own:
+            limit = min(limit, time.monotonic_ns() + int(max(timeout, 0) * 1e9))
+        if not self._native.wait(limit):
+            if not own or limit >= self._deadline_ns:
+                self._native.expire()
+            else:
+                raise E.TransferTimeoutError(f"batch of {len(self)} requests not finished "
+                                             f"within {timeout} s (it continues)")
+        self.raise_for_status()
+
+    def raise_for_status(self) -> None:
+        states, _, errs = self._status()
+        bad = (states != 1).nonzero()[0]
+        if len(bad) == 0:
+            ne = self._native.notify_error
+            if ne:
+                raise E.TransferError(f"the data landed but the notification was not "
+                                      f"delivered (status {ne})", status=ne)
+            return
+        i = int(bad[0])
+        code = int(errs[i]) or (-801 if states[i] == 3 else -805 if states[i] == 4 else -800)
+        raise self._error(i, code)
+
+    def _error(self, i: int, code: int) -> E.MooncakeError:
+        """Exception for the caller's request ``i``."""
+        native_i = int(self._order[i]) if self._order is not None else i
+        for target, first, local, remote, lens, op in self._parts:
+            if first <= native_i < first + len(local):
+                k = native_i - first
+                length = int(lens[k] if len(lens) > 1 else lens[0])
+                if code == -1006 and self._engine is not None:
+                    self._engine._peer_restarted(target)
+                return error_for(code, target, i, op, int(local[k]), int(remote[k]), length)
+        return E.TransferError(f"request {i} failed (status {code})", status=code)

@@ -1,0 +1,459 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The TransferEngine facade: registration, segments, transfers, notifications."""
+from __future__ import annotations
+
+import errno as _errno
+import fcntl
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+import warnings
+from collections import defaultdict
+from typing import Iterable
+
+import numpy as np
+
+from . import errors as E
+from .batch import Batch, Notification, Op, TransferRequest
+from .config import Config
+from .core._regions import Regions, READ as ACC_READ, WRITE as ACC_WRITE
+from .memory import ACCESS, MemoryRegion, cpu_location, intake
+from .metadata import BufferInfo, SegmentCache, SegmentDescriptor, open_backend
+from .metadata.rpc import RpcServer
+from .transports import probe as probe_transports
+
+log = logging.getLogger("mooncake_te")
+
+_ACCESS_BITS = {"rw": ACC_READ | ACC_WRITE, "r": ACC_READ, "local": 0}
+
+
+def default_host() -> str:
+    """First UP non-loopback IPv4 interface address, else 127.0.0.1 (Mooncake's rule)."""
+    for _, ifname in socket.if_nameindex():
+        try:
+            with open(f"/sys/class/net/{ifname}/flags") as f:
+                flags = int(f.read(), 16)
+        except OSError:
+            continue
+        if not flags & 0x1 or flags & 0x8:          # IFF_UP, IFF_LOOPBACK (linux/if.h)
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                # SIOCGIFADDR (linux/sockios.h): the interface's IPv4 address.
+                res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname.encode()[:15]))
+            return socket.inet_ntoa(res[20:24])
+        except OSError:
+            continue
+    return "127.0.0.1"
+
+
+class Segment:
+    """A peer's segment as it published it."""
+
+    def __init__(self, desc: SegmentDescriptor):
+        self._desc = desc
+
+    name = property(lambda self: self._desc.name)
+    protocol = property(lambda self: self._desc.protocol)
+    buffers = property(lambda self: list(self._desc.buffers))
+    instance_id = property(lambda self: self._desc.instance_id)
+    descriptor = property(lambda self: self._desc)
+
+    def __repr__(self) -> str:
+        return f"Segment({self.name!r}, protocol={self.protocol!r}, buffers={len(self.buffers)})"
+
+
+class TransferEngine:
+    """Moves bytes between this process's registered memory and peers'.
+
+    Parameters
+    ----------
+    name : str, optional
+        Segment name peers use. With ``metadata="p2p"`` the name is always
+        ``"<host>:<rpc port>"`` (peers find us by it), as in Mooncake's P2PHANDSHAKE mode.
+    metadata : str
+        ``"p2p"`` (default, no server), ``"etcd://h:2379"``, ``"redis://h:6379"``,
+        ``"http://h:8080/metadata"``.
+    protocol : str
+        ``"auto"`` | ``"tcp"`` | ``"shm"`` | ``"rdma"``.
+    devices : list of str or str, optional
+        RDMA device allow-list.
+    host : str, optional
+        Address peers reach us at; default ``MC_TCP_BIND_ADDRESS``, else the first UP
+        non-loopback interface, else 127.0.0.1.
+    port : int
+        RPC (handshake) port; 0 picks a free one.
+    config : str or Config, optional
+        A ``config.toml`` path or a :class:`Config`.
+    auth_token : str or bytes, optional
+        Shared secret peers must prove.
+
+    Examples
+    --------
+    >>> with TransferEngine(host="127.0.0.1") as eng:          # doctest: +SKIP
+    ...     buf = bytearray(1 << 20); r = eng.register(buf)
+    """
+
+    def __init__(self, name: str | None = None, metadata: str | None = None,
+                 protocol: str | None = None, devices=None, host: str | None = None,
+                 port: int | None = None, config=None, auth_token=None):
+        self._closed = True
+        self.config = cfg = Config.load(config)
+        te = cfg["transfer_engine"]
+        if metadata is None:
+            md = cfg["metadata"]
+            metadata = md["server_type"] if md["server_type"] == "p2p" else \
+                f"{md['server_type']}://{md['server_address']}"
+        protocol = (protocol or te["protocol"] or "auto").lower()
+        if isinstance(devices, str):
+            devices = [d.strip() for d in devices.split(",") if d.strip()]
+        self.devices = list(devices if devices is not None else te["device_names"])
+        if auth_token:
+            raise E.InvalidArgumentError("auth_token is not supported by this version yet; "
+                                         "leave it unset (peer authentication is planned)")
+        self.timeout = cfg.timeout_s
+        self.host = host or te["host"] or default_host()
+        port = te["port"] if port is None else port
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise E.InvalidArgumentError(f"port must be an int in 0..65535, got {port!r}")
+
+        self.available_transports = probe_transports()
+        self.protocol = self._choose_protocol(protocol)
+
+        self._lock = threading.RLock()
+        self._regions = Regions()
+        self._mrs: list[MemoryRegion] = []
+        self._instance = secrets.randbits(63) | 1
+        self._rpc = RpcServer(self.host, port, self._describe_bytes, self._on_rpc_notify)
+        self._p2p = str(metadata).strip().lower() in ("p2p", "p2phandshake")
+        own = f"{self.host}:{self._rpc.port}"
+        if self._p2p and name and name != own:
+            log.warning("metadata='p2p': the segment name is the RPC address %s, not %r", own, name)
+        self.name = own if (self._p2p or not name) else name
+        try:
+            cls = self.available_transports[self.protocol]
+            self._transport = cls(self._regions, self.host, self.name, self._instance,
+                                  lanes=te["tcp_lanes"], slice_size=te["tcp_slice_size"],
+                                  stall_ms=te["timeout_ms"])
+            self._backend = open_backend(metadata, local_descriptor=self._describe_bytes)
+            self._cache = SegmentCache(self._backend)
+            self._closed = False
+            self._publish()
+        except BaseException:
+            self._closed = False
+            self.close()
+            raise
+
+    # --- lifetime ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop serving, drop connections, withdraw the descriptor. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        backend = getattr(self, "_backend", None)
+        if backend is not None:
+            try:
+                backend.unpublish(self.name)
+            except E.MooncakeError as e:
+                log.warning("could not withdraw %s from metadata: %s", self.name, e)
+            backend.close()
+        transport = getattr(self, "_transport", None)
+        if transport is not None:
+            transport.close()
+        self._rpc.close()
+
+    def __enter__(self) -> "TransferEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"TransferEngine {self.name} was not closed", ResourceWarning,
+                          stacklevel=2)
+            try:
+                self.close()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return (f"<TransferEngine {self.name} protocol={self.protocol} "
+                f"regions={len(self._mrs)}{' closed' if self._closed else ''}>")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise E.InvalidArgumentError("the engine is closed")
+
+    def _choose_protocol(self, protocol: str) -> str:
+        known = self.available_transports
+        if protocol == "auto":
+            # Best that this machine has; TCP always works.
+            for p in ("rdma", "tcp"):
+                if getattr(known.get(p), "available", True) and not isinstance(known.get(p), type(None)):
+                    t = known[p]
+                    if getattr(t, "available", True) is not False:
+                        return p
+            return "tcp"
+        if protocol not in known:
+            raise E.InvalidArgumentError(f"unknown protocol {protocol!r}; use one of "
+                                         f"auto, {', '.join(known)}")
+        t = known[protocol]
+        if getattr(t, "available", True) is False:
+            raise E.TransportUnavailableError(f"transport {protocol!r} is unavailable: "
+                                              f"{t.reason}; use protocol='tcp' or 'auto'")
+        return protocol
+
+    # --- metadata ----------------------------------------------------------------------
+    def descriptor(self) -> SegmentDescriptor:
+        with self._lock:
+            buffers = [BufferInfo(r.address, r.length, r.location, r.access)
+                       for r in self._mrs if r.access != "local"]
+        d = SegmentDescriptor(name=self.name, protocol=self.protocol, host=self.host,
+                              rpc_port=self._rpc.port, instance_id=f"{self._instance:016x}",
+                              buffers=buffers, protocols=[self.protocol],
+                              devices=[{"name": d} for d in self.devices])
+        d.extra.update(self._transport.describe())
+        d.tcp_data_port = d.extra.pop("tcp_data_port", 0)
+        return d
+
+    def _describe_bytes(self) -> bytes:
+        return self.descriptor().encode()
+
+    def _publish(self) -> None:
+        self._backend.publish(self.descriptor())
+
+    def _on_rpc_notify(self, sender: str, message: bytes) -> None:
+        self._transport.server.push_notification(sender, message)
+
+    def _peer_restarted(self, name: str) -> None:
+        self._cache.invalidate(name)
+        self._transport.forget_peer(name)
+
+    def open_segment(self, name, refresh: bool = False) -> Segment:
+        """Resolve a peer's segment (cached; ``refresh=True`` asks again)."""
+        self._check_open()
+        if isinstance(name, Segment):
+            name = name.name
+        if not isinstance(name, str) or not name:
+            raise E.InvalidArgumentError(f"segment name must be a non-empty str, got {name!r}")
+        return Segment(self._cache.get(name, timeout=min(self.timeout, 5.0), refresh=refresh))
+
+    # --- memory ------------------------------------------------------------------------
+    @property
+    def regions(self) -> list:
+        with self._lock:
+            return list(self._mrs)
+
+    def register(self, obj, location: str = "auto", access: str = "rw") -> MemoryRegion:
+        """Register a buffer (buffer protocol, ``__cuda_array_interface__``, ``__dlpack__``)."""
+        self._check_open()
+        it = intake(obj)
+        if it.device != "cpu":
+            raise E.TransportUnavailableError(
+                f"cannot register {it.device} memory: GPU memory is not supported by this "
+                f"version's transports yet; stage it through a registered host buffer")
+        if it.readonly and access == "rw":
+            raise E.InvalidArgumentError(
+                f"{type(obj).__name__} is read-only, so peers cannot write it; register it with "
+                f"access='r' (peers may read) or 'local'")
+        return self._add(MemoryRegion(it.address, it.length, location, access, it.owner,
+                                      it.readonly))
+
+    def register_address(self, address: int, length: int, location: str = "auto",
+                         access: str = "rw", owner=None) -> MemoryRegion:
+        """Register raw memory you own and keep alive (the one door for integer addresses)."""
+        self._check_open()
+        mr = MemoryRegion.from_address(address, length, owner, location, access)
+        return self._add(mr)
+
+    def _add(self, mr: MemoryRegion) -> MemoryRegion:
+        if mr.access not in ACCESS:
+            raise E.InvalidArgumentError(f"access must be one of {', '.join(ACCESS)}, "
+                                         f"got {mr.access!r}")
+        if mr.location in ("auto", "*", None):
+            mr.location = cpu_location(mr.address)
+        elif not isinstance(mr.location, str) or not mr.location.startswith("cpu"):
+            raise E.InvalidArgumentError(f"location {mr.location!r}: this version moves host "
+                                         f"memory only ('auto' or 'cpu:<numa node>')")
+        rc = self._regions.add(mr.address, mr.length, _ACCESS_BITS[mr.access])
+        if rc == -_errno.EEXIST:
+            raise E.AddressOverlappedError(
+                f"[{mr.address:#x}, {mr.end:#x}) overlaps a region already registered; "
+                f"unregister it first or register the union once")
+        if rc != 0:
+            raise E.InvalidArgumentError(f"cannot register [{mr.address:#x}, +{mr.length}): "
+                                         f"{os.strerror(-rc)}")
+        with self._lock:
+            self._mrs.append(mr)
+        self._transport.register(mr)
+        if mr.access != "local":
+            self._publish()
+        return mr
+
+    def unregister(self, region) -> None:
+        """Remove a region; waits for I/O in flight on it, then peers can no longer touch it."""
+        self._check_open()
+        addr = region.address if isinstance(region, MemoryRegion) else int(region)
+        with self._lock:
+            mr = next((r for r in self._mrs if r.address == addr), None)
+        if mr is None:
+            raise E.AddressNotRegisteredError(f"no region registered at {addr:#x}")
+        self._transport.unregister(mr)
+        self._regions.remove(mr.address)
+        with self._lock:
+            self._mrs.remove(mr)
+        if mr.access != "local":
+            self._publish()
+
+    # --- transfers ---------------------------------------------------------------------
+    def _target_name(self, target) -> str:
+        if isinstance(target, Segment):
+            return target.name
+        if isinstance(target, str) and target:
+            return target
+        raise E.InvalidArgumentError(f"target must be a segment name or Segment, got {target!r}")
+
+    def _deadline(self, nbytes: int, timeout: float | None) -> int:
+        t = self.timeout if timeout is None else float(timeout)
+        if t <= 0:
+            raise E.InvalidArgumentError(f"timeout must be positive, got {timeout!r}")
+        # Like Mooncake's Python wrapper: the timeout plus 1 ns per byte for huge batches.
+        return time.monotonic_ns() + int(t * 1e9) + int(nbytes)
+
+    def write(self, target, source_address: int, target_address: int, length: int,
+              timeout: float | None = None) -> None:
+        """Copy ``length`` local bytes at ``source_address`` to ``target_address`` of
+        ``target``; returns once the peer applied them."""
+        self._sync(Op.WRITE, target, source_address, target_address, length, timeout)
+
+    def read(self, target, source_address: int, target_address: int, length: int,
+             timeout: float | None = None) -> None:
+        """Copy ``length`` bytes at ``target_address`` of ``target`` into local
+        ``source_address``."""
+        self._sync(Op.READ, target, source_address, target_address, length, timeout)
+
+    def _sync(self, op, target, src, dst, length, timeout):
+        b = self._submit_groups(
+            {(self._target_name(target), int(op)):
+             ([0], np.array([src], np.uint64), np.array([dst], np.uint64),
+              np.array([length], np.uint64))}, 1, None, timeout, run_inline=True,
+            nbytes=length)
+        b.wait()
+
+    def submit(self, requests: Iterable[TransferRequest], notify: bytes | None = None,
+               timeout: float | None = None) -> Batch:
+        """Start a batch; requests may name different targets and directions."""
+        reqs = list(requests)
+        groups: dict = defaultdict(lambda: ([], [], [], []))
+        nbytes = 0
+        for i, r in enumerate(reqs):
+            if not isinstance(r, TransferRequest):
+                r = TransferRequest(*r)
+            try:
+                op = Op(r.op)
+            except ValueError:
+                raise E.InvalidArgumentError(f"request {i}: op must be mte.READ or mte.WRITE, "
+                                             f"got {r.op!r}") from None
+            g = groups[(self._target_name(r.target), int(op))]
+            g[0].append(i)
+            g[1].append(r.source)
+            g[2].append(r.target_address)
+            g[3].append(r.length)
+            nbytes += int(r.length) if isinstance(r.length, int) else 0
+        arrays = {}
+        for key, (idx, src, dst, lens) in groups.items():
+            arrays[key] = (idx, _u64(src, "source"), _u64(dst, "target_address"),
+                           _u64(lens, "length"))
+        return self._submit_groups(arrays, len(reqs), notify, timeout, nbytes=nbytes)
+
+    def submit_arrays(self, op, target, sources, target_addresses, lengths,
+                      notify: bytes | None = None, timeout: float | None = None) -> Batch:
+        """The fast path for many descriptors: numpy uint64 arrays (``lengths`` may be an int)."""
+        try:
+            op = Op(op)
+        except ValueError:
+            raise E.InvalidArgumentError(f"op must be mte.READ or mte.WRITE, got {op!r}") from None
+        src = _u64(sources, "sources")
+        dst = _u64(target_addresses, "target_addresses")
+        lens = _u64([lengths] if np.isscalar(lengths) else lengths, "lengths")
+        if len(dst) != len(src) or len(lens) not in (1, len(src)):
+            raise E.InvalidArgumentError(
+                f"sources ({len(src)}), target_addresses ({len(dst)}) and lengths ({len(lens)}) "
+                f"must have the same length (lengths may be one int)")
+        nbytes = int(lens[0]) * len(src) if len(lens) == 1 else int(lens.sum())
+        return self._submit_groups({(self._target_name(target), int(op)): (None, src, dst, lens)},
+                                   len(src), notify, timeout, nbytes=nbytes)
+
+    def _submit_groups(self, groups: dict, n: int, notify, timeout, run_inline=False,
+                       nbytes=0) -> Batch:
+        self._check_open()
+        if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
+            raise E.InvalidArgumentError(f"notify must be bytes, got {type(notify).__name__}")
+        if n == 0 and notify is None:
+            raise E.InvalidArgumentError("empty batch: give at least one request")
+        tr = self._transport
+        from .transports.tcp import NativeBatch  # the only native batch so far
+        # Validate everything before anything is queued.
+        plan = []
+        for (name, op), (idx, src, dst, lens) in groups.items():
+            if len(lens) and not lens.all():
+                k = int(np.argmin(lens))
+                raise E.InvalidArgumentError(f"request {k}: length must be positive, got 0")
+            bad, why = self._regions.check_many(src, lens, 0)
+            if bad >= 0:
+                length = int(lens[bad] if len(lens) > 1 else lens[0])
+                raise E.AddressNotRegisteredError(
+                    f"request {bad}: local [{int(src[bad]):#x}, +{length}) is not inside a region "
+                    f"registered with this engine; register the buffer first "
+                    f"(eng.register(...)), or check the address and length")
+            desc = self._cache.get(name, timeout=min(self.timeout, 5.0))
+            plan.append((name, op, idx, src, dst, lens, desc))
+        deadline = self._deadline(nbytes, timeout)
+        native = NativeBatch(n, deadline)
+        parts = []
+        order = np.empty(n, dtype=np.int64) if any(p[2] is not None for p in plan) else None
+        first = 0
+        for name, op, idx, src, dst, lens, desc in plan:
+            if order is not None:
+                # submit(): requests are carried grouped by (target, op); remember where
+                # each one came from so status() and errors use the caller's indices.
+                order[idx] = np.arange(first, first + len(src))
+            tr.submit(native, desc, op, src, dst, lens, first, run_inline)
+            parts.append((name, first, src, dst, lens, op))
+            first += len(src)
+        if notify is not None:
+            for name in dict.fromkeys(p[0] for p in plan):
+                tr.add_notify(native, self._cache.get(name, timeout=5.0), bytes(notify))
+        native.seal()
+        return Batch(native, self.protocol, deadline, parts, self, order)
+
+    # --- notifications -----------------------------------------------------------------
+    def send_notification(self, target, message: bytes, timeout: float | None = None) -> None:
+        """Deliver ``message`` to ``target``'s ``notifications()``."""
+        if not isinstance(message, (bytes, bytearray, memoryview)):
+            raise E.InvalidArgumentError(f"message must be bytes, got {type(message).__name__}")
+        self._submit_groups({(self._target_name(target), int(Op.WRITE)):
+                             ([], np.empty(0, np.uint64), np.empty(0, np.uint64),
+                              np.empty(0, np.uint64))}, 0, bytes(message), timeout).wait()
+
+    def notifications(self) -> list:
+        """Notifications received since the last call (drained)."""
+        self._check_open()
+        return [Notification(s, m) for s, m in self._transport.notifications()]
+
+
+def _u64(values, what: str) -> np.ndarray:
+    try:
+        a = np.ascontiguousarray(values, dtype=np.uint64)
+    except (TypeError, ValueError, OverflowError):
+        raise E.InvalidArgumentError(f"{what} must be non-negative integers") from None
+    if isinstance(values, np.ndarray) and values.dtype.kind == "i" and (values < 0).any():
+        raise E.InvalidArgumentError(f"{what} must be non-negative")
+    if a.ndim != 1:
+        a = a.reshape(-1)
+    return a

@@ -1,0 +1,59 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The handshake framing: ``u64 length | u8 type | payload``.
+
+Mooncake's ``SocketHandShakePlugin`` (``include/common.h``) frames every control
+message this way with types Connection 0, Metadata 1, Notify 2, Probe 3; the length is
+in host order there, we write little-endian explicitly (the same bytes on x86 and ARM
+hosts). Replies use the same framing. Frames are bounded by ``MAX_FRAME`` (Mooncake's
+``MC_HANDSHAKE_MAX_LENGTH``, 1 MiB by default) so a garbage length cannot make us
+allocate gigabytes.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+from ..errors import MetadataError, ERR_SOCKET
+
+CONNECTION, METADATA, NOTIFY, PROBE = 0, 1, 2, 3
+MAX_FRAME = int(os.environ.get("MC_HANDSHAKE_MAX_LENGTH", 1 << 20))
+_HDR = struct.Struct("<QB")
+
+
+def send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
+    sock.sendall(_HDR.pack(len(payload), kind) + payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("peer closed the handshake connection")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
+    length, kind = _HDR.unpack(_recv_exact(sock, _HDR.size))
+    if length > MAX_FRAME:
+        raise MetadataError(f"handshake frame of {length} bytes exceeds the limit of {MAX_FRAME} "
+                            f"(MC_HANDSHAKE_MAX_LENGTH)", status=ERR_SOCKET)
+    return kind, _recv_exact(sock, length)
+
+
+def request(host: str, port: int, kind: int, payload: bytes, timeout: float) -> bytes:
+    """One request/reply exchange with a peer's RPC port."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            send_frame(s, kind, payload)
+            _, reply = recv_frame(s)
+            return reply
+    except (OSError, ConnectionError) as e:
+        raise MetadataError(f"cannot reach the RPC port of {host}:{port} ({e}); is the peer "
+                            f"engine running and is the address reachable from here?",
+                            status=ERR_SOCKET, errno=getattr(e, "errno", None)) from None

@@ -1,0 +1,89 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine's RPC port: serves its segment descriptor (P2P handshake), probes and
+notifications, one framed request per connection as Mooncake's handshake daemon does.
+
+This is control plane (a handful of requests per peer), so plain threads are enough;
+the data path never comes through here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from typing import Callable
+
+from . import framing
+
+log = logging.getLogger("mooncake_te.rpc")
+
+
+class RpcServer:
+    """Listens on ``host:port`` and answers handshake requests.
+
+    Parameters
+    ----------
+    describe : callable returning bytes
+        The current segment descriptor, encoded.
+    on_notify : callable(sender, message: bytes)
+        Called for Notify requests.
+    """
+
+    def __init__(self, host: str, port: int, describe: Callable[[], bytes],
+                 on_notify: Callable[[str, bytes], None], bind_host: str | None = None):
+        self._describe = describe
+        self._on_notify = on_notify
+        family = socket.AF_INET6 if ":" in (bind_host or host) else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((bind_host or host, port))
+        except OSError as e:
+            self._sock.close()
+            raise OSError(e.errno, f"cannot listen on {bind_host or host}:{port} for the RPC "
+                                   f"port ({e.strerror}); pick another port or port=0") from None
+        self._sock.listen(128)
+        self.port = self._sock.getsockname()[1]
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=f"mte-rpc-{self.port}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(5.0)       # Mooncake: server per-connection recv timeout 5 s
+                kind, payload = framing.recv_frame(conn)
+                if kind == framing.METADATA:
+                    reply = self._describe()
+                elif kind == framing.PROBE:
+                    reply = b'{"status":"success"}'
+                elif kind == framing.NOTIFY:
+                    msg = json.loads(payload)
+                    self._on_notify(str(msg.get("name", "")),
+                                    str(msg.get("notify_msg", "")).encode("latin-1"))
+                    reply = b'{"status":"success"}'
+                else:
+                    reply = json.dumps({"reply_msg": f"unsupported request type {kind}"}).encode()
+                framing.send_frame(conn, kind, reply)
+            except Exception as e:  # a bad peer must not take the server down
+                log.debug("RPC request failed: %r", e)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=2.0)

@@ -1,0 +1,27 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Transports: one folder each. A transport this machine or build lacks is an
+:class:`UnavailableTransport` with the reason, so ``import mooncake_te`` never fails for
+lack of hardware."""
+from __future__ import annotations
+
+from .base import Transport, UnavailableTransport
+
+
+def probe() -> dict:
+    """name -> transport class, or UnavailableTransport saying why not."""
+    out = {}
+    try:
+        from .tcp import TcpTransport
+        out["tcp"] = TcpTransport
+    except ImportError as e:  # pragma: no cover - the build always has it
+        out["tcp"] = UnavailableTransport("tcp", f"native module not built: {e}")
+    out["shm"] = UnavailableTransport("shm", "the same-host shared-memory transport is not "
+                                             "part of this version yet")
+    out["rdma"] = UnavailableTransport("rdma", "the RDMA transport is not part of this version "
+                                               "yet (see docs: fabric lab, issue 4)")
+    out["nvmeof"] = UnavailableTransport("nvmeof", "the NVMe-oF transport is not part of this "
+                                                   "version yet")
+    return out
+
+
+__all__ = ["Transport", "UnavailableTransport", "probe"]

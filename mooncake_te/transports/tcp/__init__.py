@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TCP transport: always available; the bytes move in C (src/tcp/tcp.c)."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ...errors import TransferError
+from ..base import Transport
+from ._tcp import NativeBatch, Peer, TcpServer, now_ns, READ, WRITE  # noqa: F401
+
+
+class TcpTransport(Transport):
+    """Serves this engine's memory on a data port and keeps lanes to peers.
+
+    Parameters
+    ----------
+    regions : Regions
+        The engine's region table.
+    bind_host : str
+        Address to listen on for data connections (the engine's host).
+    name : str
+        This engine's segment name, sent in the hello so notifications name their sender.
+    instance : int
+        This engine's instance id, sent to peers so they notice a restart.
+    lanes, slice_size : int
+        Connections per peer, and the size large requests are cut into.
+    stall_ms : int
+        How long a peer may stall mid-message before its connection is dropped.
+    """
+
+    name = "tcp"
+
+    def __init__(self, regions, bind_host: str, name: str, instance: int, lanes: int = 4,
+                 slice_size: int = 256 << 10, stall_ms: int = 30000):
+        self.server = TcpServer(regions, bind_host, 0, name, instance, stall_ms)
+        self.lanes = lanes
+        self.slice_size = slice_size
+        self._peers: dict[str, Peer] = {}
+        self._lock = threading.Lock()
+
+    def describe(self) -> dict:
+        return {"tcp_data_port": self.server.port}
+
+    def _peer(self, desc) -> Peer:
+        p = self._peers.get(desc.name)
+        if p is not None and not p.restarted:
+            return p
+        with self._lock:
+            p = self._peers.get(desc.name)
+            if p is None or p.restarted:
+                if not desc.tcp_data_port:
+                    raise TransferError(f"segment {desc.name!r} publishes no TCP data port; "
+                                        f"it serves {desc.protocols}, not tcp")
+                inst = int(desc.instance_id, 16) if desc.instance_id else 0
+                p = Peer(self.server, desc.host, desc.tcp_data_port, inst, self.lanes,
+                         self.slice_size)
+                self._peers[desc.name] = p
+            return p
+
+    def submit(self, batch, desc, op, local, remote, lens, first, run_inline):
+        rc = batch.submit(self._peer(desc), op, local, remote, lens, first, run_inline)
+        if rc != 0:
+            raise TransferError(f"cannot queue {len(local)} requests to {desc.name} "
+                                f"(error {rc})", status=rc if rc < 0 else None)
+
+    def add_notify(self, batch, desc, message):
+        rc = batch.add_notify(self._peer(desc), message)
+        if rc != 0:
+            raise TransferError(f"cannot queue a notification of {len(message)} bytes to "
+                                f"{desc.name} (at most 1 MiB)")
+
+    def forget_peer(self, name):
+        with self._lock:
+            p = self._peers.pop(name, None)
+        if p is not None:
+            p.shutdown()     # freed when the last batch naming it is gone
+
+    def notifications(self):
+        return self.server.take_notifications()
+
+    def close(self):
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for p in peers:          # every peer stops before any is freed (tcp.h)
+            p.shutdown()
+        for p in peers:
+            p.close()
+        self.server.close()

@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+# Declarations of src/tcp/tcp.h, nothing else.
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
+from mooncake_te.core.libregions cimport mte_regions_t
+
+cdef extern from "tcp/tcp.h" nogil:
+    int MTE_OP_WRITE, MTE_OP_READ
+    ctypedef struct mte_tcp_t:
+        pass
+    ctypedef struct mte_peer_t:
+        pass
+    ctypedef struct mte_batch_t:
+        pass
+    ctypedef struct mte_notif_t:
+        mte_notif_t *next
+        char *sender
+        size_t len
+        char *msg
+    mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
+                           const char *name, uint64_t instance, int stall_ms, int *err)
+    int mte_tcp_port(const mte_tcp_t *t)
+    void mte_tcp_free(mte_tcp_t *t)
+    int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len)
+    mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t)
+    void mte_notif_free(mte_notif_t *n)
+    mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, uint64_t expect_instance,
+                             int lanes, uint64_t slice_size, int *err)
+    void mte_peer_shutdown(mte_peer_t *p)
+    void mte_peer_free(mte_peer_t *p)
+    uint64_t mte_peer_seen_instance(const mte_peer_t *p)
+    int mte_peer_broken(const mte_peer_t *p)
+    mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns)
+    void mte_batch_unref(mte_batch_t *b)
+    int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *local,
+                         const uint64_t *remote, const uint64_t *lens, int len_stride,
+                         uint32_t first, uint32_t n, int run_inline)
+    int mte_batch_add_notify(mte_batch_t *b, mte_peer_t *p, const void *msg, size_t len)
+    void mte_batch_seal(mte_batch_t *b)
+    int mte_batch_wait(mte_batch_t *b, int64_t deadline_ns)
+    int mte_batch_done(mte_batch_t *b)
+    void mte_batch_cancel(mte_batch_t *b)
+    void mte_batch_expire(mte_batch_t *b)
+    uint32_t mte_batch_size(const mte_batch_t *b)
+    void mte_batch_status(mte_batch_t *b, uint8_t *states, uint64_t *bytes, int32_t *errs)
+    int32_t mte_batch_notify_error(const mte_batch_t *b)
+    int64_t mte_now_ns()

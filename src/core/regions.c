@@ -1,0 +1,177 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "regions.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+
+struct mte_region {
+    uint64_t addr, len;
+    unsigned access;
+    atomic_int pins;
+    atomic_int removed;
+    mte_regions_t *table;
+};
+
+struct mte_regions {
+    pthread_rwlock_t lock;     /* guards the sorted array */
+    mte_region_t **v;          /* sorted by addr, non-overlapping */
+    size_t n, cap;
+    pthread_mutex_t wait_mu;   /* remove() waits here for pins to drain */
+    pthread_cond_t wait_cv;
+};
+
+mte_regions_t *mte_regions_new(void)
+{
+    mte_regions_t *t = calloc(1, sizeof(*t));
+    if (!t)
+        return NULL;
+    pthread_rwlock_init(&t->lock, NULL);
+    pthread_mutex_init(&t->wait_mu, NULL);
+    pthread_cond_init(&t->wait_cv, NULL);
+    return t;
+}
+
+void mte_regions_free(mte_regions_t *t)
+{
+    if (!t)
+        return;
+    for (size_t i = 0; i < t->n; i++)
+        free(t->v[i]);
+    free(t->v);
+    pthread_rwlock_destroy(&t->lock);
+    pthread_mutex_destroy(&t->wait_mu);
+    pthread_cond_destroy(&t->wait_cv);
+    free(t);
+}
+
+/* Index of the last region with addr <= a, or -1. Caller holds the lock. */
+static ptrdiff_t find_le(const mte_regions_t *t, uint64_t a)
+{
+    ptrdiff_t lo = 0, hi = (ptrdiff_t)t->n - 1, ans = -1;
+    while (lo <= hi) {
+        ptrdiff_t mid = (lo + hi) / 2;
+        if (t->v[mid]->addr <= a) {
+            ans = mid;
+            lo = mid + 1;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    return ans;
+}
+
+int mte_regions_add(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned access)
+{
+    if (len == 0 || addr + len < addr)
+        return -EINVAL;
+    mte_region_t *r = calloc(1, sizeof(*r));
+    if (!r)
+        return -ENOMEM;
+    r->addr = addr;
+    r->len = len;
+    r->access = access;
+    r->table = t;
+    pthread_rwlock_wrlock(&t->lock);
+    ptrdiff_t i = find_le(t, addr);
+    if ((i >= 0 && t->v[i]->addr + t->v[i]->len > addr) ||
+        ((size_t)(i + 1) < t->n && t->v[i + 1]->addr < addr + len)) {
+        pthread_rwlock_unlock(&t->lock);
+        free(r);
+        return -EEXIST;
+    }
+    if (t->n == t->cap) {
+        size_t cap = t->cap ? t->cap * 2 : 64;
+        mte_region_t **v = realloc(t->v, cap * sizeof(*v));
+        if (!v) {
+            pthread_rwlock_unlock(&t->lock);
+            free(r);
+            return -ENOMEM;
+        }
+        t->v = v;
+        t->cap = cap;
+    }
+    memmove(&t->v[i + 2], &t->v[i + 1], (t->n - (size_t)(i + 1)) * sizeof(*t->v));
+    t->v[i + 1] = r;
+    t->n++;
+    pthread_rwlock_unlock(&t->lock);
+    return 0;
+}
+
+int mte_regions_remove(mte_regions_t *t, uint64_t addr)
+{
+    pthread_rwlock_wrlock(&t->lock);
+    ptrdiff_t i = find_le(t, addr);
+    if (i < 0 || t->v[i]->addr != addr) {
+        pthread_rwlock_unlock(&t->lock);
+        return -ENOENT;
+    }
+    mte_region_t *r = t->v[i];
+    memmove(&t->v[i], &t->v[i + 1], (t->n - (size_t)i - 1) * sizeof(*t->v));
+    t->n--;
+    atomic_store(&r->removed, 1);
+    pthread_rwlock_unlock(&t->lock);
+    /* In-flight I/O is bounded by the transports' deadlines, so this wait ends. */
+    pthread_mutex_lock(&t->wait_mu);
+    while (atomic_load(&r->pins) > 0)
+        pthread_cond_wait(&t->wait_cv, &t->wait_mu);
+    pthread_mutex_unlock(&t->wait_mu);
+    free(r);
+    return 0;
+}
+
+static mte_region_t *lookup(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned need, int *why)
+{
+    ptrdiff_t i = find_le(t, addr);
+    if (i < 0 || addr + len < addr || addr + len > t->v[i]->addr + t->v[i]->len) {
+        *why = -ENOENT;
+        return NULL;
+    }
+    if ((t->v[i]->access & need) != need) {
+        *why = -EACCES;
+        return NULL;
+    }
+    return t->v[i];
+}
+
+mte_region_t *mte_regions_pin(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned need, int *why)
+{
+    pthread_rwlock_rdlock(&t->lock);
+    mte_region_t *r = lookup(t, addr, len, need, why);
+    if (r)
+        atomic_fetch_add(&r->pins, 1);
+    pthread_rwlock_unlock(&t->lock);
+    return r;
+}
+
+void mte_region_unpin(mte_region_t *r)
+{
+    /* seq_cst: either we see `removed` and wake the remover, or the remover sees pins 0. */
+    if (atomic_fetch_sub(&r->pins, 1) == 1 && atomic_load(&r->removed)) {
+        mte_regions_t *t = r->table;
+        pthread_mutex_lock(&t->wait_mu);
+        pthread_cond_broadcast(&t->wait_cv);
+        pthread_mutex_unlock(&t->wait_mu);
+    }
+}
+
+int64_t mte_regions_check_many(mte_regions_t *t, const uint64_t *addrs, const uint64_t *lens,
+                               int len_stride, uint64_t n, unsigned need, int *why)
+{
+    int64_t bad = -1;
+    pthread_rwlock_rdlock(&t->lock);
+    for (uint64_t k = 0; k < n; k++) {
+        uint64_t len = lens[len_stride ? k : 0];
+        if (len == 0 || !lookup(t, addrs[k], len, need, why)) {
+            if (len == 0)
+                *why = -EINVAL;
+            bad = (int64_t)k;
+            break;
+        }
+    }
+    pthread_rwlock_unlock(&t->lock);
+    return bad;
+}

@@ -1,0 +1,93 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The TCP transport's native data path.
+ *
+ * One `mte_tcp_t` per engine: a server that applies peers' READ/WRITE requests to
+ * registered memory, and client-side peers, each with several lanes (connections), a
+ * worker thread per lane and a queue of slices. Bytes go from registered memory to the
+ * socket and back with writev/recv straight into registered memory; Python only
+ * submits descriptors and waits, with the GIL released.
+ *
+ * Wire format (little-endian), after a hello exchange on each connection:
+ *   request  32 B: u32 magic 'MTE2' | u16 op | u16 flags | u64 seq | u64 addr | u64 len
+ *                  [+ len bytes of payload for WRITE and NOTIFY]
+ *   response 24 B: u32 magic 'MTER' | i32 status | u64 seq | u64 len [+ len bytes for READ]
+ * A WRITE is acknowledged only after the bytes are in the target's memory, so a
+ * completed WRITE means applied, and a rejected one (address outside every region)
+ * is drained and answered with a status instead of tearing the connection down. */
+#ifndef MTE_TCP_H
+#define MTE_TCP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/regions.h"
+
+enum { MTE_OP_WRITE = 1, MTE_OP_READ = 2, MTE_OP_NOTIFY = 3 };
+enum { MTE_ST_PENDING = 0, MTE_ST_COMPLETED = 1, MTE_ST_FAILED = 2, MTE_ST_TIMEOUT = 3,
+       MTE_ST_CANCELED = 4 };
+
+/* Status codes; the small ones are Mooncake's (include/error.h). */
+#define MTE_E_REMOTE_NOT_REG   (-3)
+#define MTE_E_SOCKET           (-102)
+#define MTE_E_TIMEOUT          (-801)
+#define MTE_E_CANCELED         (-805)
+#define MTE_E_LOCAL_NOT_REG    (-1003)
+#define MTE_E_REMOTE_ACCESS    (-1004)
+#define MTE_E_PEER_RESTARTED   (-1006)
+#define MTE_E_PROTOCOL         (-1007)
+#define MTE_E_CLOSED           (-1008)
+#define MTE_E_NOMEM            (-302)
+
+typedef struct mte_tcp mte_tcp_t;
+typedef struct mte_peer mte_peer_t;
+typedef struct mte_batch mte_batch_t;
+
+typedef struct mte_notif {
+    struct mte_notif *next;
+    char *sender;
+    size_t len;
+    char msg[];
+} mte_notif_t;
+
+/* --- server ------------------------------------------------------------------------ */
+mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
+                       const char *name, uint64_t instance, int stall_ms, int *err);
+int mte_tcp_port(const mte_tcp_t *t);
+void mte_tcp_free(mte_tcp_t *t);
+int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len);
+mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t);
+void mte_notif_free(mte_notif_t *n);
+
+/* --- peers (client side) ----------------------------------------------------------- */
+mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, uint64_t expect_instance,
+                         int lanes, uint64_t slice_size, int *err);
+/* Stops the lanes and fails what is queued; the peer stays valid (batches may still name
+ * it for notifications) until mte_peer_free. Shut every peer down before freeing any. */
+void mte_peer_shutdown(mte_peer_t *p);
+void mte_peer_free(mte_peer_t *p);
+uint64_t mte_peer_seen_instance(const mte_peer_t *p);
+int mte_peer_broken(const mte_peer_t *p);     /* the peer reported a new instance id */
+
+/* --- batches ----------------------------------------------------------------------- */
+mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns);   /* CLOCK_MONOTONIC ns, 0=none */
+void mte_batch_unref(mte_batch_t *b);
+/* Queues requests [first, first+n) of the batch to peer p. len_stride 0: all lens[0].
+ * run_inline: a single-slice request may be carried by the calling thread. */
+int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *local,
+                     const uint64_t *remote, const uint64_t *lens, int len_stride,
+                     uint32_t first, uint32_t n, int run_inline);
+/* Adds a notification to deliver to p once every request completed successfully. */
+int mte_batch_add_notify(mte_batch_t *b, mte_peer_t *p, const void *msg, size_t len);
+/* Called after the last submit/add_notify: from now on the batch may finish. */
+void mte_batch_seal(mte_batch_t *b);
+/* 1 when finished, 0 when deadline_ns (monotonic) passed first. */
+int mte_batch_wait(mte_batch_t *b, int64_t deadline_ns);
+int mte_batch_done(mte_batch_t *b);
+void mte_batch_cancel(mte_batch_t *b);
+void mte_batch_expire(mte_batch_t *b);
+uint32_t mte_batch_size(const mte_batch_t *b);
+void mte_batch_status(mte_batch_t *b, uint8_t *states, uint64_t *bytes, int32_t *errs);
+int32_t mte_batch_notify_error(const mte_batch_t *b);
+int64_t mte_now_ns(void);
+
+#endif
