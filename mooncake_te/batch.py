@@ -151,7 +151,8 @@ class Batch:
             if first <= native_i < first + len(local):
                 k = native_i - first
                 length = int(lens[k] if len(lens) > 1 else lens[0])
-                if code == -1006 and self._engine is not None:
+                if code in (-1006, -102) and self._engine is not None:
+                    # Lost or restarted peer: re-resolve its descriptor before next use.
                     self._engine._peer_restarted(target)
                 return error_for(code, target, i, op, int(local[k]), int(remote[k]), length)
         return E.TransferError(f"request {i} failed (status {code})", status=code)

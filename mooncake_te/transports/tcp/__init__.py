@@ -44,18 +44,22 @@ class TcpTransport(Transport):
         return {"tcp_data_port": self.server.port}
 
     def _peer(self, desc) -> Peer:
+        inst = int(desc.instance_id, 16) if desc.instance_id else 0
+        key = (desc.name, inst, desc.host, desc.tcp_data_port)
         p = self._peers.get(desc.name)
-        if p is not None and not p.restarted:
+        if p is not None and p.key == key and not p.restarted:
             return p
         with self._lock:
             p = self._peers.get(desc.name)
-            if p is None or p.restarted:
+            if p is None or p.key != key or p.restarted:
                 if not desc.tcp_data_port:
                     raise TransferError(f"segment {desc.name!r} publishes no TCP data port; "
                                         f"it serves {desc.protocols}, not tcp")
-                inst = int(desc.instance_id, 16) if desc.instance_id else 0
+                if p is not None:
+                    p.shutdown()      # an older incarnation of the peer
                 p = Peer(self.server, desc.host, desc.tcp_data_port, inst, self.lanes,
                          self.slice_size)
+                p.key = key
                 self._peers[desc.name] = p
             return p
 

@@ -84,6 +84,7 @@ cdef class Peer:
     cdef readonly int port
     cdef readonly int lanes
     cdef int pid
+    cdef public object key       # the facade's identity of the peer incarnation
 
     def __cinit__(self, TcpServer server, str host, int port, uint64_t expect_instance,
                   int lanes, uint64_t slice_size):
