@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``mooncake-te doctor``: check a deployment before the first request.
+
+Exit status: 0 all checks passed, 1 warnings only, 2 at least one error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "doctor", help="check config, devices, metadata server, cache and vLLM settings",
+        description="Run every check and print problems with fixes (codes are explained "
+                    "in docs/troubleshooting.md). Exit status 0: fine, 1: warnings, "
+                    "2: errors.")
+    p.add_argument("--config", metavar="FILE", help="config.toml to check")
+    p.add_argument("--vllm-config", metavar="FILE",
+                   help="vLLM config (JSON/YAML engine args, or a kv_transfer_config JSON)")
+    p.add_argument("--role", choices=("prefill", "decode"),
+                   help="this instance's disaggregation role, checked against kv_role")
+    p.add_argument("--sysfs-root", default="/sys", metavar="DIR",
+                   help="sysfs tree to read (default: /sys)")
+    p.add_argument("--proc-root", default="/proc", metavar="DIR",
+                   help="procfs tree for driver versions (default: /proc)")
+    p.add_argument("--timeout", type=float, default=1.5, metavar="SECONDS",
+                   help="budget for each network probe (default: 1.5)")
+    p.add_argument("--check", action="append", metavar="NAME",
+                   help="run only this check (repeatable); names: config, custom_topology, "
+                        "rdma_devices, gpu_nic_affinity, gpudirect, metadata, cache_dir, "
+                        "memlock, vllm_config, block_size, kv_role")
+    p.add_argument("-v", "--verbose", action="store_true", help="also list passes and skips")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..doctor import Context, exit_code, report, run_checks
+    ctx = Context(config_path=args.config, vllm_config_path=args.vllm_config,
+                  sysfs_root=args.sysfs_root, proc_root=args.proc_root,
+                  env=dict(os.environ), role=args.role, timeout_s=args.timeout)
+    findings = run_checks(ctx, only=args.check)
+    code = exit_code(findings)
+    if args.json:
+        print(json.dumps({"exit_code": code,
+                          "summary": {s: sum(str(f.severity) == s for f in findings)
+                                      for s in ("error", "warning", "ok", "skip")},
+                          "findings": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        print(report(findings, verbose=args.verbose))
+    sys.stdout.flush()
+    return code
