@@ -340,9 +340,8 @@ class TransferEngine:
     def _sync(self, op, target, src, dst, length, timeout):
         b = self._submit_groups(
             {(self._target_name(target), int(op)):
-             ([0], np.array([src], np.uint64), np.array([dst], np.uint64),
-              np.array([length], np.uint64))}, 1, None, timeout, run_inline=True,
-            nbytes=length)
+             (None, _u64([src], "source_address"), _u64([dst], "target_address"),
+              _u64([length], "length"))}, 1, None, timeout, run_inline=True, nbytes=length)
         b.wait()
 
     def submit(self, requests: Iterable[TransferRequest], notify: bytes | None = None,
@@ -451,7 +450,8 @@ def _u64(values, what: str) -> np.ndarray:
     try:
         a = np.ascontiguousarray(values, dtype=np.uint64)
     except (TypeError, ValueError, OverflowError):
-        raise E.InvalidArgumentError(f"{what} must be non-negative integers") from None
+        raise E.InvalidArgumentError(f"{what} must be non-negative integers, got "
+                                     f"{values!r:.80}") from None
     if isinstance(values, np.ndarray) and values.dtype.kind == "i" and (values < 0).any():
         raise E.InvalidArgumentError(f"{what} must be non-negative")
     if a.ndim != 1:

@@ -11,6 +11,7 @@ import json
 import logging
 import socket
 import threading
+import weakref
 from typing import Callable
 
 from . import framing
@@ -31,8 +32,10 @@ class RpcServer:
 
     def __init__(self, host: str, port: int, describe: Callable[[], bytes],
                  on_notify: Callable[[str, bytes], None], bind_host: str | None = None):
-        self._describe = describe
-        self._on_notify = on_notify
+        # Weak: the accept thread must not keep an unclosed engine alive forever (then
+        # it could never warn and clean up in __del__).
+        self._describe = _weak(describe)
+        self._on_notify = _weak(on_notify)
         family = socket.AF_INET6 if ":" in (bind_host or host) else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -62,13 +65,16 @@ class RpcServer:
             try:
                 conn.settimeout(5.0)       # Mooncake: server per-connection recv timeout 5 s
                 kind, payload = framing.recv_frame(conn)
+                describe, on_notify = self._describe(), self._on_notify()
+                if describe is None or on_notify is None:
+                    return                      # the engine is gone
                 if kind == framing.METADATA:
-                    reply = self._describe()
+                    reply = describe()
                 elif kind == framing.PROBE:
                     reply = b'{"status":"success"}'
                 elif kind == framing.NOTIFY:
                     msg = json.loads(payload)
-                    self._on_notify(str(msg.get("name", "")),
+                    on_notify(str(msg.get("name", "")),
                                     str(msg.get("notify_msg", "")).encode("latin-1"))
                     reply = b'{"status":"success"}'
                 else:
@@ -87,3 +93,10 @@ class RpcServer:
             pass
         self._sock.close()
         self._thread.join(timeout=2.0)
+
+
+def _weak(fn):
+    """A weak reference to a bound method; plain functions are held as they are."""
+    if hasattr(fn, "__self__"):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
