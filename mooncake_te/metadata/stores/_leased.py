@@ -66,6 +66,35 @@ def port_hint(kind: str, port: int | None) -> str:
             f"(config.toml [metadata] server_type = \"{scheme}\")?")
 
 
+def identify_http(host: str, port: int, timeout: float = 1.0) -> str:
+    """What HTTP server, if any, answers at ``host:port``: a hint sentence or ``""``.
+
+    Used after a protocol failure (the redis client reading garbage, the connection
+    closed at once) to name what the user actually pointed at: etcd answers
+    ``GET /version`` with ``{"etcdserver": ...}``, our metadata server answers
+    ``GET /health``.
+    """
+    import http.client
+    for path in ("/version", "/health"):
+        try:
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+            try:
+                conn.request("GET", path)
+                r = conn.getresponse()
+                body = r.read(200).decode(errors="replace")
+            finally:
+                conn.close()
+        except (OSError, http.client.HTTPException):
+            return ""
+        if path == "/version" and r.status == 200 and "etcdserver" in body:
+            return (f" {host}:{port} is an etcd server: use metadata='etcd://{host}:{port}' "
+                    f"(server_type = \"etcd\").")
+        if path == "/health" and r.status == 200:
+            return (f" {host}:{port} is an HTTP metadata server: use "
+                    f"metadata='http://{host}:{port}/metadata' (server_type = \"http\").")
+    return f" {host}:{port} answers HTTP: an HTTP metadata server? use http://{host}:{port}/metadata."
+
+
 class LeasedStore(KeyValueBackend):
     """A :class:`KeyValueBackend` whose published keys live only while it renews them.
 

@@ -87,19 +87,25 @@ class EtcdStore(LeasedStore):
         hint = ""
         for (host, port), e in errors:
             detail = getattr(e, "detail_text", None) or str(e) or type(e).__name__
-            detail = " ".join(str(detail).split())[:200]
-            parts.append(f"{host}:{port}: {type(e).__name__} {detail}")
-            if isinstance(e, _etcd_exc.ConnectionFailedError):
-                if "refused" in detail.lower():
-                    hint = hint or " Nothing listens there: is etcd running?"
-                else:
-                    hint = hint or (" The server answered, but not as etcd's HTTP gateway "
-                                    "(a redis port? use redis://HOST:PORT).")
-            elif '"code"' not in detail and ("404" in detail or "not found" in detail.lower()):
-                # A gateway error is JSON with a gRPC "code"; a bare 404 page is another
-                # kind of HTTP server on this port.
-                hint = hint or (" The server has no etcd v3 API there: an HTTP metadata "
-                                "server? use http://HOST:PORT/metadata.")
+            detail = " ".join(str(detail).split())
+            if isinstance(e, _etcd_exc.ConnectionFailedError) and "refused" in detail.lower():
+                parts.append(f"{host}:{port}: connection refused")
+                hint = hint or " Nothing listens there: is etcd running?"
+            elif isinstance(e, _etcd_exc.ConnectionFailedError) and any(
+                    w in detail for w in ("BadStatusLine", "RemoteDisconnected", "aborted")):
+                parts.append(f"{host}:{port}: the answer is not HTTP ({detail[:160]})")
+                hint = hint or (" The server answered, but not as etcd's HTTP gateway "
+                                "(a redis port? use redis://HOST:PORT).")
+            elif isinstance(e, _etcd_exc.ConnectionTimeoutError):
+                parts.append(f"{host}:{port}: timed out")
+                hint = hint or " Is the address reachable from here (firewall, wrong host)?"
+            else:
+                parts.append(f"{host}:{port}: {type(e).__name__} {detail[:200]}")
+                if '"code"' not in detail and ("404" in detail or "not found" in detail.lower()):
+                    # A gateway error is JSON with a gRPC "code"; a bare 404 page is
+                    # another kind of HTTP server on this port.
+                    hint = hint or (" The server has no etcd v3 API there: an HTTP metadata "
+                                    "server? use http://HOST:PORT/metadata.")
             if port_hint("etcd", port) not in hint:
                 hint += port_hint("etcd", port)
         return MetadataError(f"etcd metadata store {self.address}: {what} failed "

@@ -14,7 +14,7 @@ import os
 from urllib.parse import urlsplit, unquote
 
 from ...errors import MetadataError, ERR_SOCKET
-from ._leased import LeasedStore, port_hint, split_options, ttl_from
+from ._leased import LeasedStore, identify_http, port_hint, split_options, ttl_from
 
 try:
     import redis as _redis
@@ -63,19 +63,27 @@ class RedisStore(LeasedStore):
 
     # -- errors ------------------------------------------------------------------------
     def _error(self, what: str, e: Exception) -> MetadataError:
-        msg = f"redis metadata store {self.address}: {what} failed: {e}."
+        msg = f"redis metadata store {self.address}: {what} failed: {str(e).rstrip('.')}."
         if isinstance(e, _redis.exceptions.AuthenticationError) or "AUTH" in str(e) \
                 or "NOAUTH" in str(e) or "WRONGPASS" in str(e):
             msg += (" Check the username/password in the URL or MC_REDIS_USERNAME / "
                     "MC_REDIS_PASSWORD.")
-        elif isinstance(e, (_redis.exceptions.InvalidResponse,
-                            _redis.exceptions.ResponseError)) and "HTTP" in str(e):
-            msg += (" The server answered in HTTP, not the redis protocol: this is probably "
-                    "etcd (use etcd://) or an HTTP metadata server (use http://HOST:PORT/metadata).")
         elif isinstance(e, _redis.exceptions.InvalidResponse):
-            msg += " The server does not speak the redis protocol; is this the redis port?"
-        elif isinstance(e, (_redis.exceptions.ConnectionError, _redis.exceptions.TimeoutError)):
-            msg += f" Is redis-server running and reachable at {self.host}:{self.port}?"
+            # An HTTP server answers "HTTP/1.1 400": redis-py reads reply type byte "H".
+            msg += (identify_http(self.host, self.port) or
+                    " The server does not speak the redis protocol; is this the redis port?")
+        elif isinstance(e, _redis.exceptions.ResponseError) and "WRONGTYPE" in str(e):
+            msg += (" The key holds a redis type other than a string: something other than "
+                    "a mooncake engine wrote it; delete the key.")
+        elif isinstance(e, _redis.exceptions.ConnectionError) and "refused" in str(e).lower():
+            msg += f" Is redis-server running at {self.host}:{self.port}?"
+        elif isinstance(e, _redis.exceptions.ConnectionError):
+            # Connected, then cut off: something that is not redis (etcd closes a
+            # connection whose first bytes are not HTTP or gRPC). Ask it what it is.
+            msg += (identify_http(self.host, self.port) or
+                    f" Is redis-server running and reachable at {self.host}:{self.port}?")
+        elif isinstance(e, _redis.exceptions.TimeoutError):
+            msg += f" Is {self.host}:{self.port} reachable from here (firewall, wrong host)?"
         msg += port_hint("redis", self.port)
         return MetadataError(msg, status=ERR_SOCKET, errno=getattr(e, "errno", None))
 
