@@ -586,6 +586,14 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
         return;
 
     int err = 0;
+    if (L->io.fd >= 0) {
+        /* Between groups nothing is owed to us, so a readable socket means the peer
+         * closed it (died or restarted): reconnect now, and the hello tells a restart
+         * apart, rather than failing this group on a stale connection. */
+        struct pollfd pfd = {.fd = L->io.fd, .events = POLLIN | POLLRDHUP};
+        if (poll(&pfd, 1, 0) > 0)
+            lane_disconnect(L);
+    }
     if (L->io.fd < 0)
         err = lane_connect(L);
 
