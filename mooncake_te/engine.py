@@ -102,6 +102,7 @@ class TransferEngine:
                  protocol: str | None = None, devices=None, host: str | None = None,
                  port: int | None = None, config=None, auth_token=None):
         self._closed = True
+        self._pid = os.getpid()
         self.config = cfg = Config.load(config)
         te = cfg["transfer_engine"]
         if metadata is None:
@@ -154,6 +155,10 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            # A forked child's copy: the sockets, threads and published keys are the
+            # parent's; tearing them down here would break the parent (pyzmq does the same).
+            return
         backend = getattr(self, "_backend", None)
         if backend is not None:
             try:

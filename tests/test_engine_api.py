@@ -114,3 +114,21 @@ def test_batch_in_same_process_and_status(engine_pair):
     assert (dst == src).all()
     seg = a.open_segment(b.name)
     assert a.open_segment(seg) is not None and seg.buffers[0].length == 65536
+
+
+def test_forked_child_does_not_tear_down_the_parent(engine_pair):
+    import os
+    a, b = engine_pair
+    src = np.arange(4096, dtype=np.uint8) % 251
+    dst = np.zeros(4096, np.uint8)
+    ra, rb = a.register(src), b.register(dst)
+    pid = os.fork()
+    if pid == 0:            # child: drop its copies and leave
+        try:
+            a.close()
+            b.close()
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    a.write(b.name, ra.address, rb.address, 4096)
+    assert (dst == src).all()
