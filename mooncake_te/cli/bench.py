@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``mooncake-te bench``: GB/s and latency of WRITE and READ over a sweep of block sizes.
+
+With no arguments it starts a target in a second process on 127.0.0.1 and measures
+against it. Across two hosts run ``--mode target`` on one and ``--mode initiator
+--segment NAME`` on the other. The measuring lives in :mod:`mooncake_te.bench`; this
+module only turns flags into a :class:`~mooncake_te.bench.BenchConfig` and prints.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+
+_DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure GB/s and latency (default: loopback, 4 KiB to 16 MiB)",
+        description="Measure WRITE and READ throughput and latency with batches of "
+                    "submit_arrays requests, plus synchronous 4 KiB request latency. With "
+                    "no arguments: a target in a second process on 127.0.0.1, block sizes "
+                    f"{_DEFAULT_SIZES}, 1 s per point. Columns: see docs/bench.md.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("where")
+    g.add_argument("--mode", choices=["loopback", "initiator", "target"], default="loopback",
+                   help="loopback: start a target here and measure; target: serve and wait; "
+                        "initiator: measure against --segment")
+    g.add_argument("--host", default=None,
+                   help="address this engine serves on (loopback default 127.0.0.1; "
+                        "otherwise the engine's default: MC_TCP_BIND_ADDRESS or the first "
+                        "UP interface)")
+    g.add_argument("--port", type=int, default=0,
+                   help="RPC port of the target (--mode target); 0 picks a free one")
+    g.add_argument("--segment", metavar="NAME", help="target segment name (initiator mode)")
+    g.add_argument("--metadata", default=None,
+                   help="metadata backend: p2p (no server), etcd://h:2379, redis://h:6379, "
+                        "http://h:8080/metadata (default: config / p2p)")
+    g.add_argument("--protocol", default=None, help="auto | tcp | shm | rdma (default auto)")
+    g.add_argument("--buffer-size", default="128M",
+                   help="bytes registered on each side")
+    g = p.add_argument_group("what")
+    g.add_argument("--op", choices=["write", "read", "both"], default="both")
+    g.add_argument("--block-sizes", default=_DEFAULT_SIZES, metavar="LIST",
+                   help="comma-separated block (request) sizes, e.g. 4K,64K,1M")
+    g.add_argument("--batch-size", default="auto", metavar="N[,N...]",
+                   help="requests per batch, or a list to sweep; auto = 64, fewer for blocks "
+                        "above 256 KiB (at most 16 MiB per batch)")
+    g.add_argument("--inflight", type=int, default=4,
+                   help="batches each thread keeps outstanding")
+    g.add_argument("--threads", type=int, default=1, help="submitting threads")
+    g.add_argument("--duration", type=float, default=1.0, help="timed seconds per point")
+    g.add_argument("--warmup", type=float, default=None,
+                   help="untimed seconds before each point (default duration/10, "
+                        "0.05-0.25 s)")
+    g.add_argument("--sync-size", default="4K",
+                   help="bytes per synchronous eng.write/eng.read request")
+    g.add_argument("--no-sync", action="store_true",
+                   help="skip the synchronous single-request latency points")
+    g.add_argument("--verify", action="store_true",
+                   help="fill with a pattern and check every byte after each point")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    g.add_argument("--csv", metavar="FILE", help="also write one CSV row per point")
+    g.add_argument("--plot", metavar="FILE.png",
+                   help="also plot GB/s and latency against block size (needs matplotlib)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _fail(msg: str) -> int:
+    print(f"mooncake-te bench: {msg}", file=sys.stderr)
+    return 2
+
+
+def _on_sigterm(signum, frame):
+    # Turn SIGTERM into the Ctrl-C path so targets and engines are closed on the way out.
+    raise KeyboardInterrupt
+
+
+def run(args) -> int:
+    """Run the command; return the exit status (0 ok, 1 failed or mismatch, 2 usage,
+    130 interrupted)."""
+    from ..bench import BenchConfig, VerifyError
+    from ..bench import report
+    from ..bench.stats import parse_size, parse_sizes
+    from ..errors import MooncakeError
+
+    try:
+        buffer_size = parse_size(args.buffer_size)
+        cfg = BenchConfig(
+            ops=["write", "read"] if args.op == "both" else [args.op],
+            block_sizes=parse_sizes(args.block_sizes),
+            batch_sizes=None if args.batch_size == "auto" else
+            [int(x) for x in args.batch_size.split(",") if x.strip()],
+            duration=args.duration, warmup=args.warmup, threads=args.threads,
+            inflight=args.inflight, verify=args.verify, sync=not args.no_sync,
+            sync_size=parse_size(args.sync_size))
+    except ValueError as e:
+        return _fail(str(e))
+    if args.plot:
+        why = report.plot_available()
+        if why:                            # say so before spending a minute measuring
+            return _fail(why)
+
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        if args.mode == "target":
+            return _serve(args, buffer_size)
+        return _measure(args, cfg, buffer_size, report)
+    except KeyboardInterrupt:
+        return 130
+    except (MooncakeError, VerifyError, RuntimeError, TimeoutError, ValueError) as e:
+        print(f"mooncake-te bench: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _measure(args, cfg, buffer_size: int, report) -> int:
+    from ..bench.session import BenchSession
+    progress = report.RichProgress(enabled=not args.no_progress)
+    with BenchSession(args.mode, host=args.host, segment=args.segment,
+                      buffer_size=buffer_size, metadata=args.metadata,
+                      protocol=args.protocol) as s:
+        results = s.run(cfg, progress)
+    if args.json:
+        print(report.to_json(results))
+    else:
+        report.render(results)
+    if args.csv:
+        report.write_csv(results, args.csv)
+    if args.plot:
+        report.plot(results, args.plot)
+    if not args.json and (args.csv or args.plot):
+        print("wrote " + ", ".join(f for f in (args.csv, args.plot) if f))
+    return 130 if results.get("interrupted") else 0
+
+
+def _serve(args, buffer_size: int) -> int:
+    import threading
+    from ..bench.target import BenchTarget
+    from ..bench.stats import format_size
+    t = BenchTarget(buffer_size, host=args.host, port=args.port, metadata=args.metadata,
+                    protocol=args.protocol)
+    stop = threading.Event()
+    try:
+        info = t.info()
+        if args.json:
+            print(json.dumps(info), flush=True)
+        else:
+            print(f"mooncake-te bench target: segment {info['segment']}, "
+                  f"{format_size(info['length'])} registered, protocol {info['protocol']}\n"
+                  f"on the initiator run:  mooncake-te bench --mode initiator --segment "
+                  f"{info['segment']}\nwaiting; Ctrl-C to stop", flush=True)
+        t.serve(stop)
+    except KeyboardInterrupt:            # Ctrl-C or SIGTERM: the way a target stops
+        pass
+    finally:
+        t.close()
+    return 0
