@@ -361,3 +361,27 @@ def test_spec_from_config_contradiction():
         spec_from_config("redis", "etcd://10.0.0.1:2379")
     with pytest.raises(MetadataError, match="needs server_address"):
         spec_from_config("etcd", "")
+
+
+# -- noticing a restarted or vanished peer ---------------------------------------------------
+def test_on_change_reports_restart_and_disappearance(store_server):
+    events = []
+    r = open_backend(with_ttl(store_server.url))
+    r.on_change = lambda name, inst: events.append((name, inst))
+    owner = spawn_owner(with_ttl(store_server.url), "watched")
+    w = None
+    try:
+        assert r.fetch("watched", 2.0).instance_id == "owner"
+        time.sleep(TTL)
+        assert events == []                 # renewals are not changes
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(10)
+        w = open_backend(with_ttl(store_server.url))
+        w.publish(descriptor("watched", instance="second"))
+        assert wait_until(lambda: ("watched", "second") in events, TTL * 2), events
+        w.close()                           # a clean close: the peer is gone
+        assert wait_until(lambda: ("watched", None) in events, TTL * 2), events
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        r.close()

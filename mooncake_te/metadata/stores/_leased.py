@@ -12,6 +12,7 @@ metadata server restarted without persistence) gets them back within one period.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -19,7 +20,7 @@ import time
 from abc import abstractmethod
 from urllib.parse import parse_qsl
 
-from ...errors import MetadataError, ERR_MALFORMED_JSON
+from ...errors import MetadataError, SegmentNotFoundError, ERR_MALFORMED_JSON
 from ..base import KeyValueBackend, ram_key, rpc_meta_key
 from ..descriptor import SegmentDescriptor
 
@@ -95,6 +96,19 @@ def identify_http(host: str, port: int, timeout: float = 1.0) -> str:
     return f" {host}:{port} answers HTTP: an HTTP metadata server? use http://{host}:{port}/metadata."
 
 
+_GARBAGE = object()
+
+
+def _instance_of(raw: bytes | None):
+    """The ``instance_id`` in a stored descriptor; None if missing, _GARBAGE if unreadable."""
+    if raw is None:
+        return None
+    try:
+        return str(json.loads(raw).get("instance_id", ""))
+    except (ValueError, AttributeError):
+        return _GARBAGE
+
+
 class LeasedStore(KeyValueBackend):
     """A :class:`KeyValueBackend` whose published keys live only while it renews them.
 
@@ -121,6 +135,11 @@ class LeasedStore(KeyValueBackend):
         self._pid = os.getpid()
         self._closed = False
         self._failing = False                   # renewal failing: log once per outage
+        #: ``callable(name, instance_id or None)``: set it to hear that a fetched peer
+        #: restarted (new instance id) or vanished (None); see :meth:`_check_peers`
+        self.on_change = None
+        self._seen: dict[str, str] = {}        # watched peer -> instance id last seen
+        self._watch_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.address!r} ttl={self.ttl:g}s>"
@@ -162,9 +181,12 @@ class LeasedStore(KeyValueBackend):
         key = ram_key(name, self.cluster_id)
         raw = self.get(key)
         if raw is None:
-            return super().fetch(name, timeout)       # raises SegmentNotFoundError
+            raise SegmentNotFoundError(
+                f"no segment named {name!r} in the {self.kind} metadata store {self.address} "
+                f"(key {key!r}); is the peer running, and does it use the same metadata "
+                f"server and MC_METADATA_CLUSTER_ID?")
         try:
-            return SegmentDescriptor.decode(raw)
+            desc = SegmentDescriptor.decode(raw)
         except MetadataError as e:
             preview = bytes(raw[:40])
             raise MetadataError(
@@ -172,6 +194,51 @@ class LeasedStore(KeyValueBackend):
                 f"{len(raw)} bytes that are not a segment descriptor ({e}; starts with "
                 f"{preview!r}); something other than a mooncake engine wrote it. Delete the "
                 f"key or use another MC_METADATA_CLUSTER_ID.", status=ERR_MALFORMED_JSON) from None
+        if self.on_change is not None:
+            with self._watch_lock:
+                self._seen[name] = desc.instance_id
+            self._start_renewer()
+        return desc
+
+    # -- watching peers -----------------------------------------------------------------
+    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Values of ``keys`` (``None`` where missing); stores override with one round trip."""
+        return [self.get(k) for k in keys]
+
+    def forget(self, name: str) -> None:
+        """Stop watching ``name`` (the caller no longer cares whether it restarts)."""
+        with self._watch_lock:
+            self._seen.pop(name, None)
+
+    def _check_peers(self) -> None:
+        """Report peers whose instance changed or vanished since they were fetched.
+
+        Polled every TTL/3 with the renewals, so a restarted peer is noticed (and its
+        cached descriptor dropped by the callback) before the next transfer that comes
+        later than that, instead of that transfer failing on the dead instance. A
+        watch (etcd) would be quicker; polling works the same on all three stores.
+        """
+        with self._watch_lock:
+            seen = dict(self._seen)
+        if not seen or self.on_change is None:
+            return
+        names = list(seen)
+        raws = self._get_many([ram_key(n, self.cluster_id) for n in names])
+        for name, raw in zip(names, raws):
+            inst = _instance_of(raw)
+            if inst == seen[name] or inst is _GARBAGE:
+                continue
+            with self._watch_lock:
+                if self._seen.get(name) != seen[name]:
+                    continue        # fetched again meanwhile: that fetch is newer
+                if inst is None:
+                    self._seen.pop(name, None)
+                else:
+                    self._seen[name] = inst
+            try:
+                self.on_change(name, inst)
+            except Exception:
+                log.exception("on_change(%r, %r) failed", name, inst)
 
     def close(self) -> None:
         """Stop renewing, delete every key this backend still owns, end the lease."""
@@ -219,6 +286,7 @@ class LeasedStore(KeyValueBackend):
                     records = {k: v for recs in self._owned.values() for k, v in recs.items()}
                     if records:
                         self._renew(records)
+                self._check_peers()
             except MetadataError as e:
                 if not self._failing:
                     log.warning("cannot renew this engine's metadata in %s (%s); peers will "

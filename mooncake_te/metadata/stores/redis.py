@@ -104,6 +104,9 @@ class RedisStore(LeasedStore):
     def delete(self, key: str) -> None:
         self._call(f"DEL {key!r}", self._client.delete, key)
 
+    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+        return self._call(f"MGET of {len(keys)} keys", self._client.mget, keys)
+
     def _put_leased(self, key: str, value: bytes) -> None:
         self._call(f"SET {key!r} EX {self._ex}", self._client.set, key, value, ex=self._ex)
 
