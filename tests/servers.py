@@ -50,6 +50,11 @@ class _Server:
     """A server process on 127.0.0.1 with start/stop/kill and a readiness probe."""
 
     name = "?"
+    #: the word the matching backend's errors use for it
+    label = "?"
+
+    def kind_word(self) -> str:
+        return self.label
 
     def __init__(self, workdir: str | None = None):
         self.host = "127.0.0.1"
@@ -157,6 +162,7 @@ class RedisServer(_Server):
     """``redis-server`` without persistence (a restart comes back empty)."""
 
     name = "redis"
+    label = "redis"
     binary = "redis-server"
 
     @property
@@ -176,6 +182,7 @@ class EtcdServer(_Server):
     """A one-member etcd cluster; its data directory survives restarts."""
 
     name = "etcd"
+    label = "etcd"
     binary = "etcd"
 
     def _pick_ports(self):
@@ -215,6 +222,7 @@ class HttpMetadataServer(_Server):
     """
 
     name = "http-metadata"
+    label = "HTTP"
 
     def __init__(self, workdir: str | None = None, persist: bool = True):
         super().__init__(workdir)
