@@ -122,8 +122,12 @@ def split_metadata_url(spec: str) -> tuple[str, str]:
         return "etcd", s
     scheme, rest = s.split("://", 1)
     scheme = scheme.lower()
-    if scheme in ("http", "https"):
-        return "http", s               # the HTTP store needs the whole URL (path, TLS)
+    if scheme == "https":
+        return "http", s               # keep the scheme: TLS is not the default
+    if scheme == "http":
+        # Like the skeleton's server_address: host:port[/path], no scheme; the path is
+        # kept ("/metadata" for Mooncake's HTTP server).
+        return "http", rest
     return scheme, rest
 
 

@@ -208,7 +208,8 @@ def test_bad_env_values(env, needle):
     ("etcd://10.0.0.1:2379,10.0.0.2:2379", ("etcd", "10.0.0.1:2379,10.0.0.2:2379")),
     ("10.0.0.1:2379", ("etcd", "10.0.0.1:2379")),        # Mooncake: no scheme means etcd
     ("redis://10.0.0.1:6379", ("redis", "10.0.0.1:6379")),
-    ("http://10.0.0.1:8080/metadata", ("http", "http://10.0.0.1:8080/metadata")),
+    ("http://10.0.0.1:8080/metadata", ("http", "10.0.0.1:8080/metadata")),
+    ("https://md.example:8443/metadata", ("http", "https://md.example:8443/metadata")),
 ])
 def test_metadata_server_variable(spec, want):
     assert split_metadata_url(spec) == want

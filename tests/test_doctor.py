@@ -383,9 +383,11 @@ def test_probe_helpers(redis_server):
     assert (r.kind, r.reachable) == ("redis", True)
     r = identify("no-such-host.invalid", 2379, 1.0)
     assert not r.reachable and "cannot resolve" in r.detail
-    assert parse_endpoints("etcd", "etcd://a:1, http://b:2") == [("a", 1, ""), ("b", 2, "")]
-    assert parse_endpoints("redis", "h") == [("h", 6379, "")]
-    assert parse_endpoints("http", "h:8080") == [("h", 8080, "/metadata")]
+    assert parse_endpoints("etcd", "etcd://a:1, https://b:2") == [("a", 1, "", False),
+                                                                 ("b", 2, "", True)]
+    assert parse_endpoints("redis", "h") == [("h", 6379, "", False)]
+    assert parse_endpoints("http", "h:8080") == [("h", 8080, "/metadata", False)]
+    assert parse_endpoints("http", "https://h/md") == [("h", 443, "/md", True)]
     with pytest.raises(ValueError):
         parse_endpoints("etcd", ",")
 
@@ -597,3 +599,79 @@ def test_cli_exit_status_0_1_2(trees, tmp_path):
     f = next(f for f in doc["findings"] if f["code"] == "MTE201")
     assert set(f) >= {"code", "severity", "message", "fix", "check", "data"}
     assert f["severity"] == "error" and f["check"] == "rdma_devices"
+
+
+# ---- probes against servers that are neither ----------------------------------------
+
+@pytest.fixture
+def silent_server():
+    """A TCP listener that accepts (the kernel does, from the backlog) and never answers."""
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def test_mte302_silent_server(trees, tmp_path, silent_server):
+    ctx = Context(config_path=metadata_toml(tmp_path, "etcd", f"127.0.0.1:{silent_server}"),
+                  sysfs_root=trees["empty"], env={}, timeout_s=0.3)
+    (f,) = problems(run_checks(ctx, only=["metadata"]), "MTE302")
+    assert f.data["found"] == "unknown"
+    assert "answered neither a redis PING nor an HTTP request within 0.3 s" in f.message
+
+
+@pytest.fixture(scope="module")
+def https_server(tmp_path_factory):
+    """A minimal HTTPS server (self-signed certificate) answering every GET with 404."""
+    import http.server
+    import shutil
+    import ssl
+    import threading
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is needed to make a test certificate (apt-get install openssl)")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", str(d / "k.pem"),
+                    "-out", str(d / "c.pem")], check=True, capture_output=True, timeout=60)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(d / "c.pem", d / "k.pem")
+    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv.server_address[1]
+    srv.shutdown()
+    srv.server_close()
+    t.join(10)
+
+
+def test_https_metadata_server(trees, tmp_path, https_server, http_metadata_server):
+    assert md_problems(trees, tmp_path, "http", f"https://127.0.0.1:{https_server}/metadata") == []
+    # TLS spoken to a plain-HTTP server: named, not reported as "refused".
+    (f,) = problems(run(trees, config=metadata_toml(
+        tmp_path, "http", f"https://127.0.0.1:{http_metadata_server.port}/metadata", "t"),
+        only=["metadata"]), "MTE302")
+    assert "TLS handshake failed" in f.message
+
+
+def test_cli_metadata_flag_overrides_config(trees, tmp_path, redis_server):
+    cfg = metadata_toml(tmp_path, "etcd", "127.0.0.1:1")
+    rc, out = _cli("--sysfs-root", trees["empty"], "--config", cfg, "--check", "metadata",
+                   "--metadata", redis_server.url, "--json")
+    assert rc == 0, out
+    rc, out = _cli("--sysfs-root", trees["empty"], "--check", "metadata",
+                   "--metadata", f"etcd://127.0.0.1:{redis_server.port}", "--json")
+    (f,) = [f for f in json.loads(out)["findings"] if f["code"] == "MTE302"]
+    assert rc == 2 and f["message"].startswith("--metadata etcd://")

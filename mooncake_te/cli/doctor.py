@@ -19,6 +19,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--config", metavar="FILE", help="config.toml to check")
     p.add_argument("--vllm-config", metavar="FILE",
                    help="vLLM config (JSON/YAML engine args, or a kv_transfer_config JSON)")
+    p.add_argument("--metadata", metavar="URL",
+                   help="metadata server to check instead of [metadata], as passed to "
+                        "TransferEngine(metadata=...): etcd://h:2379, redis://h:6379, "
+                        "http://h:8080/metadata")
     p.add_argument("--role", choices=("prefill", "decode"),
                    help="this instance's disaggregation role, checked against kv_role")
     p.add_argument("--sysfs-root", default="/sys", metavar="DIR",
@@ -40,7 +44,8 @@ def run(args) -> int:
     from ..doctor import Context, exit_code, report, run_checks
     ctx = Context(config_path=args.config, vllm_config_path=args.vllm_config,
                   sysfs_root=args.sysfs_root, proc_root=args.proc_root,
-                  env=dict(os.environ), role=args.role, timeout_s=args.timeout)
+                  env=dict(os.environ), role=args.role, timeout_s=args.timeout,
+                  metadata=args.metadata)
     findings = run_checks(ctx, only=args.check)
     code = exit_code(findings)
     if args.json:

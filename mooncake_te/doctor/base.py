@@ -109,6 +109,10 @@ class Context:
         ``"prefill"`` or ``"decode"``: this instance's disaggregation role.
     timeout_s : float
         Budget for each network probe.
+    metadata : str, optional
+        A metadata connection string (``etcd://h:2379``, ``redis://h:6379``,
+        ``http://h:8080/metadata``, ``p2p``) overriding ``[metadata]``, as the engine's
+        ``metadata=`` argument does.
     """
 
     config_path: "str | None" = None
@@ -118,11 +122,18 @@ class Context:
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     role: "str | None" = None
     timeout_s: float = 1.5
+    metadata: "str | None" = None
 
     @functools.cached_property
     def config_and_problems(self):
-        from ..config import Config
-        return Config.load_lenient(self.config_path, env=self.env)
+        from ..config import Config, split_metadata_url
+        cfg, problems = Config.load_lenient(self.config_path, env=self.env)
+        if self.metadata:
+            # As TransferEngine(metadata=...): the argument wins over file and MC_*.
+            kind, addr = split_metadata_url(self.metadata)
+            cfg.data["metadata"]["server_type"] = kind
+            cfg.data["metadata"]["server_address"] = addr
+        return cfg, problems
 
     @property
     def config(self):

@@ -280,9 +280,11 @@ def check_gpudirect(ctx):
 _PROTO_WORDS = {"redis": "a redis server", "etcd": "an etcd server", "http": "an HTTP server"}
 
 
-def _metadata_targets(cfg):
+def _metadata_targets(ctx):
+    cfg = ctx.config
     md = cfg["metadata"]
-    yield "[metadata]", md["server_type"], md["server_address"]
+    label = f"--metadata {ctx.metadata}:" if ctx.metadata else "[metadata]"
+    yield label, md["server_type"], md["server_address"]
     ps = cfg["p2p_store"]
     kind = (ps["metadata_server"] or "p2p").lower()
     if kind not in ("p2p", "p2phandshake", ""):
@@ -292,7 +294,7 @@ def _metadata_targets(cfg):
 @check("metadata", "the metadata server is reachable and speaks its server_type",
        ("MTE301", "MTE300", "MTE302", "MTE303"))
 def check_metadata(ctx):
-    for section, kind, address in _metadata_targets(ctx.config):
+    for section, kind, address in _metadata_targets(ctx):
         kind = kind.lower()
         if kind in ("p2p", "p2phandshake"):
             yield skip("MTE301", f"{section} server_type = \"p2p\": no metadata server (peers "
@@ -327,8 +329,8 @@ def check_metadata(ctx):
 
 def _probe_endpoints(ctx, section, kind, address, endpoints):
     down, wrong, good = [], [], []
-    for host, port, _path in endpoints:
-        r = identify(host, port, ctx.timeout_s, expect=kind)
+    for ep in endpoints:
+        r = identify(ep.host, ep.port, ctx.timeout_s, expect=kind, tls=ep.tls)
         if not r.reachable:
             down.append(r)
         elif r.kind != kind:

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 
@@ -42,9 +44,17 @@ class ProbeResult:
     reachable: bool = True
 
 
-def _exchange(host: str, port: int, payload: bytes, timeout: float) -> bytes:
+def _exchange(host: str, port: int, payload: bytes, timeout: float, tls: bool = False) -> bytes:
     """Connect, send, and read until the peer closes, 64 KiB, or the timeout."""
-    with socket.create_connection((host, port), timeout=timeout) as s:
+    with socket.create_connection((host, port), timeout=timeout) as raw:
+        s = raw
+        if tls:
+            # Only to learn which protocol answers; the engine's own client verifies
+            # certificates. An unverified context keeps a self-signed test setup probeable.
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            s = ctx.wrap_socket(raw, server_hostname=host)
         s.settimeout(timeout)
         s.sendall(payload)
         chunks = []
@@ -104,17 +114,19 @@ def _classify(data: bytes) -> tuple["str | None", str]:
     return "unknown", repr(data[:40])
 
 
-def probe_redis(host: str, port: int, timeout: float) -> tuple["str | None", str]:
-    return _classify(_exchange(host, port, b"*1\r\n$4\r\nPING\r\n", timeout))
+def probe_redis(host: str, port: int, timeout: float, tls: bool = False) -> tuple["str | None", str]:
+    return _classify(_exchange(host, port, b"*1\r\n$4\r\nPING\r\n", timeout, tls))
 
 
-def probe_http(host: str, port: int, timeout: float, path: str = "/version") -> tuple["str | None", str]:
+def probe_http(host: str, port: int, timeout: float, tls: bool = False,
+               path: str = "/version") -> tuple["str | None", str]:
     req = (f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUser-Agent: mooncake-te-doctor\r\n"
            f"Accept: */*\r\nConnection: close\r\n\r\n").encode()
-    return _classify(_exchange(host, port, req, timeout))
+    return _classify(_exchange(host, port, req, timeout, tls))
 
 
-def identify(host: str, port: int, timeout: float = 1.5, expect: "str | None" = None) -> ProbeResult:
+def identify(host: str, port: int, timeout: float = 1.5, expect: "str | None" = None,
+             tls: bool = False) -> ProbeResult:
     """Find out what listens at ``host:port``.
 
     Parameters
@@ -134,7 +146,8 @@ def identify(host: str, port: int, timeout: float = 1.5, expect: "str | None" = 
     seen_answer = False
     for proto in order:
         try:
-            kind, detail = (probe_redis if proto == "redis" else probe_http)(host, port, timeout)
+            kind, detail = (probe_redis if proto == "redis" else probe_http)(host, port, timeout,
+                                                                              tls)
         except socket.gaierror as e:
             return ProbeResult(host, port, None, f"cannot resolve {host!r}: {e.strerror or e}",
                                reachable=False)
@@ -145,6 +158,10 @@ def identify(host: str, port: int, timeout: float = 1.5, expect: "str | None" = 
                 return ProbeResult(host, port, None, f"no connection within {timeout:g} s",
                                    reachable=False)
             continue
+        except ssl.SSLError as e:
+            seen_answer = True
+            detail = f"TLS handshake failed: {e.reason or e}"
+            continue
         except OSError as e:
             if not seen_answer:
                 return ProbeResult(host, port, None, e.strerror or str(e), reachable=False)
@@ -152,15 +169,24 @@ def identify(host: str, port: int, timeout: float = 1.5, expect: "str | None" = 
         seen_answer = True
         if kind in ("redis", "etcd", "http"):
             return ProbeResult(host, port, kind, detail)
-    return ProbeResult(host, port, "unknown" if seen_answer else None,
-                       detail or "no answer", reachable=True)
+    if detail in ("", "no answer"):
+        detail = (f"it accepts connections but answered neither a redis PING nor an HTTP "
+                  f"request within {timeout:g} s")
+    return ProbeResult(host, port, "unknown" if seen_answer else None, detail, reachable=True)
 
 
 DEFAULT_PORTS = {"etcd": 2379, "redis": 6379, "http": 8080}
 
 
-def parse_endpoints(server_type: str, address: str) -> list[tuple[str, int, str]]:
-    """``[(host, port, path)]`` for a config's metadata address.
+class Endpoint(NamedTuple):
+    host: str
+    port: int
+    path: str
+    tls: bool = False
+
+
+def parse_endpoints(server_type: str, address: str) -> list[Endpoint]:
+    """``[Endpoint(host, port, path, tls)]`` for a config's metadata address.
 
     etcd takes a comma list (``h1:2379,h2:2379``); each part may carry ``http://``.
     redis takes ``host:port[/db]`` or ``redis://...``. HTTP takes a URL or ``host:port``
@@ -187,7 +213,7 @@ def parse_endpoints(server_type: str, address: str) -> list[tuple[str, int, str]
         if port is None:
             port = 443 if url.scheme == "https" else DEFAULT_PORTS.get(server_type, 80)
         path = url.path or ("/metadata" if server_type == "http" else "")
-        out.append((host, port, path))
+        out.append(Endpoint(host, port, path, url.scheme in ("https", "rediss")))
     if not out:
         raise ValueError("the address is empty")
     return out
