@@ -1,0 +1,22 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Mooncake's Python API on mooncake_te: change one import line.
+
+>>> from mooncake_te.compat import TransferEngine     # was: from mooncake.engine import ...
+>>> from mooncake_te.compat import engine             # was: from mooncake import engine
+
+``TransferEngine`` keeps the method names, arguments, defaults and return codes of
+``mooncake.engine.TransferEngine``; ``docs/compat.md`` lists where it differs.
+"""
+from __future__ import annotations
+
+from . import engine  # noqa: F401
+from .engine import (  # noqa: F401
+    P2PHANDSHAKE, SUPPORT_CUDA, SUPPORT_EFA, SUPPORT_HIP, SUPPORT_INTRA_NVLINK, SUPPORT_MNNVL,
+    SUPPORT_MUSA, Read, TransferEngine, TransferNotify, TransferOpcode, Write,
+)
+
+__all__ = [
+    "TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write", "P2PHANDSHAKE",
+    "SUPPORT_CUDA", "SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_INTRA_NVLINK", "SUPPORT_MNNVL",
+    "SUPPORT_MUSA", "engine",
+]
