@@ -560,11 +560,9 @@ class TransferEngine:
                                  f"{type(notify).__name__}") from None
         if isinstance(msg, (bytes, bytearray)):
             msg = bytes(msg).decode("utf-8", "surrogateescape")
-        # Our RPC server (metadata/rpc.py) turns notify_msg into bytes with latin-1; send
-        # the UTF-8 bytes that way so any text arrives intact at a mooncake_te peer.
-        # Should that server switch to UTF-8, send str(msg) instead: test_notify_after_data
-        # sends non-ASCII text and catches the mismatch.
-        wire = str(msg).encode("utf-8", "surrogateescape").decode("latin-1")
+        # The RPC server (metadata/rpc.py) reads notify_msg as UTF-8 text, as Mooncake's
+        # peers send it; test_notify_after_data sends non-ASCII text to keep that true.
+        wire = str(msg)
         desc = self._engine().open_segment(target).descriptor
         framing.request(desc.host, desc.rpc_port, framing.NOTIFY,
                         json.dumps({"name": str(name), "notify_msg": wire}).encode(),

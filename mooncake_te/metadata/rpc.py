@@ -74,8 +74,9 @@ class RpcServer:
                     reply = b'{"status":"success"}'
                 elif kind == framing.NOTIFY:
                     msg = json.loads(payload)
+                    # Mooncake's notify_msg is UTF-8 text.
                     on_notify(str(msg.get("name", "")),
-                                    str(msg.get("notify_msg", "")).encode("latin-1"))
+                              str(msg.get("notify_msg", "")).encode("utf-8", "surrogateescape"))
                     reply = b'{"status":"success"}'
                 else:
                     reply = json.dumps({"reply_msg": f"unsupported request type {kind}"}).encode()
