@@ -6,6 +6,7 @@ Kept out of the package ``__init__`` so ``-m`` runs it without importing it twic
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import threading
@@ -28,15 +29,24 @@ def main(argv=None) -> int:
     stop = threading.Event()
 
     def watch_stdin():
+        # os.read on the fd, not sys.stdin: a daemon thread blocked inside a buffered
+        # reader makes interpreter shutdown abort ("could not acquire lock").
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(0, 4096):
                 pass
+        except OSError:
+            pass
         finally:
             stop.set()
 
+    from ..errors import MooncakeError
+    try:
+        target = BenchTarget(args.buffer_size, host=args.host, metadata=args.metadata,
+                             protocol=args.protocol)
+    except MooncakeError as e:       # one line for the user, not a traceback
+        print(f"mooncake-te bench target: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     threading.Thread(target=watch_stdin, daemon=True, name="stdin-watch").start()
-    target = BenchTarget(args.buffer_size, host=args.host, metadata=args.metadata,
-                         protocol=args.protocol)
     try:
         sys.stdout.write(json.dumps(target.info()) + "\n")
         sys.stdout.flush()

@@ -40,11 +40,12 @@ def render(results: dict, console=None) -> None:
     head = results.get("header", {})
     cfg = results["config"]
     if head:
-        console.print(f"mooncake-te bench {head.get('version', '')}, {head.get('mode', '')}: "
-                      f"{head.get('initiator', '?')} -> {head.get('segment', '?')} over "
-                      f"{head.get('transport', '?')}; {cfg['threads']} submitting thread(s), "
-                      f"{cfg['inflight']} batch(es) in flight each, {cfg['duration']:g} s "
-                      f"per point", highlight=False)
+        console.print(f"mooncake-te bench {head.get('version', '')} {head.get('mode', '')} "
+                      f"{head.get('initiator', '?')} -> {head.get('segment', '?')} "
+                      f"({head.get('transport', '?')}): {cfg['threads']} "
+                      f"thread{'s' if cfg['threads'] > 1 else ''} x {cfg['inflight']} "
+                      f"batches in flight, {cfg['duration']:g} s/point",
+                      highlight=False, soft_wrap=True)
     verify = cfg.get("verify")
     for op in ("write", "read"):
         pts = [p for p in results["points"] if p["op"] == op]
@@ -165,9 +166,12 @@ class RichProgress(Progress):
         from rich.console import Console
         from rich.progress import (BarColumn, Progress as _P, TextColumn,
                                    TimeRemainingColumn)
+        console = Console(stderr=True)
+        if not console.is_terminal:
+            return            # a log file gains nothing from a bar (rich would add a blank line)
         self._bar = _P(TextColumn("{task.description:<22}"), BarColumn(),
                        TextColumn("{task.percentage:>3.0f}%"),
-                       TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+                       TimeRemainingColumn(), console=console, transient=True)
         self._bar.start()
         self._task = self._bar.add_task("starting", total=len(points))
         self._index = 0

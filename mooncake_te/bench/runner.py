@@ -297,8 +297,8 @@ class Runner:
             th.start()
         start = time.monotonic_ns()
         box["end"] = start + int(seconds * 1e9)
-        barrier.wait()
         try:
+            barrier.wait()
             # Joining with a timeout keeps this thread free for progress and Ctrl-C.
             for th in threads:
                 while th.is_alive():
@@ -308,6 +308,7 @@ class Runner:
         except BaseException:
             self._stop.set()
             self._abort.set()
+            barrier.abort()        # threads still at the barrier leave it too
             for th in threads:
                 th.join()          # in-flight batches finish or hit their deadline
             raise
