@@ -16,6 +16,7 @@ where it fails: CI installs the packages, so a skip there would hide a broken se
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import weakref
 
 import pytest
 
@@ -44,6 +46,18 @@ def _missing(binary: str, package: str):
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         pytest.fail(msg)
     pytest.skip(msg)
+
+
+_RUNNING: "weakref.WeakSet[_Server]" = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    # Servers run in their own session (so a test's SIGKILL hits only them); if the test
+    # process dies without teardown, do not leave them running on the CI machine.
+    for srv in list(_RUNNING):
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.proc.kill()
 
 
 class _Server:
@@ -90,6 +104,7 @@ class _Server:
                                          stdin=subprocess.DEVNULL, cwd=self.workdir,
                                          env=self.env(), start_new_session=True)
             log.close()
+            _RUNNING.add(self)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
