@@ -221,3 +221,29 @@ def test_validate_single_setting():
     assert validate("kvcache", "block_size", 64) == 64
     with pytest.raises(ConfigError, match="did you mean 'block_size'"):
         validate("kvcache", "blocksize", 64)
+
+
+def test_without_a_toml_parser_the_error_says_what_to_install(tmp_path):
+    """Pythons before 3.11 have no tomllib; without tomli either, loading a file must
+    fail with the fix, and importing the package must still work."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    for name in ("tomllib", "tomli"):
+        (shadow / f"{name}.py").write_text(
+            f"raise ModuleNotFoundError('hidden for this test', name={name!r})\n")
+    cfg = write(tmp_path, "[kvcache]\nblock_size = 16\n")
+    code = ("from mooncake_te.config import Config, ConfigError\n"
+            "print(Config.load(None, env={})['kvcache']['block_size'])\n"
+            f"try:\n    Config.load({cfg!r}, env={{}})\n"
+            "except ConfigError as e:\n    print(e)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=str(tmp_path),
+                       env=dict(os.environ, PYTHONPATH=f"{shadow}{os.pathsep}{root}"))
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "16"
+    assert "has no tomllib; pip install tomli" in lines[1] and cfg in lines[1]

@@ -675,3 +675,9 @@ def test_cli_metadata_flag_overrides_config(trees, tmp_path, redis_server):
                    "--metadata", f"etcd://127.0.0.1:{redis_server.port}", "--json")
     (f,) = [f for f in json.loads(out)["findings"] if f["code"] == "MTE302"]
     assert rc == 2 and f["message"].startswith("--metadata etcd://")
+
+
+def test_device_checks_skip_for_tcp(trees, tmp_path):
+    cfg = toml(tmp_path, "[transfer_engine]\nprotocol = 'tcp'\ndevice_names = ['mlx5_bond0']\n")
+    (f,) = run(trees, "onebox", config=cfg, only=["rdma_devices"])
+    assert f.severity == Severity.SKIP and "not used" in f.message

@@ -89,6 +89,9 @@ def check_rdma_devices(ctx):
     found = topo.nic_names
     source = ("MC_TE_FILTERS" if "MC_TE_FILTERS" in cfg.env_applied
               else "[transfer_engine] device_names")
+    if protocol in ("tcp", "shm"):
+        yield skip("MTE201", f"protocol = {protocol!r}: RDMA devices are not used")
+        return
     if not names:
         usable = [d.name for d in topo.nics if d.usable]
         if protocol == "rdma" and not usable:

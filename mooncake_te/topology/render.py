@@ -32,9 +32,11 @@ def render(topo, matrix: dict, matrix_source: str = "discovered") -> str:
 
     out.append("\nGPUs")
     if topo.gpus:
-        out.append(table(["GPU", "PCI", "NUMA", "VENDOR", "NAME"],
-                         [[g.location, g.pci, g.numa_node, g.vendor, g.name]
-                          for g in topo.gpus]))
+        # CPU affinity as nvidia-smi prints it: the CPUs of the GPU's NUMA node.
+        cpus = {n.id: n.to_dict()["cpus"] for n in topo.numa_nodes}
+        out.append(table(["GPU", "PCI", "NUMA", "CPU AFFINITY", "VENDOR", "NAME"],
+                         [[g.location, g.pci, g.numa_node, cpus.get(topo.numa_of(g)),
+                           g.vendor, g.name] for g in topo.gpus]))
     else:
         out.append("  none")
 
