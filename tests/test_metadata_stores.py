@@ -385,3 +385,19 @@ def test_on_change_reports_restart_and_disappearance(store_server):
         if owner.poll() is None:
             owner.kill()
         r.close()
+
+
+def test_etcd_publish_after_the_lease_expired(etcd_server):
+    """An etcd outage longer than the TTL ends the lease; the next publish takes a new one."""
+    w = open_backend(with_ttl(etcd_server.url, 30))
+    r = open_backend(etcd_server.url)
+    try:
+        w.publish(descriptor("lapsed"))
+        w._release()                    # as if etcd had let the lease expire: keys go too
+        assert not exists(r, "lapsed")
+        w._lease = type("Gone", (), {"id": 1234567})()      # the engine still holds its id
+        w.publish(descriptor("lapsed", instance="again"))
+        assert r.fetch("lapsed", 2.0).instance_id == "again"
+    finally:
+        w.close()
+        r.close()

@@ -155,7 +155,16 @@ class EtcdStore(LeasedStore):
     def _put_leased(self, key: str, value: bytes) -> None:
         with self._lock:
             lease = self._lease or self._grant()
-            self._call(f"put {key!r}", lambda c: c.put(key, value, lease=lease))
+            try:
+                self._call(f"put {key!r}", lambda c: c.put(key, value, lease=lease))
+            except MetadataError as e:
+                if "lease not found" not in str(e):
+                    raise
+                # The lease expired (etcd unreachable for longer than the TTL) before the
+                # renewer noticed: take a new one and put again; the renewer re-attaches
+                # the other keys at its next pass (their keepalive reports TTL -1).
+                lease = self._grant()
+                self._call(f"put {key!r}", lambda c: c.put(key, value, lease=lease))
 
     def _renew(self, records: dict[str, bytes]) -> None:
         with self._lock:
