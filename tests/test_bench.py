@@ -293,3 +293,25 @@ def test_version_json():
 def test_version_text():
     out = cli("version").stdout
     assert "mooncake_te" in out and "numpy" in out and "tcp" in out and "available" in out
+
+
+def test_target_death_is_a_clean_failure():
+    p = subprocess.Popen([sys.executable, "-m", "mooncake_te", "bench", "--duration", "5",
+                          "--block-sizes", "64K", "--no-progress"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        kids = []
+        while not kids and time.monotonic() < deadline:
+            kids = _children(p.pid)
+            time.sleep(0.1)
+        assert kids
+        time.sleep(1.5)
+        for k in kids:
+            os.kill(k, signal.SIGKILL)
+        _, err = p.communicate(timeout=60)      # well inside the engine's deadline
+        assert p.returncode == 1 and "TransferError" in err and "Traceback" not in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
