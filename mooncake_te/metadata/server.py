@@ -57,7 +57,7 @@ _FILE_VERSION = 1
 def _require_aiohttp():
     if web is None:
         raise MetadataError("the HTTP metadata server needs aiohttp: "
-                            "pip install mooncake-te[server]")
+                            "pip install mooncake-te[http]")
 
 
 @dataclass

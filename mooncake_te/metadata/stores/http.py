@@ -117,7 +117,8 @@ class HttpStore(LeasedStore):
         """A 404 not from a metadata server: find out what answers at this port."""
         root = urlunsplit((urlsplit(self.url).scheme, urlsplit(self.url).netloc, "/version", "", ""))
         try:
-            r = self._session.get(root, timeout=self._timeout)
+            with self._lock:
+                r = self._session.get(root, timeout=self._timeout)
             if r.ok and "etcdserver" in r.text:
                 return (f" This is an etcd server (its /version says {r.text.strip()[:80]}), "
                         f"not an HTTP metadata server: use metadata='etcd://{self.host}:"
