@@ -52,7 +52,8 @@ def run(args) -> int:
         print(json.dumps({"exit_code": code,
                           "summary": {s: sum(str(f.severity) == s for f in findings)
                                       for s in ("error", "warning", "ok", "skip")},
-                          "findings": [f.to_dict() for f in findings]}, indent=2))
+                          "findings": [f.to_dict() for f in findings]}, indent=2,
+                         default=str))
     else:
         print(report(findings, verbose=args.verbose))
     sys.stdout.flush()
