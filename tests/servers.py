@@ -180,6 +180,10 @@ class RedisServer(_Server):
     label = "redis"
     binary = "redis-server"
 
+    def __init__(self, workdir: str | None = None, password: str | None = None):
+        super().__init__(workdir)
+        self.password = password
+
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}"
@@ -187,9 +191,12 @@ class RedisServer(_Server):
     def command(self):
         return [self.binary, "--bind", self.host, "--port", str(self.port), "--save", "",
                 "--appendonly", "no", "--dir", self.workdir, "--protected-mode", "no",
-                "--loglevel", "warning"]
+                "--loglevel", "warning"] + (["--requirepass", self.password]
+                                            if self.password else [])
 
     def ready(self):
+        if self.password:       # an unauthenticated PING is refused with -NOAUTH
+            return _tcp_ping(self.host, self.port, b"PING\r\n", b"-NOAUTH")
         return _tcp_ping(self.host, self.port, b"PING\r\n", b"+PONG")
 
 

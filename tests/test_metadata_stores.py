@@ -401,3 +401,47 @@ def test_etcd_publish_after_the_lease_expired(etcd_server):
     finally:
         w.close()
         r.close()
+
+
+def test_redis_credentials_from_url_and_environment(tmp_path, monkeypatch):
+    with RedisServer(str(tmp_path), password="s3cret") as srv:
+        base = f"127.0.0.1:{srv.port}"
+        # in the URL, with a database index
+        w = open_backend(f"redis://:s3cret@{base}/3?ttl=2")
+        try:
+            w.publish(descriptor("authed"))
+            assert w.db == 3
+            # Mooncake's variables, when the URL carries none
+            monkeypatch.setenv("MC_REDIS_PASSWORD", "s3cret")
+            monkeypatch.setenv("MC_REDIS_DB_INDEX", "3")
+            r = open_backend(f"redis://{base}")
+            assert r.fetch("authed", 2.0).instance_id == "i-1"
+            r.close()
+            monkeypatch.setenv("MC_REDIS_DB_INDEX", "4")         # another database: not there
+            r = open_backend(f"redis://{base}")
+            with pytest.raises(SegmentNotFoundError):
+                r.fetch("authed", 2.0)
+            r.close()
+            monkeypatch.setenv("MC_REDIS_PASSWORD", "wrong")
+            r = open_backend(f"redis://{base}")
+            with pytest.raises(MetadataError, match="MC_REDIS_PASSWORD"):
+                r.fetch("authed", 2.0)
+            r.close()
+        finally:
+            w.close()
+
+
+def test_engine_takes_the_store_from_config_toml(tmp_path, store_server):
+    import mooncake_te as mte
+    kind = {"etcd": "etcd", "redis": "redis", "http-metadata": "http"}[store_server.name]
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f'[metadata]\nserver_type = "{kind}"\n'
+                   f'server_address = "127.0.0.1:{store_server.port}"\n')
+    r = open_backend(store_server.url)
+    try:
+        with mte.TransferEngine(name="from-config", config=str(cfg), host="127.0.0.1") as eng:
+            got = r.fetch("from-config", 2.0)
+            assert got.instance_id == eng.descriptor().instance_id and got.host == "127.0.0.1"
+        assert not exists(r, "from-config")
+    finally:
+        r.close()
