@@ -479,6 +479,22 @@ def test_cache_dir_and_memlock_in_a_real_unprivileged_process(trees, tmp_path):
 
 # ---- MTE5xx vLLM -----------------------------------------------------------------
 
+def _need(what: str, fix: str):
+    """Skip for lack of ``what`` on a developer machine; fail under CI=true, where the
+    setup installs it, so a broken setup cannot hide behind a skip (as tests/servers.py)."""
+    msg = f"{what} is needed: {fix}"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+def _yaml():
+    try:
+        import yaml  # noqa: F401
+    except ImportError:
+        _need("PyYAML (reads YAML vLLM configs)", "pip install pyyaml")
+
+
 def vllm_file(tmp_path, doc, name="vllm.json"):
     p = tmp_path / name
     p.write_text(doc if isinstance(doc, str) else json.dumps(doc))
@@ -500,7 +516,7 @@ def test_mte500_unreadable_vllm_config(trees, tmp_path):
 
 
 def test_mte500_unreadable_yaml(trees, tmp_path):
-    pytest.importorskip("yaml", reason="PyYAML reads YAML vLLM configs (pip install pyyaml)")
+    _yaml()
     (f,) = problems(run(trees, vllm=vllm_file(tmp_path, "block_size: [16\n", "v.yaml"),
                         only=VLLM_ONLY), "MTE500")
     assert "neither valid JSON nor valid YAML" in f.message
@@ -526,7 +542,7 @@ def test_mte501_block_size(trees, tmp_path):
 
 
 def test_vllm_serve_yaml(trees, tmp_path):
-    pytest.importorskip("yaml", reason="PyYAML reads YAML vLLM configs (pip install pyyaml)")
+    _yaml()
     cfg64 = toml(tmp_path, "[kvcache]\nblock_size = 64\n")
     text = ("model: Qwen/Qwen3-8B\nblock-size: 32\nkv-transfer-config: "
             "'{\"kv_connector\":\"MooncakeConnector\",\"kv_role\":\"kv_producer\"}'\n")
@@ -630,7 +646,7 @@ def https_server(tmp_path_factory):
     import ssl
     import threading
     if not shutil.which("openssl"):
-        pytest.skip("openssl is needed to make a test certificate (apt-get install openssl)")
+        _need("the openssl command (makes a test certificate)", "apt-get install openssl")
     d = tmp_path_factory.mktemp("tls")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                     "-subj", "/CN=127.0.0.1", "-keyout", str(d / "k.pem"),
