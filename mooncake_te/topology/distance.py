@@ -13,7 +13,8 @@ SYS    across the SMP interconnect between NUMA nodes (QPI/UPI, Infinity Fabric)
 These are the levels ``nvidia-smi topo -m`` prints in its legend and NCCL's
 ``PATH_PIX``/``PATH_PXB``/``PATH_PHB``/``PATH_SYS`` (``src/graph/topo.h``; NCCL folds NODE
 into PHB/SYS). GPUDirect RDMA pays off at PIX and PXB; at PHB and beyond the data crosses
-the CPU and NCCL disables GDR by default (``NCCL_NET_GDR_LEVEL`` defaults to PXB).
+the CPU and NCCL disables GDR by default (``ncclTopoCheckGdr`` in ``src/graph/paths.cc``:
+``netGdrLevel = PATH_PXB`` unless ``NCCL_NET_GDR_LEVEL`` says otherwise).
 """
 from __future__ import annotations
 
