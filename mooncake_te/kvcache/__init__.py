@@ -1,0 +1,14 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tiered KV cache: DRAM (a registered memory pool peers read over the transfer engine)
+and SSD (checksummed block records under ``cache_dir``), keyed by prefix hashes, with
+LRU/LFU eviction, demotion and promotion, hit-rate accounting and a remote ``get``.
+
+The trace simulator behind ``mooncake-te trace`` lives in :mod:`.trace`.
+"""
+from __future__ import annotations
+
+from .policy import LFU, LRU, make_policy
+from .trace import SimResult, Trace, load_trace, simulate, sweep, trace_stats
+
+__all__ = ["LRU", "LFU", "make_policy", "Trace", "load_trace", "SimResult", "simulate",
+           "sweep", "trace_stats"]
