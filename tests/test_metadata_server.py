@@ -15,7 +15,7 @@ import time
 import pytest
 import requests
 
-from servers import HttpMetadataServer, free_port, http_metadata_server  # noqa: F401
+from servers import HttpMetadataServer, http_metadata_server  # noqa: F401
 
 from mooncake_te.errors import MetadataError
 from mooncake_te.metadata.server import KeyStore, MetadataServer

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from servers import (EtcdServer, HttpMetadataServer, RedisServer, etcd_server,  # noqa: F401
+from servers import (HttpMetadataServer, RedisServer, etcd_server,  # noqa: F401
                      free_port, http_metadata_server, redis_server, store_server)
 
 from mooncake_te.errors import MetadataError, SegmentNotFoundError
@@ -285,7 +285,7 @@ def test_etcd_backend_given_the_http_server(http_metadata_server):
 
 
 def test_default_port_hint():
-    b = open_backend(f"redis://127.0.0.1:2379")     # nothing listens on 2379 here
+    b = open_backend("redis://127.0.0.1:2379")     # nothing listens on 2379 here
     with pytest.raises(MetadataError, match="2379 is etcd's default port"):
         b.fetch("x", 1.0)
     b.close()
