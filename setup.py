@@ -24,7 +24,7 @@ def ext(name, pyx, sources):
 extensions = [
     ext("mooncake_te.core._regions", "mooncake_te/core/_regions.pyx", ["src/core/regions.c"]),
     ext("mooncake_te.transports.tcp._tcp", "mooncake_te/transports/tcp/_tcp.pyx",
-        ["src/tcp/tcp.c", "src/core/regions.c"]),
+        ["src/tcp/tcp.c", "src/core/regions.c", "src/core/hmac_sha256.c"]),
 ]
 built = ["core", "tcp"]
 print(f"mooncake_te native build: {', '.join(built)}", file=sys.stderr)

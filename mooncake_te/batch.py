@@ -67,6 +67,9 @@ def error_for(code: int, target: str, index: int, op: int, local: int, remote: i
         return E.TransferError(f"{what}: {target} restarted (its instance id changed); its "
                                f"descriptor was refreshed, re-resolve addresses with "
                                f"open_segment({target!r})")
+    if code == -803:
+        return E.AuthenticationError(f"{what}: {target} refused the data connection, or could "
+                                     f"not prove the token: the engines' auth_token values differ")
     if code == -102:
         return E.TransferError(f"{what}: the connection to {target} failed or was lost (peer "
                                f"dead, restarted or unreachable)", status=-102)

@@ -90,7 +90,10 @@ class TransferEngine:
     config : str or Config, optional
         A ``config.toml`` path or a :class:`Config`.
     auth_token : str or bytes, optional
-        Shared secret peers must prove.
+        Shared secret (1-256 bytes; also ``[transfer_engine] auth_token`` or
+        ``MC_AUTH_TOKEN``). Every RPC request and every data connection then runs a mutual
+        HMAC-SHA256 challenge-response with fresh nonces; peers without the same token are
+        refused (``AuthenticationError``) and nothing they send is applied.
 
     Examples
     --------
@@ -107,15 +110,23 @@ class TransferEngine:
         te = cfg["transfer_engine"]
         if metadata is None:
             md = cfg["metadata"]
-            metadata = md["server_type"] if md["server_type"] == "p2p" else \
-                f"{md['server_type']}://{md['server_address']}"
+            metadata = "p2p"
+            if md["server_type"] not in ("p2p", "p2phandshake"):
+                from .metadata.stores import spec_from_config
+                metadata = spec_from_config(md["server_type"], md["server_address"])
         protocol = (protocol or te["protocol"] or "auto").lower()
         if isinstance(devices, str):
             devices = [d.strip() for d in devices.split(",") if d.strip()]
         self.devices = list(devices if devices is not None else te["device_names"])
-        if auth_token:
-            raise E.InvalidArgumentError("auth_token is not supported by this version yet; "
-                                         "leave it unset (peer authentication is planned)")
+        token = auth_token if auth_token is not None else (te["auth_token"] or None)
+        if isinstance(token, str):
+            token = token.encode()
+        if token is not None and not isinstance(token, (bytes, bytearray)):
+            raise E.InvalidArgumentError(f"auth_token must be str or bytes, got "
+                                         f"{type(token).__name__}")
+        if token is not None and not 1 <= len(token) <= 256:
+            raise E.InvalidArgumentError("auth_token must be 1 to 256 bytes long")
+        self._token = bytes(token) if token else None
         self.timeout = cfg.timeout_s
         self.host = host or te["host"] or default_host()
         port = te["port"] if port is None else port
@@ -129,7 +140,10 @@ class TransferEngine:
         self._regions = Regions()
         self._mrs: list[MemoryRegion] = []
         self._instance = secrets.randbits(63) | 1
-        self._rpc = RpcServer(self.host, port, self._describe_bytes, self._on_rpc_notify)
+        self._rpc = RpcServer(self.host, port, self._describe_bytes, self._on_rpc_notify,
+                              token=self._token)
+        if not self._token and not _is_loopback(self.host):
+            _warn_unauthenticated(self.host)
         self._p2p = str(metadata).strip().lower() in ("p2p", "p2phandshake")
         own = f"{self.host}:{self._rpc.port}"
         if self._p2p and name and name != own:
@@ -139,8 +153,9 @@ class TransferEngine:
             cls = self.available_transports[self.protocol]
             self._transport = cls(self._regions, self.host, self.name, self._instance,
                                   lanes=te["tcp_lanes"], slice_size=te["tcp_slice_size"],
-                                  stall_ms=te["timeout_ms"])
-            self._backend = open_backend(metadata, local_descriptor=self._describe_bytes)
+                                  stall_ms=te["timeout_ms"], token=self._token or b"")
+            self._backend = open_backend(metadata, local_descriptor=self._describe_bytes,
+                                         token=self._token)
             self._cache = SegmentCache(self._backend)
             self._closed = False
             self._publish()
@@ -436,6 +451,11 @@ class TransferEngine:
         native.seal()
         return Batch(native, self.protocol, deadline, parts, self, order)
 
+    def stats(self) -> dict:
+        """Counters: refused peers (auth), regions, peers."""
+        return {"auth_failures": self._rpc.auth_failures + self._transport.server.auth_failures,
+                "regions": len(self._mrs)}
+
     # --- notifications -----------------------------------------------------------------
     def send_notification(self, target, message: bytes, timeout: float | None = None) -> None:
         """Deliver ``message`` to ``target``'s ``notifications()``."""
@@ -449,6 +469,27 @@ class TransferEngine:
         """Notifications received since the last call (drained)."""
         self._check_open()
         return [Notification(s, m) for s, m in self._transport.notifications()]
+
+
+_warned_hosts: set = set()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        import ipaddress
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _warn_unauthenticated(host: str) -> None:
+    """Once per address: anyone who reaches it can read and write registered memory."""
+    if host in _warned_hosts:
+        return
+    _warned_hosts.add(host)
+    log.warning("listening on %s without an auth_token: anyone who can reach this address can "
+                "read and write registered memory; set auth_token (or MC_AUTH_TOKEN) on every "
+                "engine", host)
 
 
 def _u64(values, what: str) -> np.ndarray:

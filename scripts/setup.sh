@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Build tools, a Python with venv and headers, and the real servers the tests start
-# (redis-server, etcd-server), iperf3 for the loopback ceiling in the benchmarks.
-PKGS=(python3 python3-venv python3-dev gcc libc6-dev redis-server etcd-server iperf3 procps)
+# (redis-server, etcd-server), iperf3 for the loopback ceiling in the benchmarks, openssl
+# for the doctor's HTTPS test certificate.
+PKGS=(python3 python3-venv python3-dev gcc libc6-dev redis-server etcd-server iperf3 procps openssl)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -13,7 +13,7 @@ __all__ = ["MetadataBackend", "KeyValueBackend", "SegmentCache", "BufferInfo",
            "key_prefix", "split_host_port"]
 
 
-def open_backend(spec: str, local_descriptor=None) -> MetadataBackend:
+def open_backend(spec: str, local_descriptor=None, token: bytes | None = None) -> MetadataBackend:
     """Open the backend a ``metadata=`` string names.
 
     ``"p2p"`` (also Mooncake's ``"P2PHANDSHAKE"``) needs no server. Store backends are
@@ -22,7 +22,7 @@ def open_backend(spec: str, local_descriptor=None) -> MetadataBackend:
     """
     s = (spec or "p2p").strip()
     if s.lower() in ("p2p", "p2phandshake"):
-        return P2PBackend(local_descriptor)
+        return P2PBackend(local_descriptor, token)
     scheme, sep, rest = s.partition("://")
     if not sep:
         scheme, rest = "etcd", s

@@ -10,13 +10,19 @@ allocate gigabytes.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import os
 import socket
 import struct
 
-from ..errors import MetadataError, ERR_SOCKET
+from ..errors import AuthenticationError, MetadataError, ERR_SOCKET
 
 CONNECTION, METADATA, NOTIFY, PROBE = 0, 1, 2, 3
+# Ours, outside Mooncake's range: the challenge-response before a request when the
+# engines share an auth token, and the reply that refuses a peer.
+AUTH, AUTH_FAILED = 10, 11
 MAX_FRAME = int(os.environ.get("MC_HANDSHAKE_MAX_LENGTH", 1 << 20))
 _HDR = struct.Struct("<QB")
 
@@ -45,13 +51,44 @@ def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
     return kind, _recv_exact(sock, length)
 
 
-def request(host: str, port: int, kind: int, payload: bytes, timeout: float) -> bytes:
-    """One request/reply exchange with a peer's RPC port."""
+def proof(token: bytes, label: bytes, n1: bytes, n2: bytes) -> bytes:
+    """HMAC-SHA256 binding a direction label and both nonces (no token on the wire, and a
+    recorded exchange is useless against a fresh nonce)."""
+    return hmac.new(token, label + n1 + n2, hashlib.sha256).digest()
+
+
+def client_auth(sock: socket.socket, token: bytes, where: str) -> None:
+    """Prove the token to the server and check that the server knows it too."""
+    cn = os.urandom(16)
+    send_frame(sock, AUTH, json.dumps({"nonce": cn.hex()}).encode())
+    kind, raw = recv_frame(sock)
+    msg = json.loads(raw) if raw else {}
+    if kind != AUTH or "nonce" not in msg:
+        raise AuthenticationError(f"{where} does not authenticate peers "
+                                  f"({msg.get('reply_msg', 'no challenge')}); both engines need "
+                                  f"the same auth_token, or neither")
+    sn = bytes.fromhex(msg["nonce"])
+    if not hmac.compare_digest(bytes.fromhex(msg.get("proof", "")),
+                               proof(token, b"mte-rpc-server", cn, sn)):
+        raise AuthenticationError(f"{where} could not prove the auth token: the engines' "
+                                  f"tokens differ")
+    send_frame(sock, AUTH, json.dumps({"proof": proof(token, b"mte-rpc-client", sn, cn).hex()})
+               .encode())
+
+
+def request(host: str, port: int, kind: int, payload: bytes, timeout: float,
+            token: bytes | None = None) -> bytes:
+    """One request/reply exchange with a peer's RPC port (authenticated with ``token``)."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if token:
+                client_auth(s, token, f"{host}:{port}")
             send_frame(s, kind, payload)
-            _, reply = recv_frame(s)
+            rkind, reply = recv_frame(s)
+            if rkind == AUTH_FAILED:
+                raise AuthenticationError(f"{host}:{port} refused the request: "
+                                          f"{json.loads(reply).get('reply_msg', '')}")
             return reply
     except (OSError, ConnectionError) as e:
         raise MetadataError(f"cannot reach the RPC port of {host}:{port} ({e}); is the peer "

@@ -6,7 +6,7 @@ so the name alone says where to ask.
 """
 from __future__ import annotations
 
-from ..errors import SegmentNotFoundError, InvalidArgumentError
+from ..errors import AuthenticationError, SegmentNotFoundError, InvalidArgumentError
 from . import framing
 from .base import MetadataBackend
 from .descriptor import SegmentDescriptor
@@ -25,8 +25,9 @@ def split_host_port(name: str) -> tuple[str, int]:
 class P2PBackend(MetadataBackend):
     kind = "p2p"
 
-    def __init__(self, local_descriptor=None):
+    def __init__(self, local_descriptor=None, token: bytes | None = None):
         self._local = local_descriptor     # callable -> bytes, so peers get ours in exchange
+        self.token = token
 
     def publish(self, desc: SegmentDescriptor) -> None:
         pass    # the RPC server serves the live descriptor
@@ -38,7 +39,10 @@ class P2PBackend(MetadataBackend):
         host, port = split_host_port(name)
         try:
             raw = framing.request(host, port, framing.METADATA,
-                                  self._local() if self._local else b"{}", timeout)
+                                  self._local() if self._local else b"{}", timeout,
+                                  token=self.token)
+        except AuthenticationError:
+            raise
         except Exception as e:
             raise SegmentNotFoundError(f"segment {name!r} not found: {e}",
                                        status=getattr(e, "status", None)) from None

@@ -7,8 +7,10 @@ the data path never comes through here.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import os
 import socket
 import threading
 import weakref
@@ -31,7 +33,10 @@ class RpcServer:
     """
 
     def __init__(self, host: str, port: int, describe: Callable[[], bytes],
-                 on_notify: Callable[[str, bytes], None], bind_host: str | None = None):
+                 on_notify: Callable[[str, bytes], None], bind_host: str | None = None,
+                 token: bytes | None = None):
+        self._token = token or None
+        self.auth_failures = 0
         # Weak: the accept thread must not keep an unclosed engine alive forever (then
         # it could never warn and clean up in __del__).
         self._describe = _weak(describe)
@@ -65,6 +70,11 @@ class RpcServer:
             try:
                 conn.settimeout(5.0)       # Mooncake: server per-connection recv timeout 5 s
                 kind, payload = framing.recv_frame(conn)
+                if self._token or kind == framing.AUTH:
+                    who = f"{conn.getpeername()[0]}:{conn.getpeername()[1]}"
+                    if not self._authenticate(conn, kind, payload, who):
+                        return
+                    kind, payload = framing.recv_frame(conn)
                 describe, on_notify = self._describe(), self._on_notify()
                 if describe is None or on_notify is None:
                     return                      # the engine is gone
@@ -83,6 +93,32 @@ class RpcServer:
                 framing.send_frame(conn, kind, reply)
             except Exception as e:  # a bad peer must not take the server down
                 log.debug("RPC request failed: %r", e)
+
+    def _refuse(self, conn, who: str, why: str) -> bool:
+        self.auth_failures += 1
+        log.warning("refused RPC peer %s: %s", who, why)
+        framing.send_frame(conn, framing.AUTH_FAILED, json.dumps({"reply_msg": why}).encode())
+        return False
+
+    def _authenticate(self, conn, kind: int, payload: bytes, who: str) -> bool:
+        """Mutual HMAC challenge-response (framing.client_auth is the other half)."""
+        if kind != framing.AUTH:
+            return self._refuse(conn, who, "authentication required: this engine has an "
+                                           "auth_token; set the same token on the peer")
+        if not self._token:
+            framing.send_frame(conn, framing.AUTH_FAILED, json.dumps(
+                {"reply_msg": "this engine has no auth_token"}).encode())
+            return False
+        cn = bytes.fromhex(json.loads(payload)["nonce"])
+        sn = os.urandom(16)
+        framing.send_frame(conn, framing.AUTH, json.dumps(
+            {"nonce": sn.hex(), "proof": framing.proof(self._token, b"mte-rpc-server", cn, sn)
+             .hex()}).encode())
+        kind, raw = framing.recv_frame(conn)
+        got = bytes.fromhex(json.loads(raw).get("proof", "")) if kind == framing.AUTH else b""
+        if not hmac.compare_digest(got, framing.proof(self._token, b"mte-rpc-client", sn, cn)):
+            return self._refuse(conn, who, "wrong auth token")
+        return True
 
     def close(self) -> None:
         if self._closed:

@@ -2,6 +2,7 @@
 /* TCP transport data path; see tcp.h for the design and the wire format. */
 #define _GNU_SOURCE
 #include "tcp.h"
+#include "../core/hmac_sha256.h"
 
 #include <endian.h>
 #include <errno.h>
@@ -16,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/random.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -23,7 +25,11 @@
 #define MAGIC_REQ   0x3245544du   /* "MTE2" */
 #define MAGIC_RESP  0x5245544du   /* "MTER" */
 #define MAGIC_HELLO 0x4845544du   /* "MTEH" */
-#define PROTO_VERSION 1u
+#define PROTO_VERSION 2u
+#define NONCE_LEN 16
+#define HELLO_SIZE 40                 /* magic, version, instance, name len, flags, nonce */
+#define REPLY_SIZE 64                 /* magic, status, instance, nonce, proof */
+#define HELLO_AUTH 1u
 #define REQ_SIZE 32
 #define RESP_SIZE 24
 #define GROUP_MAX 256                 /* requests pipelined per writev on a lane */
@@ -443,6 +449,9 @@ struct mte_tcp {
     char name[256];
     uint64_t instance;
     int stall_ms;
+    uint8_t token[256];          /* shared secret; token_len 0 = no authentication */
+    size_t token_len;
+    atomic_ullong auth_failures;
     pthread_t accept_thread;
     atomic_int closing;
     pthread_mutex_t mu;          /* guards conns, nconns, notifs */
@@ -507,45 +516,98 @@ static int connect_timeout(const char *host, int port, int timeout_ms)
     return fd;
 }
 
+/* The hello (both directions) and, when a token is set, a mutual HMAC challenge-response
+ * with fresh nonces on each connection (tcp.h). Proofs bind both nonces, a direction
+ * label and the identity sent, so a recorded exchange cannot be replayed. */
+static void proof(const mte_tcp_t *t, const char *label, const uint8_t *n1, const uint8_t *n2,
+                  const void *extra, size_t extra_len, uint8_t out[MTE_SHA256_LEN])
+{
+    const void *parts[4] = {label, n1, n2, extra};
+    const size_t lens[4] = {strlen(label), NONCE_LEN, NONCE_LEN, extra_len};
+    mte_hmac_sha256(t->token, t->token_len, parts, lens, 4, out);
+}
+
+static void fresh_nonce(uint8_t n[NONCE_LEN])
+{
+    if (getrandom(n, NONCE_LEN, 0) != NONCE_LEN) {
+        /* getrandom(2) cannot fail for 16 bytes once the pool is ready; be safe anyway. */
+        int64_t t = mte_now_ns();
+        for (int i = 0; i < NONCE_LEN; i++)
+            n[i] ^= (uint8_t)(t >> (i % 8 * 8)) ^ (uint8_t)rand();
+    }
+}
+
 /* Connects and says hello. 0 or an error code. */
 static int lane_connect(lane_t *L)
 {
     mte_peer_t *p = L->peer;
+    mte_tcp_t *t = p->tcp;
     int fd = connect_timeout(p->host, p->port, 5000);   /* Mooncake: 5 s connect timeout */
     if (fd < 0)
         return MTE_E_SOCKET;
     set_tick(fd, TICK_MS);
     L->io.fd = fd;
     L->io.pos = L->io.end = 0;
-    const char *name = p->tcp->name;
+    const char *name = t->name;
     size_t nl = strlen(name);
-    uint8_t hello[20];
+    uint8_t hello[HELLO_SIZE], cnonce[NONCE_LEN];
+    fresh_nonce(cnonce);
     put32(hello, MAGIC_HELLO);
     put32(hello + 4, PROTO_VERSION);
-    put64(hello + 8, p->tcp->instance);
+    put64(hello + 8, t->instance);
     put32(hello + 16, (uint32_t)nl);
-    struct iovec iov[2] = {{hello, 20}, {(void *)name, nl}};
+    put32(hello + 20, t->token_len ? HELLO_AUTH : 0);
+    memcpy(hello + 24, cnonce, NONCE_LEN);
+    struct iovec iov[2] = {{hello, HELLO_SIZE}, {(void *)name, nl}};
     int e = send_iov(&L->io, iov, 2);
     if (!e)
-        e = fill(&L->io, 16);
-    if (e) {
-        lane_disconnect(L);
-        return e;
-    }
+        e = fill(&L->io, REPLY_SIZE);
+    if (e)
+        goto fail;
     const uint8_t *r = L->io.buf + L->io.pos;
-    L->io.pos += 16;
-    if (get32(r) != MAGIC_HELLO || (int32_t)get32(r + 4) != 0) {
-        lane_disconnect(L);
-        return MTE_E_PROTOCOL;
+    L->io.pos += REPLY_SIZE;
+    int32_t st = (int32_t)get32(r + 4);
+    if (get32(r) != MAGIC_HELLO) {
+        e = MTE_E_PROTOCOL;
+        goto fail;
+    }
+    if (st != 0) {
+        e = st == MTE_E_AUTH ? MTE_E_AUTH : MTE_E_PROTOCOL;
+        goto fail;
     }
     uint64_t inst = get64(r + 8);
+    if (t->token_len) {
+        uint8_t expect[MTE_SHA256_LEN], mine[MTE_SHA256_LEN], inst_le[8];
+        const uint8_t *snonce = r + 16;
+        put64(inst_le, inst);
+        proof(t, "mte-data-server", cnonce, snonce, inst_le, 8, expect);
+        if (mte_ct_compare(expect, r + 16 + NONCE_LEN, MTE_SHA256_LEN)) {
+            e = MTE_E_AUTH;            /* the server does not know the token */
+            goto fail;
+        }
+        proof(t, "mte-data-client", snonce, cnonce, name, nl, mine);
+        e = send_all(&L->io, mine, MTE_SHA256_LEN);
+        if (!e)
+            e = fill(&L->io, 8);
+        if (e)
+            goto fail;
+        r = L->io.buf + L->io.pos;
+        L->io.pos += 8;
+        if (get32(r) != MAGIC_HELLO || (int32_t)get32(r + 4) != 0) {
+            e = MTE_E_AUTH;
+            goto fail;
+        }
+    }
     atomic_store(&p->seen_instance, inst);
     if (p->expect_instance && inst != p->expect_instance) {
         atomic_store(&p->restarted, 1);
-        lane_disconnect(L);
-        return MTE_E_PEER_RESTARTED;
+        e = MTE_E_PEER_RESTARTED;
+        goto fail;
     }
     return 0;
+fail:
+    lane_disconnect(L);
+    return e;
 }
 
 /* Carries up to GROUP_MAX same-op items on lane L; completes every one of them. */
@@ -989,27 +1051,57 @@ static void conn_serve(conn_t *c)
     obuf_t o = {.io = &io, .buf = malloc(OBUF_SIZE), .len = 0};
     if (!io.buf || !o.buf)
         goto out;
-    /* Hello: magic, version, the peer's instance, its name. */
+    /* Hello: magic, version, the peer's instance, its name, flags, its nonce. */
     c->mid_message = 1;
-    if (fill(&io, 20))
+    if (fill(&io, HELLO_SIZE))
         goto out;
-    const uint8_t *h = io.buf + io.pos;
-    uint32_t nl = get32(h + 16);
-    int bad = get32(h) != MAGIC_HELLO || get32(h + 4) != PROTO_VERSION || nl > 255;
-    io.pos += 20;
-    if (!bad) {
+    uint8_t hello[HELLO_SIZE];
+    memcpy(hello, io.buf + io.pos, HELLO_SIZE);
+    io.pos += HELLO_SIZE;
+    uint32_t nl = get32(hello + 16), flags = get32(hello + 20);
+    const uint8_t *cnonce = hello + 24;
+    int32_t status = 0;
+    if (get32(hello) != MAGIC_HELLO || get32(hello + 4) != PROTO_VERSION || nl > 255)
+        status = MTE_E_PROTOCOL;
+    else if (!!(flags & HELLO_AUTH) != !!t->token_len)
+        status = MTE_E_AUTH;           /* one side has a token, the other has none */
+    if (status != MTE_E_PROTOCOL) {
         if (fill(&io, nl))
             goto out;
         memcpy(c->peer_name, io.buf + io.pos, nl);
         c->peer_name[nl] = 0;
         io.pos += nl;
     }
-    uint8_t reply[16];
+    uint8_t reply[REPLY_SIZE] = {0}, snonce[NONCE_LEN];
     put32(reply, MAGIC_HELLO);
-    put32(reply + 4, bad ? (uint32_t)MTE_E_PROTOCOL : 0);
+    put32(reply + 4, (uint32_t)status);
     put64(reply + 8, t->instance);
-    if (send_all(&io, reply, 16) || bad)
+    if (status == 0 && t->token_len) {
+        fresh_nonce(snonce);
+        memcpy(reply + 16, snonce, NONCE_LEN);
+        proof(t, "mte-data-server", cnonce, snonce, reply + 8, 8, reply + 16 + NONCE_LEN);
+    }
+    if (send_all(&io, reply, REPLY_SIZE) || status != 0) {
+        if (status == MTE_E_AUTH)
+            atomic_fetch_add(&t->auth_failures, 1);
         goto out;
+    }
+    if (t->token_len) {
+        uint8_t expect[MTE_SHA256_LEN], fin[8];
+        if (fill(&io, MTE_SHA256_LEN))
+            goto out;
+        proof(t, "mte-data-client", snonce, cnonce, c->peer_name, nl, expect);
+        int bad = mte_ct_compare(expect, io.buf + io.pos, MTE_SHA256_LEN) != 0;
+        io.pos += MTE_SHA256_LEN;
+        put32(fin, MAGIC_HELLO);
+        put32(fin + 4, bad ? (uint32_t)MTE_E_AUTH : 0);
+        send_all(&io, fin, 8);
+        if (bad) {
+            /* Nothing this peer sent is applied: the connection ends here. */
+            atomic_fetch_add(&t->auth_failures, 1);
+            goto out;
+        }
+    }
 
     for (;;) {
         if (io.end - io.pos < REQ_SIZE) {
@@ -1154,9 +1246,14 @@ static void *accept_main(void *arg)
 }
 
 mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
-                       const char *name, uint64_t instance, int stall_ms, int *err)
+                       const char *name, uint64_t instance, int stall_ms,
+                       const void *token, size_t token_len, int *err)
 {
     *err = 0;
+    if (token_len > 256) {
+        *err = -EINVAL;
+        return NULL;
+    }
     char portstr[16];
     snprintf(portstr, sizeof(portstr), "%d", port);
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
@@ -1197,6 +1294,9 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
     snprintf(t->name, sizeof(t->name), "%s", name ? name : "");
     t->instance = instance;
     t->stall_ms = stall_ms > 0 ? stall_ms : 30000;
+    if (token_len)
+        memcpy(t->token, token, token_len);
+    t->token_len = token_len;
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);
     if (pthread_create(&t->accept_thread, NULL, accept_main, t) != 0) {
@@ -1209,6 +1309,7 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
 }
 
 int mte_tcp_port(const mte_tcp_t *t) { return t->port; }
+uint64_t mte_tcp_auth_failures(const mte_tcp_t *t) { return atomic_load(&t->auth_failures); }
 
 void mte_tcp_free(mte_tcp_t *t)
 {

@@ -13,7 +13,15 @@
  *   response 24 B: u32 magic 'MTER' | i32 status | u64 seq | u64 len [+ len bytes for READ]
  * A WRITE is acknowledged only after the bytes are in the target's memory, so a
  * completed WRITE means applied, and a rejected one (address outside every region)
- * is drained and answered with a status instead of tearing the connection down. */
+ * is drained and answered with a status instead of tearing the connection down.
+ *
+ * Hello: client -> 40 B: u32 'MTEH' | u32 version | u64 instance | u32 name_len |
+ *                        u32 flags (1 = authenticates) | 16 B nonce Nc  [+ name]
+ *        server -> 64 B: u32 'MTEH' | i32 status | u64 instance | 16 B nonce Ns |
+ *                        32 B HMAC(token, "mte-data-server" Nc Ns instance)
+ * With a token (both sides must have one, else status -803), the client checks the
+ * server's proof, then sends HMAC(token, "mte-data-client" Ns Nc name), and the server
+ * answers u32 'MTEH' | i32 status before any request is read. */
 #ifndef MTE_TCP_H
 #define MTE_TCP_H
 
@@ -30,6 +38,7 @@ enum { MTE_ST_PENDING = 0, MTE_ST_COMPLETED = 1, MTE_ST_FAILED = 2, MTE_ST_TIMEO
 #define MTE_E_REMOTE_NOT_REG   (-3)
 #define MTE_E_SOCKET           (-102)
 #define MTE_E_TIMEOUT          (-801)
+#define MTE_E_AUTH             (-803)
 #define MTE_E_CANCELED         (-805)
 #define MTE_E_LOCAL_NOT_REG    (-1003)
 #define MTE_E_REMOTE_ACCESS    (-1004)
@@ -50,9 +59,12 @@ typedef struct mte_notif {
 } mte_notif_t;
 
 /* --- server ------------------------------------------------------------------------ */
+/* token: shared secret (token_len 0: none, at most 256 bytes). */
 mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
-                       const char *name, uint64_t instance, int stall_ms, int *err);
+                       const char *name, uint64_t instance, int stall_ms,
+                       const void *token, size_t token_len, int *err);
 int mte_tcp_port(const mte_tcp_t *t);
+uint64_t mte_tcp_auth_failures(const mte_tcp_t *t);
 void mte_tcp_free(mte_tcp_t *t);
 int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len);
 mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t);

@@ -28,13 +28,15 @@ class TcpTransport(Transport):
         Connections per peer, and the size large requests are cut into.
     stall_ms : int
         How long a peer may stall mid-message before its connection is dropped.
+    token : bytes
+        Shared secret: every data connection runs a mutual HMAC challenge-response.
     """
 
     name = "tcp"
 
     def __init__(self, regions, bind_host: str, name: str, instance: int, lanes: int = 4,
-                 slice_size: int = 256 << 10, stall_ms: int = 30000):
-        self.server = TcpServer(regions, bind_host, 0, name, instance, stall_ms)
+                 slice_size: int = 256 << 10, stall_ms: int = 30000, token: bytes = b""):
+        self.server = TcpServer(regions, bind_host, 0, name, instance, stall_ms, token or b"")
         self.lanes = lanes
         self.slice_size = slice_size
         self._peers: dict[str, Peer] = {}

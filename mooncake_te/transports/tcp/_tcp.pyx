@@ -21,6 +21,17 @@ def now_ns():
     return mte_now_ns()
 
 
+def hmac_sha256(bytes key, bytes data):
+    """The data path's HMAC-SHA256 (src/core/hmac_sha256.c), exposed for tests."""
+    cdef const void *parts[1]
+    cdef size_t lens[1]
+    cdef unsigned char out[32]
+    parts[0] = <const char *>data
+    lens[0] = len(data)
+    mte_hmac_sha256(<const char *>key, len(key), parts, lens, 1, out)
+    return bytes(out[:32])
+
+
 cdef class TcpServer:
     """Accepts data connections and applies peers' requests to registered memory."""
     cdef mte_tcp_t *t
@@ -29,14 +40,18 @@ cdef class TcpServer:
     cdef int pid
 
     def __cinit__(self, Regions regions, str bind_host, int port, str name,
-                  uint64_t instance, int stall_ms=30000):
+                  uint64_t instance, int stall_ms=30000, bytes token=b""):
         cdef int err = 0
         cdef bytes h = bind_host.encode(), n = name.encode()
         cdef const char *hp = h
         cdef const char *np_ = n
+        cdef const char *tp = token
+        cdef size_t tl = len(token)
+        if tl > 256:
+            raise ValueError("auth token longer than 256 bytes")
         self.regions = regions
         with nogil:
-            self.t = mte_tcp_new(regions.t, hp, port, np_, instance, stall_ms, &err)
+            self.t = mte_tcp_new(regions.t, hp, port, np_, instance, stall_ms, tp, tl, &err)
         if self.t == NULL:
             raise OSError(-err, f"cannot listen for TCP data connections on {bind_host}:{port}: "
                                 f"{os.strerror(-err)}")
@@ -55,6 +70,11 @@ cdef class TcpServer:
             with nogil:
                 mte_tcp_free(self.t)
             self.t = NULL
+
+    @property
+    def auth_failures(self):
+        """Data connections refused because the peer could not prove the token."""
+        return mte_tcp_auth_failures(self.t) if self.t != NULL else 0
 
     def push_notification(self, str sender, bytes msg):
         if self.t != NULL:

@@ -17,8 +17,10 @@ cdef extern from "tcp/tcp.h" nogil:
         size_t len
         char *msg
     mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
-                           const char *name, uint64_t instance, int stall_ms, int *err)
+                           const char *name, uint64_t instance, int stall_ms,
+                           const void *token, size_t token_len, int *err)
     int mte_tcp_port(const mte_tcp_t *t)
+    uint64_t mte_tcp_auth_failures(const mte_tcp_t *t)
     void mte_tcp_free(mte_tcp_t *t)
     int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len)
     mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t)
@@ -44,3 +46,8 @@ cdef extern from "tcp/tcp.h" nogil:
     void mte_batch_status(mte_batch_t *b, uint8_t *states, uint64_t *bytes, int32_t *errs)
     int32_t mte_batch_notify_error(const mte_batch_t *b)
     int64_t mte_now_ns()
+
+
+cdef extern from "core/hmac_sha256.h" nogil:
+    void mte_hmac_sha256(const void *key, size_t key_len, const void *const parts[],
+                         const size_t lens[], int nparts, uint8_t *out)
