@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The P2P store's control port: small JSON requests between stores.
+
+Chunk *data* never comes through here: getters read it one-sided through the transfer
+engine. This port carries what the engine has no words for: which chunks a holder has
+(a bitmap), a grant before each chunk read (so a holder knows its load, can turn a
+getter away when busy, and counts what it uploaded), the outcome after it (a corrupt
+chunk makes the holder check its own copy), and gossip about other holders.
+
+Framing is the engine's handshake framing (``u64 length | u8 type | payload``,
+:mod:`mooncake_te.metadata.framing`) with a type of our own, so a store's port that is
+mistakenly given to an engine (or the reverse) fails with a clear reply instead of
+garbage. Connections are persistent: a getter keeps one per holder for the whole get.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from typing import Callable
+
+from ..errors import ERR_SOCKET, MetadataError
+from ..metadata import framing, split_host_port
+
+log = logging.getLogger("mooncake_te.p2p_store")
+
+#: frame type of P2P store requests ("P"); the engine's own types are 0..3
+FRAME = 0x50
+
+
+class ControlServer:
+    """Accepts store-to-store requests on ``host:port`` and answers each with ``handle``.
+
+    Parameters
+    ----------
+    handle : callable(request: dict, session: dict) -> dict
+        Answers one request; ``session`` is per connection (the store keeps a getter's
+        outstanding grants there so a vanished getter's grants are released).
+    on_close : callable(session: dict)
+        Called when a connection ends.
+    """
+
+    def __init__(self, host: str, port: int, handle: Callable, on_close: Callable):
+        self._handle = handle
+        self._on_close = on_close
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:
+            self._sock.close()
+            raise OSError(e.errno, f"P2P store cannot listen on {host}:{port} ({e.strerror}); "
+                                   f"pick another port or port=0") from None
+        self._sock.listen(256)
+        self.host = host
+        self.port = self._sock.getsockname()[1]
+        self._closed = False
+        self._conns: set = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._serve, daemon=True,
+                                        name=f"mte-p2p-{self.port}")
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._conns.add(conn)
+            threading.Thread(target=self._connection, args=(conn,), daemon=True,
+                             name=f"mte-p2p-{self.port}-conn").start()
+
+    def _connection(self, conn: socket.socket) -> None:
+        session: dict = {}
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while not self._closed:
+                try:
+                    kind, payload = framing.recv_frame(conn)
+                except (OSError, ConnectionError, MetadataError):
+                    return
+                if kind != FRAME:
+                    framing.send_frame(conn, kind, json.dumps(
+                        {"reply_msg": "this is a mooncake_te P2P store port, not an engine's "
+                                      "RPC port"}).encode())
+                    return
+                try:
+                    reply = self._handle(json.loads(payload), session)
+                except Exception as e:  # a bad request must not take the server down
+                    log.debug("P2P store request failed: %r", e)
+                    reply = {"ok": False, "error": "internal", "message": repr(e)}
+                framing.send_frame(conn, FRAME, json.dumps(reply, separators=(",", ":")).encode())
+        except OSError:
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+            try:
+                self._on_close(session)
+            except Exception:
+                log.exception("releasing a P2P store session failed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:         # wake the connection threads so they end
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=2.0)
+
+
+class ControlClient:
+    """One persistent connection to another store's control port (thread-safe)."""
+
+    def __init__(self, address: str, timeout: float = 5.0):
+        self.address = address
+        self.host, self.port = split_host_port(address)
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def _connect(self) -> socket.socket:
+        s = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    def call(self, request: dict) -> dict:
+        """Send ``request``, return the reply; MetadataError when the store is unreachable."""
+        payload = json.dumps(request, separators=(",", ":")).encode()
+        with self._lock:
+            for attempt in (0, 1):
+                fresh = self._sock is None
+                try:
+                    if fresh:
+                        self._sock = self._connect()
+                    framing.send_frame(self._sock, FRAME, payload)
+                    kind, raw = framing.recv_frame(self._sock)
+                    break
+                except (OSError, ConnectionError, MetadataError) as e:
+                    self._drop()
+                    # A kept connection may have been closed by an idle peer; one fresh
+                    # attempt tells that apart from a dead store.
+                    if fresh or attempt:
+                        raise MetadataError(
+                            f"P2P store at {self.address} is unreachable ({e}); is it running?",
+                            status=ERR_SOCKET, errno=getattr(e, "errno", None)) from None
+        if kind != FRAME:
+            raise MetadataError(f"{self.address} is not a P2P store port (it answered frame "
+                                f"type {kind}); give the store's address, e.g. the one "
+                                f"`mooncake-te p2p publish` prints", status=ERR_SOCKET)
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise MetadataError(f"P2P store at {self.address} sent a malformed reply",
+                                status=ERR_SOCKET) from None
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()

@@ -1,0 +1,312 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Where manifests and holder lists live.
+
+With a metadata store (etcd, redis, http) they are keys beside the engines'
+descriptors, under the same prefix (``MC_METADATA_CLUSTER_ID`` applies):
+
+* ``mooncake/[<cluster>/]p2p_store/objects/<name>``: the manifest (JSON);
+* ``mooncake/[<cluster>/]p2p_store/holders/<name>``: ``{"object_id", "holders": [...]}``;
+* ``mooncake/[<cluster>/]p2p_store/index``: ``{"names": [...]}``, for ``list()``.
+
+The stores offer only get/put/delete (:class:`~mooncake_te.metadata.KeyValueBackend`),
+no compare-and-swap, so two getters adding themselves at the same moment can lose one
+update. Three things make that harmless: every change is read back after a random
+pause and redone if it was lost; every holder re-checks its own entry each refresh
+period; and holders gossip (a getter names itself in each chunk request, and getters
+ask holders for the holders they know). A holder that died stays listed until someone
+notices its engine's segment has expired from the store (the engines' keys carry a
+TTL) and prunes it; until then getters skip it at the first refused connection.
+
+With ``metadata="p2p"`` there is no store: the publisher's store is the directory, and
+getters are given its address (``seeds=``). It answers manifest and holder requests
+from what it holds and what it has been told.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from abc import ABC, abstractmethod
+
+from ..errors import MetadataError
+from ..metadata import KeyValueBackend, key_prefix, ram_key
+from .control import ControlClient
+from .errors import ObjectExistsError
+from .manifest import HolderRef, Manifest
+
+log = logging.getLogger("mooncake_te.p2p_store")
+
+
+class Directory(ABC):
+    """Manifests and holder lists, wherever they live."""
+
+    kind = "?"
+
+    @abstractmethod
+    def publish(self, manifest: Manifest) -> None:
+        """Make ``manifest`` findable; ObjectExistsError if a live publisher has the name."""
+
+    @abstractmethod
+    def withdraw(self, manifest: Manifest) -> None:
+        """Remove the object (its publisher calls this)."""
+
+    @abstractmethod
+    def manifest(self, name: str) -> Manifest | None: ...
+
+    @abstractmethod
+    def holders(self, name: str, object_id: str) -> list[HolderRef]: ...
+
+    @abstractmethod
+    def add_holder(self, manifest: Manifest, ref: HolderRef) -> None: ...
+
+    @abstractmethod
+    def remove_holder(self, manifest: Manifest, ref: HolderRef) -> None: ...
+
+    @abstractmethod
+    def names(self) -> list[str]: ...
+
+    def holder_gone(self, manifest: Manifest, ref: HolderRef) -> None:
+        """A getter could not reach ``ref``: prune it if it is really gone."""
+
+    def describe(self) -> str:
+        return self.kind
+
+    def close(self) -> None:
+        pass
+
+
+def _alive(ref: HolderRef, timeout: float = 1.0) -> bool:
+    """Does the store ``ref`` names still run (same instance)?"""
+    c = ControlClient(ref.address, timeout)
+    try:
+        reply = c.call({"op": "hello"})
+        return reply.get("ref", {}).get("instance") == ref.instance
+    except MetadataError:
+        return False
+    finally:
+        c.close()
+
+
+class StoreDirectory(Directory):
+    """Manifests and holder lists in a metadata store (etcd, redis, http).
+
+    Parameters
+    ----------
+    backend : KeyValueBackend
+        An open store; closed by :meth:`close` only if ``owned``.
+    """
+
+    def __init__(self, backend: KeyValueBackend, owned: bool = False):
+        self.backend = backend
+        self.kind = backend.kind
+        self._owned = owned
+        self._prefix = key_prefix(getattr(backend, "cluster_id", None)) + "p2p_store/"
+
+    def describe(self) -> str:
+        return f"the {self.kind} metadata store {getattr(self.backend, 'address', '')}".rstrip()
+
+    # -- keys ----------------------------------------------------------------------------
+    def _mkey(self, name: str) -> str:
+        return f"{self._prefix}objects/{name}"
+
+    def _hkey(self, name: str) -> str:
+        return f"{self._prefix}holders/{name}"
+
+    def _ikey(self) -> str:
+        return f"{self._prefix}index"
+
+    def _get_json(self, key: str, default):
+        raw = self.backend.get(key)
+        if raw is None:
+            return default
+        try:
+            return json.loads(raw)
+        except ValueError:
+            log.warning("key %r in %s is not JSON; treating it as empty", key, self.describe())
+            return default
+
+    def _update(self, key: str, change, default) -> None:
+        """Apply the idempotent ``change(value) -> value`` with read-back and retry."""
+        for _ in range(8):
+            cur = self._get_json(key, default)
+            new = change(cur)
+            if new == cur:
+                return
+            self.backend.put(key, json.dumps(new, separators=(",", ":")).encode())
+            # Without compare-and-swap a concurrent writer may have overwritten us;
+            # after a random pause (so two writers desynchronise) read back and redo.
+            time.sleep(random.uniform(0.002, 0.02))
+            back = self._get_json(key, default)
+            if change(back) == back:
+                return
+        log.debug("update of %r kept losing races; the refresh loop will redo it", key)
+
+    # -- Directory -----------------------------------------------------------------------
+    def publish(self, manifest: Manifest) -> None:
+        old = self.manifest(manifest.name)
+        if old is not None and old.origin.key != manifest.origin.key:
+            if _alive(old.origin):
+                raise ObjectExistsError(
+                    f"an object named {manifest.name!r} is already published by "
+                    f"{old.origin.name} ({old.origin.address}) in {self.describe()}; "
+                    f"unregister it there first or pick another name")
+            log.warning("replacing object %r: its publisher %s no longer runs",
+                        manifest.name, old.origin.address)
+        self.backend.put(self._mkey(manifest.name), manifest.encode())
+        self.backend.put(self._hkey(manifest.name), json.dumps(
+            {"object_id": manifest.object_id, "holders": [manifest.origin.to_json()]}).encode())
+        self._update(self._ikey(), lambda d: _with_name(d, manifest.name, True), {"names": []})
+
+    def withdraw(self, manifest: Manifest) -> None:
+        cur = self.manifest(manifest.name)
+        if cur is not None and cur.object_id != manifest.object_id:
+            return      # already replaced by someone else's object: not ours to delete
+        self.backend.delete(self._mkey(manifest.name))
+        self.backend.delete(self._hkey(manifest.name))
+        self._update(self._ikey(), lambda d: _with_name(d, manifest.name, False), {"names": []})
+
+    def manifest(self, name: str) -> Manifest | None:
+        raw = self.backend.get(self._mkey(name))
+        return None if raw is None else Manifest.decode(raw)
+
+    def holders(self, name: str, object_id: str) -> list[HolderRef]:
+        d = self._get_json(self._hkey(name), {})
+        if d.get("object_id") != object_id:
+            return []
+        out = []
+        for h in d.get("holders", ()):
+            try:
+                out.append(HolderRef.from_json(h))
+            except (KeyError, TypeError):
+                continue
+        return out
+
+    def _change_holders(self, manifest: Manifest, ref: HolderRef, add: bool) -> None:
+        def change(d):
+            if d.get("object_id") != manifest.object_id:
+                if not add:
+                    return d
+                d = {"object_id": manifest.object_id, "holders": []}
+            hs = [h for h in d.get("holders", ()) if h.get("address") != ref.address
+                  or h.get("instance") != ref.instance]
+            if add:
+                hs.append(ref.to_json())
+            return {"object_id": manifest.object_id, "holders": hs}
+        self._update(self._hkey(manifest.name), change, {})
+
+    def add_holder(self, manifest: Manifest, ref: HolderRef) -> None:
+        self._change_holders(manifest, ref, True)
+
+    def remove_holder(self, manifest: Manifest, ref: HolderRef) -> None:
+        self._change_holders(manifest, ref, False)
+
+    def holder_gone(self, manifest: Manifest, ref: HolderRef) -> None:
+        # The engine's descriptor carries a TTL in every store: once it is gone the
+        # holder's process is gone (or cut off), and the entry can go too.
+        try:
+            if self.backend.get(ram_key(ref.segment, getattr(self.backend, "cluster_id", None))) \
+                    is None:
+                self.remove_holder(manifest, ref)
+                log.info("pruned holder %s of %r: its engine left the metadata store",
+                         ref.name, manifest.name)
+        except MetadataError as e:
+            log.debug("could not prune %s: %s", ref.name, e)
+
+    def names(self) -> list[str]:
+        return list(self._get_json(self._ikey(), {"names": []}).get("names", ()))
+
+    def close(self) -> None:
+        if self._owned:
+            self.backend.close()
+
+
+def _with_name(d: dict, name: str, present: bool) -> dict:
+    names = [n for n in d.get("names", ()) if n != name]
+    if present:
+        names.append(name)
+    return {"names": sorted(names)}
+
+
+class SeedDirectory(Directory):
+    """No metadata store: ask the seed stores (publishers) given by address.
+
+    Parameters
+    ----------
+    seeds : list of str
+        ``host:port`` control addresses of stores that publish or hold the objects
+        (:attr:`P2PStore.address`).
+    """
+
+    kind = "p2p"
+
+    def __init__(self, seeds, timeout: float = 3.0):
+        self.seeds = list(seeds or ())
+        self._timeout = timeout
+        self._clients: dict[str, ControlClient] = {}
+
+    def describe(self) -> str:
+        return f"the seed stores {', '.join(self.seeds)}" if self.seeds else \
+            "this store (metadata='p2p' and no seeds given)"
+
+    def _ask(self, request: dict):
+        """Yield each seed's reply; MetadataError if none answered at all."""
+        errors = []
+        answered = False
+        for s in self.seeds:
+            c = self._clients.get(s)
+            if c is None:
+                c = self._clients[s] = ControlClient(s, self._timeout)
+            try:
+                reply = c.call(request)
+            except MetadataError as e:
+                errors.append(str(e))
+                continue
+            answered = True
+            yield reply
+        if self.seeds and not answered:
+            raise MetadataError("no seed store answered: " + "; ".join(errors))
+
+    def publish(self, manifest: Manifest) -> None:
+        pass    # the publisher's own store answers for it
+
+    def withdraw(self, manifest: Manifest) -> None:
+        pass
+
+    def manifest(self, name: str) -> Manifest | None:
+        for reply in self._ask({"op": "manifest", "name": name}):
+            if reply.get("ok"):
+                return Manifest.from_json(reply["manifest"])
+        return None
+
+    def holders(self, name: str, object_id: str) -> list[HolderRef]:
+        out = {}
+        for reply in self._ask({"op": "holders", "name": name, "object_id": object_id}):
+            for h in reply.get("holders", ()) if reply.get("ok") else ():
+                ref = HolderRef.from_json(h)
+                out[ref.key] = ref
+        return list(out.values())
+
+    def add_holder(self, manifest: Manifest, ref: HolderRef) -> None:
+        self._tell("announce", manifest, ref)
+
+    def remove_holder(self, manifest: Manifest, ref: HolderRef) -> None:
+        self._tell("withdraw", manifest, ref)
+
+    def _tell(self, op: str, manifest: Manifest, ref: HolderRef) -> None:
+        try:
+            for _ in self._ask({"op": op, "name": manifest.name, "object_id": manifest.object_id,
+                                "holder": ref.to_json()}):
+                pass
+        except MetadataError as e:
+            log.debug("could not %s to the seeds: %s", op, e)
+
+    def names(self) -> list[str]:
+        names = set()
+        for reply in self._ask({"op": "list"}):
+            names.update(m["name"] for m in reply.get("objects", ()))
+        return sorted(names)
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()

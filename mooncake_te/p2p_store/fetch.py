@@ -1,0 +1,404 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One ``get``: chunks fetched in parallel from every holder, verified, served onward.
+
+Worker threads each loop: pick a (holder, chunk) pair, ask the holder for a grant over
+its control port, read the chunk one-sided through the transfer engine into the
+caller's memory, verify its CRC-32 against the manifest, tell the holder the outcome,
+and mark the chunk held, which is the moment other getters may fetch it from us.
+The calling thread meanwhile keeps the picture fresh: new holders from the directory
+and from gossip, bitmaps of holders still downloading, the manifest still published.
+
+Choice, as BitTorrent does it (rarest first spreads chunks so that getters have
+something to trade soonest): the least-loaded holder with a free slot goes first
+(load = our reads in flight to it plus the grants it reported to everyone), and from
+it the chunk held by the fewest holders, ties broken at random so that getters starting
+together ask the publisher for different chunks. A holder that fails a read or a
+control call is dropped for the rest of the get; one that serves a corrupt chunk is
+not asked for that chunk again, and after ``CORRUPT_LIMIT`` corrupt chunks not at all.
+"""
+from __future__ import annotations
+
+import base64
+import logging
+import random
+import threading
+import time
+
+import numpy as np
+
+from ..batch import READ
+from ..errors import MetadataError, MooncakeError
+from .control import ControlClient
+from .errors import NoHolderError, ObjectUnregisteredError
+from .manifest import HolderRef, Manifest, crc_of, transfer_plan
+
+log = logging.getLogger("mooncake_te.p2p_store")
+
+#: corrupt chunks after which a holder is not asked again in this get
+CORRUPT_LIMIT = 3
+#: seconds between bitmap refreshes of a holder that is itself still downloading
+BITMAP_PERIOD = 0.1
+#: seconds between directory (holder list) refreshes, and manifest checks
+HOLDERS_PERIOD = 0.5
+MANIFEST_PERIOD = 0.5
+
+
+def pack_bits(bits: np.ndarray) -> str:
+    return base64.b64encode(np.packbits(bits).tobytes()).decode()
+
+
+def unpack_bits(text: str, n: int) -> np.ndarray:
+    raw = np.frombuffer(base64.b64decode(text), dtype=np.uint8)
+    return np.unpackbits(raw, count=n).astype(bool)
+
+
+class _Peer:
+    """A holder as this get sees it."""
+
+    def __init__(self, ref: HolderRef, client: ControlClient, n: int):
+        self.ref = ref
+        self.client = client
+        self.layout = None              # [(address, length)] of its copy, in object order
+        self.bits = np.zeros(n, dtype=bool)
+        self.have = -1
+        self.complete = False
+        self.inflight = 0
+        self.load = 0
+        self.chunks = 0
+        self.bytes = 0
+        self.failures = 0
+        self.corrupt = 0
+        self.dead: str | None = None
+        self.bad = np.zeros(n, dtype=bool)
+        self.retry_at = 0.0
+        self.refreshed = 0.0
+
+    def update(self, reply: dict, n: int) -> None:
+        if "load" in reply:
+            self.load = int(reply["load"])
+        if reply.get("complete"):
+            self.complete = True
+            self.bits[:] = True
+            self.have = n
+        elif "bitmap" in reply:
+            self.bits = unpack_bits(reply["bitmap"], n)
+            self.have = int(reply.get("have", self.bits.sum()))
+        self.refreshed = time.monotonic()
+
+
+class Fetch:
+    """Fill ``pieces`` with the object ``manifest`` describes (see the module doc)."""
+
+    def __init__(self, store, manifest: Manifest, pieces, local, *, decentralized: bool,
+                 parallelism: int, progress, timeout: float | None, stall_timeout: float):
+        self.store = store
+        self.engine = store.engine
+        self.m = manifest
+        self.pieces = pieces
+        self.local = local                      # the store's entry: bits we serve onward
+        self.decentralized = decentralized
+        self.parallelism = max(1, int(parallelism))
+        self.progress = progress
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.stall_timeout = stall_timeout
+        n = manifest.chunks
+        self.n = n
+        self.have = np.zeros(n, dtype=bool)
+        self.inflight = np.zeros(n, dtype=bool)
+        self.peers: dict[str, _Peer] = {}
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.error: BaseException | None = None
+        self.done_bytes = 0
+        self.last_progress = time.monotonic()
+        self.corrupt_seen = 0
+        self.rng = random.Random()
+        self._announced = False
+
+    # -- the calling thread ----------------------------------------------------------------
+    def run(self) -> None:
+        self._refresh_holders()
+        workers = [threading.Thread(target=self._worker, daemon=True,
+                                    name=f"mte-p2p-get-{i}") for i in range(self.parallelism)]
+        for w in workers:
+            w.start()
+        next_holders = time.monotonic() + HOLDERS_PERIOD
+        next_manifest = time.monotonic() + MANIFEST_PERIOD
+        try:
+            while True:
+                with self.lock:
+                    if self.error is not None or self.have.all():
+                        break
+                    self.cond.wait(0.02)
+                    if self.error is not None or self.have.all():
+                        break
+                now = time.monotonic()
+                try:
+                    if now >= next_holders:
+                        self._refresh_holders()
+                        next_holders = now + HOLDERS_PERIOD
+                    self._refresh_bitmaps(now)
+                    if now >= next_manifest:
+                        self._check_manifest()
+                        next_manifest = now + MANIFEST_PERIOD
+                    self._check_stall(now)
+                except MooncakeError as e:
+                    self._fail(e)
+        finally:
+            with self.lock:
+                if self.error is None and not self.have.all():
+                    self.error = NoHolderError("the get was interrupted")
+                self.cond.notify_all()
+            for w in workers:
+                w.join()
+            for p in self.peers.values():
+                p.client.close()
+        if self.error is not None:
+            raise self.error
+
+    def _fail(self, e: BaseException) -> None:
+        with self.lock:
+            if self.error is None:
+                self.error = e
+            self.cond.notify_all()
+
+    def _candidates(self) -> list[HolderRef]:
+        if not self.decentralized:
+            return [self.m.origin]
+        refs = {r.key: r for r in self.store.directory.holders(self.m.name, self.m.object_id)}
+        refs.setdefault(self.m.origin.key, self.m.origin)
+        # Gossip: a holder knows getters that asked it for chunks, before the directory
+        # (whose read-modify-write may lose updates) lists them.
+        for p in list(self.peers.values()):
+            if p.dead is None:
+                try:
+                    reply = p.client.call({"op": "holders", "name": self.m.name,
+                                           "object_id": self.m.object_id})
+                except MetadataError:
+                    continue
+                for h in reply.get("holders", ()) if reply.get("ok") else ():
+                    ref = HolderRef.from_json(h)
+                    refs.setdefault(ref.key, ref)
+                break       # one peer per round is enough; others are asked next rounds
+        return list(refs.values())
+
+    def _refresh_holders(self) -> None:
+        for ref in self._candidates():
+            if ref.key in self.peers or ref.key == self.store.ref.key:
+                continue
+            peer = _Peer(ref, ControlClient(ref.address, self.store.control_timeout), self.n)
+            try:
+                reply = peer.client.call({"op": "bitmap", "name": self.m.name,
+                                          "object_id": self.m.object_id,
+                                          "instance": ref.instance})
+            except MetadataError as e:
+                peer.dead = f"unreachable: {e}"
+                peer.failures += 1
+                self._holder_failed(peer)
+                with self.lock:
+                    self.peers[ref.key] = peer
+                continue
+            if not reply.get("ok"):
+                peer.client.close()
+                continue        # does not hold it (any more): ask again next round
+            peer.layout = [(int(a), int(n)) for a, n in reply["layout"]]
+            peer.update(reply, self.n)
+            with self.lock:
+                self.peers[ref.key] = peer
+                self.cond.notify_all()
+
+    def _refresh_bitmaps(self, now: float) -> None:
+        for p in list(self.peers.values()):
+            if p.dead is not None or p.complete or now - p.refreshed < BITMAP_PERIOD:
+                continue
+            try:
+                reply = p.client.call({"op": "bitmap", "name": self.m.name,
+                                       "object_id": self.m.object_id})
+            except MetadataError as e:
+                self._peer_failed(p, f"unreachable: {e}")
+                continue
+            if not reply.get("ok"):
+                self._peer_failed(p, "no longer holds the object")
+                continue
+            with self.lock:
+                p.update(reply, self.n)
+                self.cond.notify_all()
+
+    def _check_manifest(self) -> None:
+        try:
+            cur = self.store._current_manifest(self.m)
+        except MetadataError as e:
+            log.debug("manifest check of %r failed: %s", self.m.name, e)
+            return
+        if cur is None or cur.object_id != self.m.object_id:
+            raise ObjectUnregisteredError(
+                f"object {self.m.name!r} was unregistered by its publisher "
+                f"{self.m.origin.name} while being fetched ({self.done_bytes} of "
+                f"{self.m.size} bytes had arrived)"
+                + ("; a new object of that name is published now: get it again" if cur else ""))
+
+    def _check_stall(self, now: float) -> None:
+        if self.deadline is not None and now > self.deadline:
+            raise NoHolderError(f"get of {self.m.name!r} timed out with {self.done_bytes} of "
+                                f"{self.m.size} bytes ({self._why()})")
+        with self.lock:
+            busy = self.inflight.any()
+        if not busy and now - self.last_progress > self.stall_timeout:
+            raise NoHolderError(
+                f"no holder could supply the remaining {int((~self.have).sum())} of {self.n} "
+                f"chunks of {self.m.name!r} for {self.stall_timeout:g} s ({self._why()})")
+
+    def _why(self) -> str:
+        parts = []
+        for p in self.peers.values():
+            if p.dead:
+                parts.append(f"{p.ref.name}: {p.dead}")
+            else:
+                parts.append(f"{p.ref.name}: has {max(p.have, 0)}/{self.n} chunks")
+        return "; ".join(parts) or "no holders found"
+
+    # -- workers ---------------------------------------------------------------------------
+    def _pick(self):
+        need = ~(self.have | self.inflight)
+        if not need.any():
+            return None
+        now = time.monotonic()
+        live = [p for p in self.peers.values() if p.dead is None and p.layout is not None]
+        if not live:
+            return None
+        avail = np.zeros(self.n, dtype=np.int32)
+        for p in live:
+            avail += p.bits & ~p.bad
+        order = sorted((p for p in live if p.inflight < self.parallelism and now >= p.retry_at),
+                       key=lambda p: (p.inflight + p.load, self.rng.random()))
+        for p in order:
+            cand = need & p.bits & ~p.bad
+            if not cand.any():
+                continue
+            idx = np.flatnonzero(cand)
+            a = avail[idx]
+            rarest = idx[a == a.min()]
+            return p, int(rarest[self.rng.randrange(len(rarest))])
+        return None
+
+    def _worker(self) -> None:
+        while True:
+            with self.lock:
+                while True:
+                    if self.error is not None or self.have.all():
+                        return
+                    choice = self._pick()
+                    if choice is not None:
+                        break
+                    self.cond.wait(0.02)
+                peer, c = choice
+                self.inflight[c] = True
+                peer.inflight += 1
+            try:
+                self._fetch_one(peer, c)
+            except BaseException as e:      # never leave a worker dead silently
+                log.exception("P2P get worker failed")
+                self._fail(e)
+            finally:
+                with self.lock:
+                    self.inflight[c] = False
+                    peer.inflight -= 1
+                    self.cond.notify_all()
+
+    def _fetch_one(self, peer: _Peer, c: int) -> None:
+        m = self.m
+        req = {"op": "req", "name": m.name, "object_id": m.object_id, "chunk": c,
+               "have": peer.have}
+        if self.decentralized and self.local is not None:
+            req["from"] = self.store.ref.to_json()
+        try:
+            reply = peer.client.call(req)
+        except MetadataError as e:
+            self._peer_failed(peer, f"unreachable: {e}")
+            return
+        if not reply.get("ok"):
+            err = reply.get("error")
+            with self.lock:
+                peer.update(reply, self.n)
+                if err == "busy":
+                    # Turned away: try others first, this one again shortly.
+                    peer.retry_at = time.monotonic() + 0.005 + self.rng.random() * 0.02
+                elif err == "missing":
+                    peer.bits[c] = False
+                else:
+                    peer.dead = reply.get("message") or err or "refused"
+            return
+        with self.lock:
+            peer.update(reply, self.n)
+        off, length = m.chunk_range(c)
+        result = "ok"
+        try:
+            local, remote, lens = transfer_plan(self.pieces, peer.layout, off, length)
+            b = self.engine.submit_arrays(READ, peer.ref.segment, np.array(local, np.uint64),
+                                          np.array(remote, np.uint64), np.array(lens, np.uint64),
+                                          timeout=self.store.transfer_timeout)
+            b.wait()
+        except MooncakeError as e:
+            result = "failed"
+            self._report(peer, c, result, length)
+            self._peer_failed(peer, f"read failed: {e}")
+            return
+        if crc_of(self.pieces, off, length) != m.checksums[c]:
+            result = "corrupt"
+        self._report(peer, c, result, length)
+        with self.lock:
+            if result == "corrupt":
+                peer.corrupt += 1
+                peer.bad[c] = True
+                self.corrupt_seen += 1
+                if peer.corrupt >= CORRUPT_LIMIT:
+                    peer.dead = f"served {peer.corrupt} corrupt chunks"
+                log.warning("chunk %d of %r from %s failed its checksum; fetching it elsewhere",
+                            c, m.name, peer.ref.name)
+                return
+            self.have[c] = True
+            peer.chunks += 1
+            peer.bytes += length
+            self.done_bytes += length
+            self.last_progress = time.monotonic()
+            done = self.done_bytes
+        # Verified: from now on others may fetch this chunk from us.
+        self.store._chunk_arrived(self.local, c, length, peer.ref)
+        if self.decentralized and not self._announced:
+            self._announced = True
+            self.store._announce_later(self.local)
+        if self.progress is not None:
+            self.progress(done, m.size)
+
+    def _report(self, peer: _Peer, c: int, result: str, length: int) -> None:
+        try:
+            peer.client.call({"op": "done", "name": self.m.name, "object_id": self.m.object_id,
+                              "chunk": c, "result": result, "bytes": length,
+                              "by": self.store.name})
+        except MetadataError:
+            pass        # the read itself says whether the holder is alive
+
+    def _peer_failed(self, peer: _Peer, why: str) -> None:
+        with self.lock:
+            if peer.dead is not None:
+                return
+            peer.dead = why
+            peer.failures += 1
+        log.info("holder %s of %r failed (%s); fetching from the others",
+                 peer.ref.name, self.m.name, why)
+        self._holder_failed(peer)
+
+    def _holder_failed(self, peer: _Peer) -> None:
+        self.store._holder_failed(self.m, peer.ref, peer.dead)
+
+    # -- results ---------------------------------------------------------------------------
+    def summary(self) -> dict:
+        with self.lock:
+            return {
+                "chunks_from": {p.ref.name: p.chunks for p in self.peers.values() if p.chunks},
+                "bytes_from": {p.ref.name: p.bytes for p in self.peers.values() if p.bytes},
+                "failed_holders": {p.ref.name: p.dead for p in self.peers.values() if p.dead},
+                "corrupt_chunks": self.corrupt_seen,
+                "corrupt_from": {p.ref.name: p.corrupt for p in self.peers.values()
+                                 if p.corrupt},
+            }
