@@ -445,3 +445,18 @@ def test_engine_takes_the_store_from_config_toml(tmp_path, store_server):
         assert not exists(r, "from-config")
     finally:
         r.close()
+
+
+def test_get_many_in_one_pass(store_server):
+    """The peer watch reads many keys at once (etcd: transactions of 128, redis: MGET)."""
+    b = open_backend(store_server.url)
+    try:
+        keys = [f"many/{i}" for i in range(300)]
+        for i in range(0, 300, 7):
+            b.put(keys[i], str(i).encode())
+        got = b._get_many(keys)
+        assert got == [str(i).encode() if i % 7 == 0 else None for i in range(300)]
+    finally:
+        for i in range(0, 300, 7):
+            b.delete(keys[i])
+        b.close()

@@ -21,6 +21,7 @@ granted and the keys are put again. ``close()`` deletes the keys and revokes the
 """
 from __future__ import annotations
 
+import base64
 import logging
 
 from ...errors import MetadataError, ERR_SOCKET
@@ -145,6 +146,24 @@ class EtcdStore(LeasedStore):
     def delete(self, key: str) -> None:
         self._call(f"delete {key!r}", lambda c: c.delete(key))
 
+    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+        # One transaction of range requests per 128 keys (etcd's default --max-txn-ops),
+        # so watching many peers costs one round trip per renewal period, not one each.
+        out: list[bytes | None] = []
+        for i in range(0, len(keys), 128):
+            chunk = keys[i:i + 128]
+            txn = {"success": [{"request_range": {"key": _b64(k)}} for k in chunk]}
+            resp = self._call(f"read {len(chunk)} keys",
+                              lambda c: c.post(c.get_url("/kv/txn"), json=txn))
+            for r in resp.get("responses", ()):
+                kvs = (r.get("response_range") or {}).get("kvs") or ()
+                out.append(base64.b64decode(kvs[0]["value"]) if kvs and "value" in kvs[0]
+                           else (b"" if kvs else None))
+        if len(out) != len(keys):
+            raise MetadataError(f"etcd metadata store {self.address}: a transaction of "
+                                f"{len(keys)} reads answered {len(out)} results")
+        return out
+
     # -- leases ------------------------------------------------------------------------
     def _grant(self):
         # The lease ID is cluster-wide, so any member can keep it alive later.
@@ -198,6 +217,11 @@ class EtcdStore(LeasedStore):
                 c.session.close()
             except Exception:
                 pass
+
+
+def _b64(key: str) -> str:
+    # The gateway carries bytes fields as base64 (proto3 JSON mapping).
+    return base64.b64encode(key.encode()).decode()
 
 
 def _keepalive(client, lease_id: int) -> int:
