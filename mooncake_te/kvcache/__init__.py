@@ -12,3 +12,8 @@ from .trace import SimResult, Trace, load_trace, simulate, sweep, trace_stats
 
 __all__ = ["LRU", "LFU", "make_policy", "Trace", "load_trace", "SimResult", "simulate",
            "sweep", "trace_stats"]
+
+from .keys import as_key, prefix_hashes  # noqa: E402
+from .store import KVCache  # noqa: E402
+
+__all__ += ["KVCache", "as_key", "prefix_hashes"]

@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Key -> owner index: which engine holds a block in its DRAM pool, in the metadata store.
+
+One record per block, ``mooncake/[<cluster>/]kvcache/<namespace>/<key hex>`` ->
+``{"owner": segment name, "addr": address of the slot in the owner's pool,
+"length": payload bytes}``, next to the segment descriptors under Mooncake's key layout
+(``metadata/base.py``). A reader resolves the owner's segment, reads header + data of
+the slot in one transfer and checks the header's key and CRC, so a stale record (the
+owner evicted or reused the slot since) costs one wasted read and counts as a miss,
+never returns wrong bytes. That is why records need no lease or lock.
+
+Writes go through a background thread that coalesces (only the last operation on a key
+is sent), so a put does not wait for a network round trip per block.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+from ..errors import MooncakeError
+from ..metadata.base import KeyValueBackend, key_prefix
+
+log = logging.getLogger("mooncake_te.kvcache")
+
+_DELETE = object()
+
+
+class OwnerIndex:
+    """Publishes this cache's DRAM blocks and finds other caches' blocks.
+
+    Parameters
+    ----------
+    store : KeyValueBackend
+        An etcd, redis or HTTP metadata store (``get``/``put``/``delete`` of bytes).
+    owner : str
+        This engine's segment name.
+    namespace : str
+        What the keys mean (the model); caches only see blocks of their own namespace.
+    """
+
+    def __init__(self, store: KeyValueBackend, owner: str, namespace: str = "default"):
+        self.store = store
+        self.owner = owner
+        self.prefix = f"{key_prefix(getattr(store, 'cluster_id', None))}kvcache/{namespace}/"
+        self._pending: dict = {}
+        self._cv = threading.Condition()
+        self._busy = False
+        self._closed = False
+        self.errors = 0
+        self._thread = threading.Thread(target=self._run, name="kvcache-index", daemon=True)
+        self._thread.start()
+
+    def _key(self, key: bytes) -> str:
+        return self.prefix + key.hex()
+
+    def publish(self, key: bytes, addr: int, length: int) -> None:
+        with self._cv:
+            self._pending[key] = (addr, length)
+            self._cv.notify()
+
+    def withdraw(self, key: bytes) -> None:
+        with self._cv:
+            self._pending[key] = _DELETE
+            self._cv.notify()
+
+    def lookup(self, key: bytes):
+        """``(owner, addr, length)`` of another engine holding ``key``, or None."""
+        try:
+            raw = self.store.get(self._key(key))
+        except MooncakeError as e:
+            log.warning("kvcache: owner index lookup failed: %s", e)
+            return None
+        if not raw:
+            return None
+        try:
+            d = json.loads(raw)
+            rec = (str(d["owner"]), int(d["addr"]), int(d["length"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return None if rec[0] == self.owner else rec
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued record reached the store."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending or self._closed)
+                if not self._pending and self._closed:
+                    return
+                batch, self._pending = self._pending, {}
+                self._busy = True
+            for key, op in batch.items():
+                try:
+                    if op is _DELETE:
+                        # Only our own record: another owner may have published since.
+                        raw = self.store.get(self._key(key))
+                        if raw and json.loads(raw).get("owner") == self.owner:
+                            self.store.delete(self._key(key))
+                    else:
+                        self.store.put(self._key(key), json.dumps(
+                            {"owner": self.owner, "addr": op[0], "length": op[1]}).encode())
+                except (MooncakeError, ValueError) as e:
+                    self.errors += 1
+                    if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
+                        log.warning("kvcache: owner index update failed (%d so far): %s",
+                                    self.errors, e)
+            with self._cv:
+                self._busy = False
+                self._cv.notify_all()
+
+    def close(self, withdraw_all=()) -> None:
+        """Withdraw ``withdraw_all`` keys, send what is queued, stop the thread."""
+        for key in withdraw_all:
+            self.withdraw(key)
+        self.flush()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=10)

@@ -1,0 +1,643 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``KVCache``: a two-tier block store (DRAM pool + SSD) keyed by prefix hashes.
+
+How an operation runs. Every call first walks its keys in order and updates the index and
+the eviction policy exactly as the trace simulator does (a hit is touched; a new block is
+given a DRAM slot, evicting the policy's victim, which is demoted to SSD), recording the
+data movement this implies without doing it. The movement then runs in four steps, each
+with many I/Os in flight: (1) write demoted blocks from their DRAM slots to SSD, (2) read
+promoted blocks from SSD (and remote blocks from peers) into their new DRAM slots, (3)
+copy new blocks from the caller into their slots, (4) copy promoted blocks out to the
+caller. A slot is never both emptied and refilled inside one round: if the walk is about
+to evict a block that was itself placed earlier in the same round (LFU evicts a fresh
+block first when everything else is hotter), the round's movement is run first. So the
+index the simulator predicts is the index the store has, and a DRAM-only cache reproduces
+the simulator's hit rates exactly (tested).
+
+Tiers are inclusive after a promotion: the SSD copy of a promoted block stays (blocks are
+immutable: a key names its content), so demoting it again costs no write.
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+import time
+import zlib
+
+import numpy as np
+
+from ..config import Config
+from ..errors import ConfigError, InvalidArgumentError, MooncakeError
+from .keys import as_key
+from .policy import make_policy
+from .record import HEADER_SIZE, pack_header, parse_header, slot_size_for
+from .stats import derive, log_line, new_counters
+
+log = logging.getLogger("mooncake_te.kvcache")
+
+_GIB = 1 << 30
+
+
+class KVCache:
+    """Blocks of KV bytes in DRAM and on SSD, found by prefix-hash keys.
+
+    Parameters
+    ----------
+    block_bytes : int
+        Largest block, in bytes (a full block of ``block_tokens`` tokens of one layer
+        group, however the caller lays KV out). Shorter blocks are fine.
+    dram_bytes : int
+        Size of the DRAM pool; it holds ``dram_bytes // slot_size`` blocks, where
+        ``slot_size`` is ``block_bytes`` plus a 64-byte header rounded up to 4 KiB.
+    ssd_bytes : int
+        Size of the SSD tier (0: DRAM only).
+    cache_dir : str, optional
+        Directory of the SSD tier; needed when ``ssd_bytes > 0``.
+    policy : {"lru", "lfu"}
+    engine : TransferEngine, optional
+        Registers the DRAM pool with it (peers may read it) and enables remote ``get``.
+    index : KeyValueBackend or str, optional
+        Where the key -> owner index lives: a metadata store or its URL
+        (``"redis://127.0.0.1:6379"``). Default: the engine's metadata store, if it uses
+        one (``p2p`` has no store, so remote get then needs ``index``).
+    namespace : str
+        What the keys mean (say, the model name); caches of other namespaces never share
+        blocks, on SSD or through the index.
+    block_tokens : int
+        Tokens per block (``[kvcache] block_size``), for token-weighted hit rates.
+    io_depth : int
+        SSD I/Os in flight.
+    o_direct : bool
+        Use ``O_DIRECT`` on the SSD tier where the file system allows it.
+    log_interval_s : float
+        Log the ``kv cache hit rate`` line this often (0: never; :meth:`log_stats` on
+        demand).
+
+    Examples
+    --------
+    >>> with KVCache(block_bytes=4096, dram_bytes=1 << 20) as c:     # doctest: +SKIP
+    ...     c.put([b"k" * 16], [b"\\x01" * 4096])
+    ...     c.lookup([b"k" * 16]), bytes(c.get([b"k" * 16])[0][:1])
+    """
+
+    def __init__(self, block_bytes: int, dram_bytes: int, ssd_bytes: int = 0,
+                 cache_dir: "str | None" = None, policy: str = "lru", engine=None,
+                 index=None, namespace: str = "default", block_tokens: int = 16,
+                 io_depth: int = 4, o_direct: bool = True, log_interval_s: float = 60.0):
+        self._closed = True
+        if not isinstance(block_bytes, int) or block_bytes < 1:
+            raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
+        self.block_bytes = block_bytes
+        self.slot_size = slot_size_for(block_bytes)
+        self.block_tokens = int(block_tokens)
+        self.policy_name = str(policy).lower()
+        self.namespace = namespace
+        self.engine = engine
+        ndram = int(dram_bytes) // self.slot_size
+        if ndram < 1:
+            raise ConfigError(
+                f"[kvcache] dram_cache_gb = {dram_bytes / _GIB:g} holds no block of "
+                f"{block_bytes} bytes ({self.slot_size} bytes with header and alignment); "
+                f"give the DRAM tier at least one block (the SSD tier reads and writes "
+                f"through it)")
+        self.dram_slots = ndram
+        self._dpol = make_policy(self.policy_name)
+        self._lock = threading.RLock()
+        self._c = new_counters()
+        self._dram: dict = {}                      # key -> (slot, length)
+        self._free = list(range(ndram - 1, -1, -1))
+        # One anonymous mapping: page-aligned (O_DIRECT needs 4 KiB alignment) and lazily
+        # backed, so a large pool costs memory only as it fills.
+        self._mm = mmap.mmap(-1, ndram * self.slot_size)
+        self._np = np.frombuffer(self._mm, dtype=np.uint8)
+        self._mv = memoryview(self._mm)
+        self.base = self._np.ctypes.data
+        self.region = None
+        self.ssd = None
+        self._index = None
+        self._own_store = None
+        self._seq = 0
+        self._reset_round()
+        try:
+            if ssd_bytes and ssd_bytes > 0:
+                if not cache_dir:
+                    raise ConfigError("[kvcache] ssd_cache_gb > 0 needs cache_dir, a directory "
+                                      "on a local SSD")
+                from .ssd import SSDTier
+                self.ssd = SSDTier(cache_dir, int(ssd_bytes), self.slot_size, self.policy_name,
+                                   namespace, io_depth, o_direct)
+                if self.ssd.nslots < 1:
+                    raise ConfigError(f"[kvcache] ssd_cache_gb = {ssd_bytes / _GIB:g} holds "
+                                      f"no block of {self.slot_size} bytes; make it larger or "
+                                      f"0 for DRAM only")
+                self._seq = self.ssd.max_seq
+            if engine is not None:
+                # Peers only read the pool: a remote write could corrupt a slot under us.
+                self.region = engine.register(self._np, access="r")
+                self._open_index(index)
+            elif index is not None:
+                raise InvalidArgumentError("index= needs engine= (remote blocks are read "
+                                           "through the transfer engine)")
+        except BaseException:
+            self._closed = False
+            self.close()
+            raise
+        self._closed = False
+        self._stop = threading.Event()
+        self._logger = None
+        self._last_logged = None
+        if log_interval_s and log_interval_s > 0:
+            self._logger = threading.Thread(target=self._log_loop, args=(float(log_interval_s),),
+                                            name="kvcache-stats", daemon=True)
+            self._logger.start()
+
+    # --- construction from config.toml ------------------------------------------------------
+    @classmethod
+    def from_config(cls, config=None, block_bytes: int = 0, engine=None, **kwargs) -> "KVCache":
+        """A cache sized by ``[kvcache]`` of ``config`` (a path, a :class:`Config`, or None
+        for the engine's config or the defaults). ``dram_cache_gb`` and ``ssd_cache_gb``
+        are GiB (2**30 bytes); ``block_size`` is tokens per block."""
+        if config is None and engine is not None:
+            config = getattr(engine, "config", None)
+        cfg = Config.load(config)
+        k = cfg["kvcache"]
+        args = dict(dram_bytes=int(k["dram_cache_gb"] * _GIB),
+                    ssd_bytes=int(k["ssd_cache_gb"] * _GIB),
+                    cache_dir=k["cache_dir"] or None, policy=k["eviction_policy"],
+                    block_tokens=k["block_size"], engine=engine)
+        args.update(kwargs)
+        return cls(block_bytes, **args)
+
+    def _open_index(self, index) -> None:
+        from ..metadata import open_backend
+        from ..metadata.base import KeyValueBackend
+        from .index import OwnerIndex
+        if isinstance(index, str):
+            index = self._own_store = open_backend(index)
+        if index is None:
+            b = getattr(self.engine, "_backend", None)
+            index = b if isinstance(b, KeyValueBackend) else None
+        if index is None:
+            return
+        if not isinstance(index, KeyValueBackend):
+            raise InvalidArgumentError(f"index must be a metadata store (etcd/redis/http) or "
+                                       f"its URL, got {type(index).__name__}")
+        self._index = OwnerIndex(index, self.engine.name, self.namespace)
+
+    # --- lifetime -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Withdraw this cache's index records, flush the SSD tier, unregister the pool.
+        Idempotent. The SSD tier's blocks stay in ``cache_dir`` for the next start."""
+        if self._closed:
+            return
+        self._closed = True
+        stop = getattr(self, "_stop", None)
+        if stop is not None:
+            stop.set()
+        if self._index is not None:
+            self._index.close(withdraw_all=list(self._dram))
+        if self._own_store is not None:
+            self._own_store.close()
+        if self.region is not None and not getattr(self.engine, "_closed", True):
+            try:
+                self.engine.unregister(self.region)
+            except MooncakeError as e:
+                log.warning("kvcache: could not unregister the DRAM pool: %s", e)
+        self.region = None
+        if self.ssd is not None:
+            self.ssd.close()
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"<KVCache {self.policy_name} dram {len(self._dram)}/{self.dram_slots} "
+                f"ssd {len(self.ssd) if self.ssd else 0}/{self.ssd.nslots if self.ssd else 0} "
+                f"blocks of {self.block_bytes} B{' closed' if self._closed else ''}>")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("the KV cache is closed")
+
+    # --- queries ------------------------------------------------------------------------
+    def tier(self, key) -> "str | None":
+        """``"dram"``, ``"ssd"`` or None: where this cache holds ``key``."""
+        k = as_key(key)
+        with self._lock:
+            if k in self._dram:
+                return "dram"
+            if self.ssd is not None and k in self.ssd:
+                return "ssd"
+        return None
+
+    def __contains__(self, key) -> bool:
+        return self.tier(key) is not None
+
+    def __len__(self) -> int:
+        """Distinct blocks held (a block in both tiers counts once)."""
+        with self._lock:
+            n = len(self._dram)
+            if self.ssd is not None:
+                n += sum(1 for k in self.ssd.index if k not in self._dram)
+            return n
+
+    def lookup(self, keys, num_tokens: "int | None" = None, remote: bool = False) -> int:
+        """Length of the longest prefix of ``keys`` this cache (and, with ``remote=True``,
+        a peer in the owner index) holds. Counts toward the hit rate; touches nothing.
+
+        Parameters
+        ----------
+        keys : sequence
+            Prefix-hash keys of one request, in order.
+        num_tokens : int, optional
+            The request's prompt length, for the token-weighted rate (block ``i`` weighs
+            ``min(block_tokens, num_tokens - block_tokens * i)``); default: full blocks.
+        remote : bool
+            Extend the prefix with blocks peers hold (one index query per block).
+        """
+        self._check_open()
+        ks = [as_key(k) for k in keys]
+        n = len(ks)
+        dram = ssd = rem = 0
+        with self._lock:
+            for k in ks:
+                if k in self._dram:
+                    dram += 1
+                elif self.ssd is not None and k in self.ssd:
+                    ssd += 1
+                else:
+                    break
+        hit = dram + ssd
+        if remote and hit < n and self._index is not None:
+            for k in ks[hit:]:
+                if self._index.lookup(k) is None:
+                    break
+                rem += 1
+            hit += rem
+        bt = self.block_tokens
+        tokens = bt * n if num_tokens is None else int(num_tokens)
+        with self._lock:
+            c = self._c
+            c["lookups"] += 1
+            c["lookup_blocks"] += n
+            c["hit_blocks"] += hit
+            c["hit_blocks_dram"] += dram
+            c["hit_blocks_ssd"] += ssd
+            c["hit_blocks_remote"] += rem
+            c["lookup_tokens"] += max(0, min(tokens, bt * n))
+            c["hit_tokens"] += max(0, min(tokens, bt * hit))
+        return hit
+
+    # --- put ----------------------------------------------------------------------------
+    def put(self, keys, blocks) -> int:
+        """Store blocks (``blocks[i]`` under ``keys[i]``); returns how many were new.
+
+        A key already held is touched, not rewritten (a key names its content).
+        ``blocks`` is a sequence of bytes-like objects of at most ``block_bytes`` each, or
+        a 2-D numpy array with one block per row.
+        """
+        self._check_open()
+        ks = [as_key(k) for k in keys]
+        if len(ks) != len(blocks):
+            raise InvalidArgumentError(f"put: {len(ks)} keys but {len(blocks)} blocks")
+        new = 0
+        with self._lock:
+            c = self._c
+            for k, blk in zip(ks, blocks):
+                if k in self._dram:
+                    self._dpol.touch(k)
+                    c["put_existing"] += 1
+                    continue
+                mv = _as_bytes_view(blk)
+                n = mv.nbytes
+                if not 0 < n <= self.block_bytes:
+                    raise InvalidArgumentError(f"put: a block is {n} bytes; blocks must be "
+                                               f"1 to block_bytes={self.block_bytes} bytes")
+                freq = 1
+                if self.ssd is not None and k in self.ssd:
+                    # Held on SSD already: take the caller's bytes into DRAM instead of a read.
+                    self.ssd.touch(k)
+                    freq = self.ssd.policy.frequency(k) or 1
+                    c["put_existing"] += 1
+                else:
+                    new += 1
+                    c["put_blocks"] += 1
+                    c["put_bytes"] += n
+                slot = self._place(k, n, freq)
+                self._fills.append((slot, k, mv, n))
+            self._run_round()
+            self._end_op()
+        return new
+
+    # --- get ----------------------------------------------------------------------------
+    def get(self, keys, out=None, remote: bool = False) -> list:
+        """Read blocks: DRAM hits are copied out, SSD hits promoted to DRAM (then copied),
+        misses are None. With ``remote=True``, blocks missing here are read from the peer
+        the owner index names (zero-copy into this cache's pool, checked, then kept).
+
+        Parameters
+        ----------
+        keys : sequence
+        out : sequence of writable buffers, optional
+            Copy block ``i`` into ``out[i]`` (at least the block's length) instead of
+            returning new arrays; the list then holds each block's length or None.
+        remote : bool
+
+        Returns
+        -------
+        list
+            One numpy ``uint8`` array (or length, with ``out``) per key, None for a miss.
+        """
+        self._check_open()
+        ks = [as_key(k) for k in keys]
+        if out is not None and len(out) != len(ks):
+            raise InvalidArgumentError(f"get: {len(ks)} keys but {len(out)} output buffers")
+        outs = [None] * len(ks) if out is None else [_as_bytes_view(o, writable=True)
+                                                      for o in out]
+        res: list = [None] * len(ks)
+        missing = []
+        with self._lock:
+            c = self._c
+            c["get_blocks"] += len(ks)
+            self._outs, self._res = outs, res
+            for i, k in enumerate(ks):
+                ent = self._dram.get(k)
+                if ent is not None:
+                    self._dpol.touch(k)
+                    slot, n = ent
+                    if slot in self._assigned:         # placed earlier in this round
+                        self._copyouts.append((i, slot, n, "dram"))
+                    else:
+                        self._copy_out(i, slot, n, outs, res, "dram")
+                elif self.ssd is not None and k in self.ssd:
+                    self.ssd.touch(k)
+                    n = self.ssd.index[k][1]
+                    slot = self._place(k, n, self.ssd.policy.frequency(k) or 1)
+                    self._promote.append((k, slot, n, i))
+                    self._pinned.add(k)
+                else:
+                    missing.append(i)
+            self._run_round()
+            self._end_op()
+        if remote and missing and self._index is not None:
+            found = [(i, self._index.lookup(ks[i])) for i in missing]
+            with self._lock:
+                for i, rec in found:
+                    if rec is None or rec[2] > self.block_bytes or ks[i] in self._dram:
+                        continue
+                    slot = self._place(ks[i], rec[2], 1)
+                    self._remote.append((ks[i], slot, rec, i))
+                self._outs, self._res = outs, res
+                self._run_round()
+                self._end_op()
+        with self._lock:
+            self._c["get_misses"] += sum(1 for r in res if r is None)
+        return res
+
+    # --- the round machinery ------------------------------------------------------------
+    def _reset_round(self) -> None:
+        self._assigned: set = set()
+        self._writes: dict = {}        # ssd slot -> (dram slot, length)
+        self._pinned: set = set()      # keys being promoted: not to be evicted from SSD
+        self._promote: list = []       # (key, dram slot, length, out index)
+        self._remote: list = []        # (key, dram slot, (owner, addr, length), out index)
+        self._fills: list = []         # (dram slot, key, source view, length)
+        self._copyouts: list = []      # (out index, dram slot, length, tier)
+        self._outs = self._res = None
+
+    def _place(self, key: bytes, length: int, freq: int) -> int:
+        """Give ``key`` a DRAM slot, evicting the policy's victim (demoted to SSD)."""
+        c = self._c
+        while not self._free:
+            victim = self._dpol.victim()
+            vslot, vlen = self._dram[victim]
+            if vslot in self._assigned:
+                # The victim was placed in this round and its bytes are not there yet.
+                self._run_round()
+                continue
+            vfreq = self._dpol.frequency(victim)
+            self._dpol.remove(victim)
+            del self._dram[victim]
+            self._free.append(vslot)
+            c["evictions_dram"] += 1
+            if self._index is not None:
+                self._index.withdraw(victim)
+            # The SSD index takes the block now (so a later key of this call finds it
+            # there); its bytes are written in step (1) of the round, before the DRAM
+            # slot is refilled.
+            if self.ssd is None:
+                c["dropped"] += 1
+            elif victim in self.ssd:
+                c["demotions_skipped"] += 1       # its SSD copy is still there
+            else:
+                self._seq += 1
+                sslot, evicted = self.ssd.assign(victim, vlen, self._seq, self._pinned, vfreq)
+                c["evictions_ssd"] += len(evicted)
+                if sslot is None:
+                    c["dropped"] += 1
+                else:
+                    self._writes[sslot] = (vslot, vlen)   # a reused SSD slot: last one wins
+                    c["demotions"] += 1
+        slot = self._free.pop()
+        self._dram[key] = (slot, length)
+        self._dpol.insert(key, freq)
+        self._assigned.add(slot)
+        return slot
+
+    def _run_round(self) -> None:
+        """Do the data movement the walk decided, then start a new round."""
+        outs, res = self._outs, self._res
+        c = self._c
+        # (1) demotions: DRAM slot image -> SSD, several writes in flight.
+        if self._writes:
+            items, nbytes = [], 0
+            for sslot, (dslot, n) in sorted(self._writes.items()):
+                off = dslot * self.slot_size
+                items.append((sslot, self._mv[off:off + _round4k(HEADER_SIZE + n)]))
+                nbytes += n
+            t = time.perf_counter()
+            self.ssd.write_many(items)
+            c["ssd_write_s"] += time.perf_counter() - t
+            c["demoted_bytes"] += nbytes
+        # (2) promotions: SSD -> DRAM slots, checked; and remote blocks from peers.
+        if self._promote:
+            items = [(k, self.ssd.index[k][0], n, self._slot_view(slot))
+                     for k, slot, n, _ in self._promote]
+            t = time.perf_counter()
+            ok = self.ssd.read_many(items)
+            c["ssd_read_s"] += time.perf_counter() - t
+            for good, (k, slot, n, i) in zip(ok, self._promote):
+                if good:
+                    c["promotions"] += 1
+                    c["served_ssd"] += 1
+                    c["served_ssd_bytes"] += n
+                    if self._index is not None:
+                        self._index.publish(k, self.base + slot * self.slot_size, n)
+                    self._copyouts.append((i, slot, n, None))
+                else:
+                    c["corrupt_dropped"] += 1
+                    self._drop_dram(k, slot)
+        if self._remote:
+            self._read_remote()
+        # (3) new blocks from the caller.
+        for slot, key, src, n in self._fills:
+            self._write_slot(slot, key, src, n)
+        # (4) promoted and deferred blocks out to the caller.
+        if self._copyouts and outs is not None:
+            for i, slot, n, tier in self._copyouts:
+                self._copy_out(i, slot, n, outs, res, tier)
+        self._reset_round()
+        self._outs, self._res = outs, res
+
+    def _end_op(self) -> None:
+        self._outs = self._res = None
+
+    def _slot_view(self, slot: int) -> memoryview:
+        off = slot * self.slot_size
+        return self._mv[off:off + self.slot_size]
+
+    def _drop_dram(self, key, slot) -> None:
+        if self._dram.get(key, (None,))[0] == slot:
+            del self._dram[key]
+            self._dpol.remove(key)
+            self._free.append(slot)
+
+    def _write_slot(self, slot: int, key: bytes, src, n: int) -> None:
+        off = slot * self.slot_size
+        mv = self._mv
+        # Invalidate the header first: a peer reading this slot meanwhile sees no record.
+        mv[off:off + 4] = b"\0\0\0\0"
+        mv[off + HEADER_SIZE:off + HEADER_SIZE + n] = src
+        self._seq += 1
+        crc = zlib.crc32(mv[off + HEADER_SIZE:off + HEADER_SIZE + n])
+        mv[off:off + HEADER_SIZE] = pack_header(key, n, self._seq, crc)
+        if self._index is not None:
+            self._index.publish(key, self.base + off, n)
+
+    def _copy_out(self, i, slot, n, outs, res, tier) -> None:
+        off = slot * self.slot_size + HEADER_SIZE
+        t = time.perf_counter()
+        if outs[i] is None:
+            res[i] = self._np[off:off + n].copy()
+        else:
+            dst = outs[i]
+            if dst.nbytes < n:
+                raise InvalidArgumentError(f"get: out[{i}] has {dst.nbytes} bytes, the block "
+                                           f"{n}")
+            dst[:n] = self._mv[off:off + n]
+            res[i] = n
+        if tier == "dram":
+            c = self._c
+            c["dram_read_s"] += time.perf_counter() - t
+            c["served_dram"] += 1
+            c["served_dram_bytes"] += n
+
+    def _read_remote(self) -> None:
+        import mooncake_te as mte
+        c = self._c
+        by_owner: dict = {}
+        for ent in self._remote:
+            by_owner.setdefault(ent[2][0], []).append(ent)
+        t = time.perf_counter()
+        good_set = set()
+        for owner, ents in by_owner.items():
+            local = np.array([self.base + e[1] * self.slot_size for e in ents], np.uint64)
+            addrs = np.array([e[2][1] for e in ents], np.uint64)
+            lens = np.array([HEADER_SIZE + e[2][2] for e in ents], np.uint64)
+            try:
+                self.engine.submit_arrays(mte.READ, owner, local, addrs, lens).wait()
+            except MooncakeError as e:
+                log.info("kvcache: remote get from %s failed: %s", owner, e)
+                continue
+            for k, slot, (_, _, n), i in ents:
+                view = self._slot_view(slot)
+                h = parse_header(view)
+                if h is not None and h.key == k and h.length == n and \
+                        zlib.crc32(view[HEADER_SIZE:HEADER_SIZE + n]) == h.crc:
+                    good_set.add(k)
+        c["remote_read_s"] += time.perf_counter() - t
+        for k, slot, (_, _, n), i in self._remote:
+            if k in good_set:
+                c["served_remote"] += 1
+                c["served_remote_bytes"] += n
+                if self._index is not None:
+                    self._index.publish(k, self.base + slot * self.slot_size, n)
+                self._copyouts.append((i, slot, n, None))
+            else:
+                c["remote_failed"] += 1
+                self._drop_dram(k, slot)
+
+    # --- accounting ---------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters, hit rates, GB/s per tier and the bytes each tier holds, as a dict."""
+        with self._lock:
+            s = derive(self._c)
+            s.update(
+                policy=self.policy_name, block_bytes=self.block_bytes,
+                slot_size=self.slot_size,
+                dram_blocks=len(self._dram),
+                dram_bytes=sum(n for _, n in self._dram.values()),
+                dram_capacity_blocks=self.dram_slots,
+                dram_capacity_bytes=self.dram_slots * self.slot_size,
+                ssd_blocks=len(self.ssd) if self.ssd else 0,
+                ssd_bytes=self.ssd.bytes_used if self.ssd else 0,
+                ssd_capacity_blocks=self.ssd.nslots if self.ssd else 0,
+                ssd_capacity_bytes=self.ssd.nslots * self.slot_size if self.ssd else 0,
+                ssd_disk_bytes=self.ssd.disk_bytes() if self.ssd else 0,
+                ssd_io=("o_direct" if self.ssd.direct else "buffered+fdatasync")
+                if self.ssd else None,
+                ssd_recovered_blocks=self.ssd.recovered if self.ssd else 0,
+                ssd_corrupt_records=self.ssd.corrupt if self.ssd else 0,
+            )
+        return s
+
+    def reset_stats(self) -> None:
+        """Zero the counters (capacities and contents stay)."""
+        with self._lock:
+            self._c = new_counters()
+
+    def log_stats(self, level: int = logging.INFO) -> str:
+        """Log (and return) the ``kv cache hit rate`` line."""
+        line = log_line(self.stats())
+        log.log(level, "%s", line)
+        return line
+
+    def _log_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            with self._lock:
+                mark = (self._c["lookups"], self._c["get_blocks"], self._c["put_blocks"])
+            if mark != self._last_logged:
+                self._last_logged = mark
+                try:
+                    self.log_stats()
+                except Exception:            # never let a log line kill the thread
+                    log.exception("kvcache: stats logging failed")
+
+
+def _round4k(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def _as_bytes_view(obj, writable: bool = False) -> memoryview:
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            if writable:
+                raise InvalidArgumentError("get: out buffers must be C-contiguous")
+            obj = np.ascontiguousarray(obj)
+        mv = memoryview(obj.reshape(-1).view(np.uint8))
+    else:
+        try:
+            mv = memoryview(obj)
+        except TypeError:
+            raise InvalidArgumentError(f"a block must support the buffer protocol, got "
+                                       f"{type(obj).__name__}") from None
+        if not mv.c_contiguous:
+            raise InvalidArgumentError("a block must be C-contiguous memory")
+        mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+    if writable and mv.readonly:
+        raise InvalidArgumentError("get: out buffers must be writable")
+    return mv
