@@ -12,6 +12,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Iterable
 
@@ -157,6 +158,13 @@ class TransferEngine:
             self._backend = open_backend(metadata, local_descriptor=self._describe_bytes,
                                          token=self._token)
             self._cache = SegmentCache(self._backend)
+            if hasattr(self._backend, "on_change"):
+                # Store backends poll the peers we fetched; a restarted (new instance id)
+                # or vanished peer drops out of the cache before our next transfer to it.
+                # Weak, so the backend's renewal thread does not keep the engine alive.
+                ref = weakref.WeakMethod(self._on_peer_change)
+                self._backend.on_change = lambda name, inst: (ref() or (lambda *a: None))(
+                    name, inst)
             self._closed = False
             self._publish()
         except BaseException:
@@ -249,6 +257,10 @@ class TransferEngine:
 
     def _on_rpc_notify(self, sender: str, message: bytes) -> None:
         self._transport.server.push_notification(sender, message)
+
+    def _on_peer_change(self, name: str, instance_id) -> None:
+        if self._cache.invalidate(name, instance_id):
+            self._transport.forget_peer(name)
 
     def _peer_restarted(self, name: str) -> None:
         self._cache.invalidate(name)
