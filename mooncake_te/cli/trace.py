@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``mooncake-te trace``: statistics, cache replay and capacity sweeps of Mooncake's JSONL
+request traces (``shared/data/mooncake-traces/``), and ``replay --real`` through the
+tiered KV cache. The simulation is the one issue 13 defines (see
+:mod:`mooncake_te.kvcache.trace`)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from ..errors import MooncakeError
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "trace", help="Mooncake request traces: stats, cache replay, capacity sweep",
+        description="Read Mooncake's JSONL request traces (timestamp, input_length, "
+                    "output_length, hash_ids; one hash id = one 512-token prefix block) and "
+                    "measure prefix-cache hit rates.")
+    sub = p.add_subparsers(dest="trace_command", metavar="<subcommand>")
+
+    s = sub.add_parser("stats", help="requests, tokens, unique blocks, unlimited hit rate")
+    s.add_argument("file")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.set_defaults(func=run)
+
+    r = sub.add_parser("replay", help="hit rate of one cache size (simulated or --real)",
+                       description="Replay the requests in file order through one cache: "
+                                   "hit length = longest cached run of hash_ids from the "
+                                   "start, then each block is touched or inserted (evicting "
+                                   "while the cache holds the capacity or more).")
+    r.add_argument("file")
+    r.add_argument("--policy", choices=("lru", "lfu"), default="lru")
+    cap = r.add_mutually_exclusive_group()
+    cap.add_argument("--capacity-blocks", type=int, metavar="N",
+                     help="cache size in blocks (default: unlimited)")
+    cap.add_argument("--capacity-tokens", type=float, metavar="N",
+                     help="cache size in tokens (blocks = tokens // 512)")
+    r.add_argument("--warmup", type=float, default=0.0, metavar="F",
+                   help="fraction of requests that only warm the cache (default 0)")
+    r.add_argument("--real", action="store_true",
+                   help="push synthetic KV bytes through the real tiered cache; capacities "
+                        "from --config [kvcache] or --dram-gb/--ssd-gb")
+    r.add_argument("--config", help="config.toml whose [kvcache] sizes the cache (--real)")
+    r.add_argument("--dram-gb", type=float, help="DRAM tier in GiB (--real; overrides config)")
+    r.add_argument("--ssd-gb", type=float, help="SSD tier in GiB (--real; overrides config)")
+    r.add_argument("--cache-dir", help="SSD tier directory (--real; overrides config)")
+    r.add_argument("--bytes-per-token", type=int, default=2048,
+                   help="KV bytes per token for --real (default 2048: 1 MiB per 512-token "
+                        "block)")
+    r.add_argument("--requests", type=int, metavar="N", help="replay only the first N requests")
+    r.add_argument("--verify", action="store_true", help="check every block read back (--real)")
+    r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.set_defaults(func=run)
+
+    w = sub.add_parser("sweep", help="hit rate against capacity (FAST'25 Fig. 9 shape)")
+    w.add_argument("file", nargs="+")
+    w.add_argument("--policy", choices=("lru", "lfu"), default="lru")
+    w.add_argument("--capacities-tokens", metavar="LIST",
+                   help="comma-separated capacities in tokens (default 1e4 .. 1e9)")
+    w.add_argument("--warmup", type=float, default=0.0, metavar="F")
+    w.add_argument("--plot", metavar="PNG", help="plot token hit rate against capacity "
+                                                 "(needs matplotlib)")
+    w.add_argument("--json", action="store_true", help="print one JSON object")
+    w.set_defaults(func=run)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def run(args) -> int:
+    """Dispatch ``trace <subcommand>``; returns the exit status."""
+    try:
+        return {"stats": _stats, "replay": _replay, "sweep": _sweep}[args.trace_command](args)
+    except MooncakeError as e:
+        print(f"mooncake-te trace: {e}", file=sys.stderr)
+        return 2
+
+
+def _load(path, n=None):
+    from ..kvcache.trace import load_trace
+    t = load_trace(path)
+    return t.head(n) if n else t
+
+
+def _stats(args) -> int:
+    from ..kvcache.trace import trace_stats
+    s = trace_stats(_load(args.file))
+    if args.json:
+        print(json.dumps(s, indent=2))
+        return 0
+    print(f"{s['path']}")
+    print(f"  requests            {s['requests']:,} over {s['duration_s']:.0f} s")
+    print(f"  input tokens        {s['input_tokens']:,} (mean {s['mean_input_tokens']:,.1f})")
+    print(f"  output tokens       {s['output_tokens']:,} (mean {s['mean_output_tokens']:,.1f})")
+    print(f"  block references    {s['block_references']:,} ({s['block_tokens']} tokens each)")
+    print(f"  unique blocks       {s['unique_blocks']:,}")
+    print(f"  unlimited-cache prefix hit rate: {s['unlimited_block_hit_rate']:.4f} of blocks "
+          f"({s['unlimited_hit_blocks']:,}), {s['unlimited_token_hit_rate']:.4f} of tokens")
+    return 0
+
+
+def _capacity(args, block_tokens):
+    from ..errors import InvalidArgumentError
+    if args.capacity_blocks is not None:
+        return args.capacity_blocks
+    if args.capacity_tokens is not None:
+        blocks = int(args.capacity_tokens) // block_tokens
+        if blocks < 1:
+            raise InvalidArgumentError(f"--capacity-tokens {args.capacity_tokens:g} is less "
+                                       f"than one {block_tokens}-token block")
+        return blocks
+    return None
+
+
+def _replay(args) -> int:
+    from ..kvcache.trace import simulate
+    trace = _load(args.file, args.requests)
+    if args.real:
+        return _replay_real(args, trace)
+    res = simulate(trace, args.policy, _capacity(args, trace.block_tokens), args.warmup)
+    d = res.to_dict()
+    d["path"] = trace.path
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    cap = "unlimited" if res.capacity_blocks is None else f"{res.capacity_blocks:,} blocks"
+    print(f"{trace.path}: {args.policy.upper()}, {cap}, {res.requests:,} requests"
+          + (f" (first {res.measured_from:,} warm-up only)" if res.measured_from else ""))
+    print(f"  block hit rate  {res.block_hit_rate:.4f}  ({res.hit_blocks:,} / {res.blocks:,})")
+    print(f"  token hit rate  {res.token_hit_rate:.4f}  ({res.hit_tokens:,} / {res.tokens:,})")
+    print(f"  evictions       {res.evictions:,}; peak {res.peak_blocks:,} blocks held")
+    return 0
+
+
+def _replay_real(args, trace) -> int:
+    from ..config import Config
+    from ..kvcache.replay import replay_real
+    from ..kvcache.stats import human
+    from ..kvcache.store import KVCache
+    cfg = Config.load(args.config)
+    k = cfg["kvcache"]
+    gib = 1 << 30
+    block_bytes = trace.block_tokens * args.bytes_per_token
+    dram = args.dram_gb if args.dram_gb is not None else k["dram_cache_gb"]
+    ssd = args.ssd_gb if args.ssd_gb is not None else k["ssd_cache_gb"]
+    cache_dir = args.cache_dir or k["cache_dir"] or None
+    policy = args.policy if args.policy != "lru" or not args.config else k["eviction_policy"]
+    with KVCache(block_bytes, int(dram * gib), int(ssd * gib), cache_dir, policy,
+                 block_tokens=trace.block_tokens, log_interval_s=0) as cache:
+        def progress(done, total):
+            if not args.json and sys.stderr.isatty():
+                print(f"\r  {done:,}/{total:,} requests", end="", file=sys.stderr, flush=True)
+        s = replay_real(trace, cache, args.bytes_per_token, args.verify, progress)
+        line = cache.log_stats()
+    if not args.json and sys.stderr.isatty():
+        print(file=sys.stderr)
+    s["path"] = trace.path
+    if args.json:
+        print(json.dumps(s, indent=2, default=str))
+        return 0 if not s.get("verify_mismatches") else 1
+    print(f"{trace.path}: real cache, {policy.upper()}, {s['requests']:,} requests in "
+          f"{s['wall_s']:.1f} s; blocks of up to {human(block_bytes)}")
+    print(f"  DRAM tier  {s['dram_capacity_blocks']:,} blocks ({human(s['dram_capacity_bytes'])})"
+          f"   SSD tier  {s['ssd_capacity_blocks']:,} blocks "
+          f"({human(s['ssd_capacity_bytes'])}, {s['ssd_io'] or 'none'})")
+    print(f"  block hit rate  {s['block_hit_rate']:.4f}  (dram {s['block_hit_rate_dram']:.4f}, "
+          f"ssd {s['block_hit_rate_ssd']:.4f})   token hit rate {s['token_hit_rate']:.4f}")
+    print(f"  served from DRAM  {human(s['served_dram_bytes'])} at {s['dram_read_gbps']:.2f} GB/s")
+    print(f"  served from SSD   {human(s['served_ssd_bytes'])} at {s['ssd_read_gbps']:.2f} GB/s "
+          f"({s['promotions']:,} promotions)")
+    print(f"  demoted to SSD    {human(s['demoted_bytes'])} at {s['ssd_write_gbps']:.2f} GB/s "
+          f"({s['demotions']:,} demotions, {s['evictions_ssd']:,} SSD evictions)")
+    if args.verify:
+        print(f"  verify: {s['verify_mismatches']} mismatching blocks")
+    print(f"  {line}")
+    return 0 if not s.get("verify_mismatches") else 1
+
+
+def _sweep(args) -> int:
+    from ..errors import InvalidArgumentError
+    from ..kvcache.trace import sweep
+    caps = None
+    if args.capacities_tokens:
+        try:
+            caps = [int(float(x)) for x in args.capacities_tokens.split(",") if x.strip()]
+        except ValueError:
+            raise InvalidArgumentError(f"--capacities-tokens {args.capacities_tokens!r}: "
+                                       f"expected numbers like 1e4,1e5,3e6") from None
+    if args.plot:
+        from ..bench.report import plot_available
+        why = plot_available()
+        if why:
+            raise InvalidArgumentError(why)
+    results = {}
+    for path in args.file:
+        results[path] = sweep(_load(path), args.policy, caps, args.warmup)
+    if args.json:
+        print(json.dumps({p: [r.to_dict() for r in rs] for p, rs in results.items()}, indent=2))
+    else:
+        for path, rs in results.items():
+            print(f"{path}: {args.policy.upper()}")
+            print(f"  {'capacity (tokens)':>18} {'blocks':>10} {'block hit':>10} {'token hit':>10}")
+            for r in rs:
+                ct = r.extra["capacity_tokens"]
+                print(f"  {'unlimited' if ct is None else f'{ct:.0e}':>18} "
+                      f"{'-' if r.capacity_blocks is None else f'{r.capacity_blocks:,}':>10} "
+                      f"{r.block_hit_rate:>10.4f} {r.token_hit_rate:>10.4f}")
+    if args.plot:
+        _plot(results, args.plot, args.policy)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot(results, path, policy) -> None:
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")                      # files only; no display needed
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for p, rs in results.items():
+        pts = [(r.extra["capacity_tokens"], r.token_hit_rate) for r in rs
+               if r.extra["capacity_tokens"] is not None]
+        line, = ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3,
+                        label=os.path.basename(p))
+        ax.axhline(rs[-1].token_hit_rate, color=line.get_color(), ls=":", lw=0.8)
+    ax.axvline(3e6, color="grey", ls="--", lw=0.8)         # FAST'25 Fig. 9's 3M-token mark
+    ax.set_xscale("log")
+    ax.set_xlabel("cache capacity (tokens)")
+    ax.set_ylabel("prefix hit rate (tokens)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{policy.upper()} hit rate against capacity (dotted: unlimited)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
