@@ -171,10 +171,17 @@ class ControlClient:
                                 f"type {kind}); give the store's address, e.g. the one "
                                 f"`mooncake-te p2p publish` prints", status=ERR_SOCKET)
         try:
-            return json.loads(raw)
+            reply = json.loads(raw)
         except ValueError:
-            raise MetadataError(f"P2P store at {self.address} sent a malformed reply",
-                                status=ERR_SOCKET) from None
+            reply = None
+        if not isinstance(reply, dict) or "ok" not in reply:
+            # An engine's RPC port answers unknown request types with its own
+            # {"reply_msg": ...} in the same framing (metadata/rpc.py).
+            raise MetadataError(f"{self.address} is not a P2P store port (it answered "
+                                f"{bytes(raw[:80])!r}); give the store's address "
+                                f"(P2PStore.address, printed by `mooncake-te p2p publish`), "
+                                f"not the engine's segment name", status=ERR_SOCKET)
+        return reply
 
     def _drop(self) -> None:
         if self._sock is not None:

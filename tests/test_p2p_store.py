@@ -1,0 +1,350 @@
+# SPDX-License-Identifier: Apache-2.0
+"""P2P store: engines in separate processes on 127.0.0.1 distributing objects through a
+real etcd (tests/servers.py), redis and HTTP metadata server, and with no server at all.
+
+Each store process (``StoreProcess``) runs its own TransferEngine and P2PStore and is
+driven over a pipe; a get runs in a thread of that process so the test can watch its
+progress and kill or corrupt other holders meanwhile. A getter is slowed only through
+the public ``progress`` hook (a slow consumer), never by patching the store.
+"""
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve
+
+import mooncake_te as mte
+from mooncake_te.p2p_store import (NoHolderError, ObjectExistsError, ObjectNotFoundError,
+                                   ObjectUnregisteredError, P2PStore)
+
+CALL_TIMEOUT = 60.0
+CHUNK = 64 << 10
+
+
+def _data(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _sha(a) -> str:
+    return hashlib.sha256(memoryview(a).cast("B")).hexdigest()
+
+
+def _child(conn, metadata, kwargs):
+    import logging
+    logging.basicConfig(level=logging.WARNING)
+    eng = mte.TransferEngine(host="127.0.0.1",
+                             metadata=metadata if metadata != "p2p" else "p2p")
+    store = P2PStore(eng, metadata=metadata, **kwargs)
+    arrays = {}
+    gets = {}
+    conn.send(("ready", (store.name, store.address)))
+
+    def run_get(name, delay, decentralized):
+        def progress(done, total):
+            gets[name]["done"] = done
+            if delay:
+                time.sleep(delay)       # a slow consumer, through the public hook
+        try:
+            arrays[name] = store.get(name, progress=progress, decentralized=decentralized)
+            gets[name]["result"] = ("ok", _sha(arrays[name]))
+        except BaseException as e:
+            gets[name]["result"] = ("error", (type(e).__name__, str(e)))
+
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "exit":
+                store.close()
+                eng.close()
+                conn.send(("ok", None))
+                break
+            elif cmd == "register":         # (name, size, seed) -> sha
+                name, size, seed = args
+                arrays[name] = _data(size, seed)
+                store.register(name, arrays[name])
+                out = _sha(arrays[name])
+            elif cmd == "start_get":        # (name, delay per chunk, decentralized)
+                gets[args[0]] = {"done": 0}
+                threading.Thread(target=run_get, args=args, daemon=True).start()
+                out = None
+            elif cmd == "progress":         # name -> bytes verified so far
+                out = gets[args[0]]["done"]
+            elif cmd == "wait_get":         # name -> ("ok", sha) | ("error", (type, msg))
+                deadline = time.monotonic() + args[1]
+                while "result" not in gets[args[0]] and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                out = gets[args[0]].get("result", ("error", ("Timeout", "get did not end")))
+            elif cmd == "corrupt":          # name: flip every byte of our copy
+                arrays[args[0]] ^= 0xFF
+                out = None
+            elif cmd == "unregister":
+                store.unregister(args[0])
+                out = None
+            elif cmd == "stats":
+                out = store.stats()
+            else:
+                raise ValueError(f"unknown command {cmd}")
+            conn.send(("ok", out))
+        except BaseException as e:
+            conn.send(("error", (repr(e), traceback.format_exc())))
+
+
+class StoreProcess:
+    """An engine + P2PStore in another process; ``name`` and ``address`` once ready."""
+
+    def __init__(self, metadata: str, **kwargs):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_child, args=(child, metadata, kwargs), daemon=True)
+        self.proc.start()
+        child.close()
+        self.name = self.address = None
+
+    def ready(self) -> "StoreProcess":
+        if self.name is None:
+            self.name, self.address = self._reply(CALL_TIMEOUT)
+        return self
+
+    def _reply(self, timeout):
+        if not self._conn.poll(timeout):
+            self.kill()
+            raise TimeoutError(f"store process {self.proc.pid} did not answer in {timeout} s")
+        kind, value = self._conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"store process failed: {value[0]}\n{value[1]}")
+        return value
+
+    def call(self, cmd, *args, timeout: float = CALL_TIMEOUT):
+        self.ready()
+        self._conn.send((cmd, args))
+        return self._reply(timeout)
+
+    def wait_progress(self, name: str, at_least: int, timeout: float = 20.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done = self.call("progress", name)
+            if done >= at_least:
+                return done
+            time.sleep(0.01)
+        raise TimeoutError(f"{self.name}: get of {name!r} stuck below {at_least} bytes")
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(5)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=10)
+            except Exception:
+                pass
+        self.proc.join(5)
+        self.kill()
+
+
+def start(n: int, metadata: str, **kwargs) -> list[StoreProcess]:
+    """``n`` store processes started together (spawning is the slow part)."""
+    procs = [StoreProcess(metadata, **kwargs) for _ in range(n)]
+    for p in procs:
+        p.ready()
+    return procs
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    yield from _serve(EtcdServer)
+
+
+@pytest.fixture
+def procs():
+    """Collects the test's store processes and closes them however the test ends."""
+    made: list[StoreProcess] = []
+    yield made
+    for p in made:
+        p.close()
+
+
+def spec(server) -> str:
+    return f"{server.url}?ttl=2"
+
+
+def get_ok(p: StoreProcess, name: str, timeout: float = 30.0) -> str:
+    kind, value = p.call("wait_get", name, timeout, timeout=timeout + 10)
+    assert kind == "ok", f"{p.name}: get of {name!r} failed: {value}"
+    return value
+
+
+# --- distribution ---------------------------------------------------------------------------
+def test_fan_out_later_getters_fetch_from_earlier_ones(etcd, procs):
+    size, name = 8 << 20, "fanout"
+    procs += start(5, spec(etcd), chunk_size=CHUNK)
+    seed, first, *later = procs
+    digest = seed.call("register", name, size, 1)
+
+    first.call("start_get", name, 0, True)
+    assert get_ok(first, name) == digest
+    for p in later:                                 # three getters at once
+        p.call("start_get", name, 0, True)
+    for p in later:
+        assert get_ok(p, name) == digest
+
+    chunks = size // CHUNK
+    from_peers = 0
+    for p in later:
+        got = p.call("stats")["gets"][name]["chunks_from"]
+        assert sum(got.values()) == chunks
+        from_peers += sum(n for holder, n in got.items() if holder != seed.name)
+    # Later getters took a measurable share from earlier getters, not all from the seed.
+    assert from_peers >= 0.25 * chunks * len(later), from_peers
+    seed_stats = seed.call("stats")
+    getters = 1 + len(later)
+    assert seed_stats["bytes_uploaded"] < getters * size
+    assert seed_stats["chunks_uploaded"] == sum(seed_stats["chunks_to"].values())
+    # Every upload the getters counted, some holder counted too.
+    uploaded = sum(p.call("stats")["bytes_uploaded"] for p in procs)
+    assert uploaded == getters * size
+
+
+def test_centralized_fetches_everything_from_the_publisher(etcd, procs):
+    size, name = 2 << 20, "central"
+    procs += start(3, spec(etcd), chunk_size=CHUNK, decentralized=False)
+    seed, a, b = procs
+    digest = seed.call("register", name, size, 2)
+    for p in (a, b):
+        p.call("start_get", name, 0, None)
+    for p in (a, b):
+        assert get_ok(p, name) == digest
+        assert p.call("stats")["gets"][name]["chunks_from"] == {seed.name: size // CHUNK}
+    assert seed.call("stats")["bytes_uploaded"] == 2 * size
+
+
+def test_holder_killed_mid_get_the_others_finish_it(etcd, procs):
+    size, name = 8 << 20, "victim"
+    procs += start(4, spec(etcd), chunk_size=CHUNK)
+    seed, r1, r2, getter = procs
+    digest = seed.call("register", name, size, 3)
+    for r in (r1, r2):
+        r.call("start_get", name, 0, True)
+        assert get_ok(r, name) == digest
+    getter.call("start_get", name, 0.004, True)     # ~4 ms per chunk: time to kill
+    getter.wait_progress(name, size // 4)
+    r1.kill()
+    assert get_ok(getter, name) == digest
+    got = getter.call("stats")
+    assert got["gets"][name]["chunks_from"].get(r1.name, 0) > 0   # it was used before
+    assert r1.name in got["gets"][name]["failed_holders"]          # and then avoided
+    assert sum(got["gets"][name]["chunks_from"].values()) == size // CHUNK
+
+
+def test_corrupt_chunk_detected_and_fetched_elsewhere(etcd, procs):
+    size, name = 4 << 20, "corrupt"
+    procs += start(3, spec(etcd), chunk_size=CHUNK)
+    seed, bad, getter = procs
+    digest = seed.call("register", name, size, 4)
+    bad.call("start_get", name, 0, True)
+    assert get_ok(bad, name) == digest
+    bad.call("corrupt", name)             # its memory changes after it verified the chunks
+    getter.call("start_get", name, 0, True)
+    assert get_ok(getter, name) == digest
+    g = getter.call("stats")["gets"][name]
+    assert g["corrupt_from"].get(bad.name, 0) >= 1
+    assert g["chunks_from"].get(bad.name, 0) == 0
+    assert g["chunks_from"][seed.name] == size // CHUNK
+    # The holder checked its own copy when told, and stopped serving what is damaged.
+    assert bad.call("stats")["corrupt_local"] >= 1
+
+
+def test_missing_and_unregistered_mid_get_are_clear_errors(etcd, procs):
+    size, name = 4 << 20, "withdrawn"
+    procs += start(2, spec(etcd), chunk_size=CHUNK)
+    seed, getter = procs
+    getter.call("start_get", "no-such-object", 0, True)
+    kind, (etype, msg) = getter.call("wait_get", "no-such-object", 10)
+    assert (kind, etype) == ("error", "ObjectNotFoundError")
+    assert "no-such-object" in msg and "etcd" in msg
+
+    seed.call("register", name, size, 5)
+    getter.call("start_get", name, 0.01, True)
+    getter.wait_progress(name, CHUNK * 4)
+    seed.call("unregister", name)
+    kind, (etype, msg) = getter.call("wait_get", name, 20)
+    assert (kind, etype) == ("error", "ObjectUnregisteredError"), msg
+    assert name in msg and "unregistered" in msg
+
+
+# --- other metadata backends, in one process (the API, not the fan-out) -----------------------
+@pytest.fixture(params=["redis", "http"])
+def other_store(request):
+    yield from _serve({"redis": RedisServer, "http": HttpMetadataServer}[request.param])
+
+
+def test_holder_lists_live_in_redis_and_http(other_store):
+    url = spec(other_store)
+    engines = [mte.TransferEngine(host="127.0.0.1", metadata=url) for _ in range(3)]
+    stores = [P2PStore(e, metadata=url, chunk_size=CHUNK) for e in engines]
+    try:
+        data = _data(1 << 20, 6)
+        stores[0].register("kv", data)
+        with pytest.raises(ObjectExistsError, match="already published"):
+            stores[1].register("kv", _data(CHUNK, 7))
+        out1 = stores[1].get("kv")
+        out2 = stores[2].get("kv")
+        assert _sha(out1) == _sha(out2) == _sha(data)
+        names = {h.name for h in stores[0].directory.holders("kv", stores[0].list()[0].object_id)}
+        assert names == {s.name for s in stores}
+        assert [(o.name, o.held) for o in stores[2].list()] == [("kv", "replica")]
+        stores[1].unregister("kv")          # a replica leaves; the object stays
+        assert stores[1].name not in {h.name for h in stores[0].directory.holders(
+            "kv", stores[0].list()[0].object_id)}
+        stores[0].unregister("kv")          # the publisher withdraws it
+        with pytest.raises(ObjectNotFoundError, match="kv"):
+            stores[1].get("kv")
+    finally:
+        for s in stores:
+            s.close()
+        for e in engines:
+            e.close()
+
+
+def test_p2p_metadata_with_a_seed_and_errors():
+    engines = [mte.TransferEngine(host="127.0.0.1") for _ in range(3)]
+    seed = P2PStore(engines[0], metadata="p2p", chunk_size=CHUNK)
+    a = P2PStore(engines[1], metadata="p2p", seeds=[seed.address], chunk_size=CHUNK)
+    lonely = P2PStore(engines[2], metadata="p2p")
+    try:
+        data = _data(3 * CHUNK + 17, 8)                 # a short last chunk
+        parts = [data[:100_000].copy(), data[100_000:].copy()]   # two buffers, odd split
+        regions = [engines[0].register(p, access="r") for p in parts]
+        seed.register("two-parts", regions)
+        dst = [np.zeros(CHUNK + 5, np.uint8), np.zeros(len(data), np.uint8)]
+        a.get("two-parts", into=dst)
+        assert _sha(np.concatenate(dst)[:len(data)]) == _sha(data)
+        assert [o.held for o in a.list()] == ["replica"]
+        with pytest.raises(ObjectExistsError, match="already holds"):
+            a.get("two-parts")
+        small = P2PStore(engines[2], metadata="p2p", seeds=[seed.address])
+        with pytest.raises(mte.InvalidArgumentError, match="hold 10 bytes"):
+            small.get("two-parts", into=np.zeros(10, np.uint8))
+        small.close()
+        with pytest.raises(ObjectNotFoundError, match="seeds="):
+            lonely.get("two-parts")
+        bad_seed = P2PStore(engines[2], metadata="p2p", seeds=[engines[0].name])
+        with pytest.raises(mte.MetadataError, match="not a P2P store port"):
+            bad_seed.get("two-parts")
+        bad_seed.close()
+    finally:
+        for s in (a, seed, lonely):
+            s.close()
+        for e in engines:
+            e.close()
