@@ -16,6 +16,7 @@ COMMANDS = {
     "metadata-server": "metadata_server",
     "nvmeof": "nvmeof",
     "lab": "lab",
+    "p2p": "p2p",
     "trace": "trace",
 }
 
