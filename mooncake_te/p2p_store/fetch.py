@@ -38,8 +38,9 @@ log = logging.getLogger("mooncake_te.p2p_store")
 CORRUPT_LIMIT = 3
 #: seconds between bitmap refreshes of a holder that is itself still downloading
 BITMAP_PERIOD = 0.1
-#: seconds between directory (holder list) refreshes, and manifest checks
-HOLDERS_PERIOD = 0.5
+#: seconds between directory (holder list) refreshes (sooner when a holder reports that
+#: it heard of new ones), and between manifest checks
+HOLDERS_PERIOD = 0.25
 MANIFEST_PERIOD = 0.5
 
 
@@ -72,6 +73,8 @@ class _Peer:
         self.bad = np.zeros(n, dtype=bool)
         self.retry_at = 0.0
         self.refreshed = 0.0
+        self.known = 0                  # holders it knows, as it last reported
+        self.known_asked = 0            # ... when we last asked it for them
 
     def update(self, reply: dict, n: int) -> None:
         if "load" in reply:
@@ -114,6 +117,7 @@ class Fetch:
         self.corrupt_seen = 0
         self.rng = random.Random()
         self._announced = False
+        self._discover = threading.Event()     # a holder knows of more holders: ask
 
     # -- the calling thread ----------------------------------------------------------------
     def run(self) -> None:
@@ -134,7 +138,8 @@ class Fetch:
                         break
                 now = time.monotonic()
                 try:
-                    if now >= next_holders:
+                    if now >= next_holders or self._discover.is_set():
+                        self._discover.clear()
                         self._refresh_holders()
                         next_holders = now + HOLDERS_PERIOD
                     self._refresh_bitmaps(now)
@@ -167,10 +172,12 @@ class Fetch:
             return [self.m.origin]
         refs = {r.key: r for r in self.store.directory.holders(self.m.name, self.m.object_id)}
         refs.setdefault(self.m.origin.key, self.m.origin)
-        # Gossip: a holder knows getters that asked it for chunks, before the directory
-        # (whose read-modify-write may lose updates) lists them.
+        # Gossip: a holder knows the getters that asked it for chunks before the
+        # directory (whose read-modify-write may lose updates) lists them; ask those
+        # that reported knowing more than we last heard.
         for p in list(self.peers.values()):
-            if p.dead is None:
+            if p.dead is None and p.known > p.known_asked:
+                p.known_asked = p.known
                 try:
                     reply = p.client.call({"op": "holders", "name": self.m.name,
                                            "object_id": self.m.object_id})
@@ -179,7 +186,6 @@ class Fetch:
                 for h in reply.get("holders", ()) if reply.get("ok") else ():
                     ref = HolderRef.from_json(h)
                     refs.setdefault(ref.key, ref)
-                break       # one peer per round is enough; others are asked next rounds
         return list(refs.values())
 
     def _refresh_holders(self) -> None:
@@ -330,6 +336,9 @@ class Fetch:
             return
         with self.lock:
             peer.update(reply, self.n)
+            if reply.get("known", 0) > peer.known:
+                peer.known = reply["known"]
+                self._discover.set()
         off, length = m.chunk_range(c)
         result = "ok"
         try:

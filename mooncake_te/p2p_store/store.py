@@ -585,6 +585,7 @@ class P2PStore:
             grants[local] = grants.get(local, 0) + 1
             r = self._bitmap(local, False) if changed else {"ok": True, "have": local.have}
             r["load"] = local.active
+            r["known"] = len(local.known)       # getters ask for the list when it grows
             return r
 
     def _done(self, local: _Local, req: dict, session: dict) -> dict:
