@@ -119,6 +119,7 @@ class KVCache:
         self._own_store = None
         self._seq = 0
         self._reset_round()
+        self._pinned: set = set()      # SSD keys a get is reading: not to be evicted
         try:
             if ssd_bytes and ssd_bytes > 0:
                 if not cache_dir:
@@ -184,6 +185,17 @@ class KVCache:
             raise InvalidArgumentError(f"index must be a metadata store (etcd/redis/http) or "
                                        f"its URL, got {type(index).__name__}")
         self._index = OwnerIndex(index, self.engine.name, self.namespace)
+
+    def _need_index(self) -> None:
+        if self._index is None:
+            raise InvalidArgumentError(
+                "remote lookups need the key -> owner index, which lives in a metadata store: "
+                "create the cache with engine= an engine using etcd/redis/http metadata, or "
+                "pass index='redis://host:6379' (p2p metadata has no store to hold it)")
+
+    def flush_index(self, timeout: float = 10.0) -> bool:
+        """Wait until this cache's index updates reached the metadata store."""
+        return self._index.flush(timeout) if self._index is not None else True
 
     # --- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
@@ -260,6 +272,8 @@ class KVCache:
             Extend the prefix with blocks peers hold (one index query per block).
         """
         self._check_open()
+        if remote:
+            self._need_index()
         ks = [as_key(k) for k in keys]
         n = len(ks)
         dram = ssd = rem = 0
@@ -353,6 +367,8 @@ class KVCache:
             One numpy ``uint8`` array (or length, with ``out``) per key, None for a miss.
         """
         self._check_open()
+        if remote:
+            self._need_index()
         ks = [as_key(k) for k in keys]
         if out is not None and len(out) != len(ks):
             raise InvalidArgumentError(f"get: {len(ks)} keys but {len(out)} output buffers")
@@ -364,6 +380,11 @@ class KVCache:
             c = self._c
             c["get_blocks"] += len(ks)
             self._outs, self._res = outs, res
+            if self.ssd is not None:
+                # Every SSD block this call asks for stays on SSD until the call is done,
+                # or demotions made room for earlier blocks could evict later ones (a
+                # lookup's prefix must still be there when it is read).
+                self._pinned = {k for k in ks if k in self.ssd.index and k not in self._dram}
             for i, k in enumerate(ks):
                 ent = self._dram.get(k)
                 if ent is not None:
@@ -378,7 +399,6 @@ class KVCache:
                     n = self.ssd.index[k][1]
                     slot = self._place(k, n, self.ssd.policy.frequency(k) or 1)
                     self._promote.append((k, slot, n, i))
-                    self._pinned.add(k)
                 else:
                     missing.append(i)
             self._run_round()
@@ -402,7 +422,6 @@ class KVCache:
     def _reset_round(self) -> None:
         self._assigned: set = set()
         self._writes: dict = {}        # ssd slot -> (dram slot, length)
-        self._pinned: set = set()      # keys being promoted: not to be evicted from SSD
         self._promote: list = []       # (key, dram slot, length, out index)
         self._remote: list = []        # (key, dram slot, (owner, addr, length), out index)
         self._fills: list = []         # (dram slot, key, source view, length)
@@ -495,6 +514,7 @@ class KVCache:
 
     def _end_op(self) -> None:
         self._outs = self._res = None
+        self._pinned = set()
 
     def _slot_view(self, slot: int) -> memoryview:
         off = slot * self.slot_size
