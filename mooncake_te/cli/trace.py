@@ -198,7 +198,8 @@ def _sweep(args) -> int:
     else:
         for path, rs in results.items():
             print(f"{path}: {args.policy.upper()}")
-            print(f"  {'capacity (tokens)':>18} {'blocks':>10} {'block hit':>10} {'token hit':>10}")
+            print(f"  {'capacity (tokens)':>18} {'blocks':>10} {'block hit':>10} "
+                  f"{'token hit':>10}")
             for r in rs:
                 ct = r.extra["capacity_tokens"]
                 print(f"  {'unlimited' if ct is None else f'{ct:.0e}':>18} "

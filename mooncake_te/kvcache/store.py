@@ -227,8 +227,9 @@ class KVCache:
         self.close()
 
     def __repr__(self) -> str:
+        d = self.ssd
         return (f"<KVCache {self.policy_name} dram {len(self._dram)}/{self.dram_slots} "
-                f"ssd {len(self.ssd) if self.ssd else 0}/{self.ssd.nslots if self.ssd else 0} "
+                f"ssd {len(d) if d is not None else 0}/{d.nslots if d is not None else 0} "
                 f"blocks of {self.block_bytes} B{' closed' if self._closed else ''}>")
 
     def _check_open(self) -> None:
@@ -596,6 +597,7 @@ class KVCache:
         """Counters, hit rates, GB/s per tier and the bytes each tier holds, as a dict."""
         with self._lock:
             s = derive(self._c)
+            d = self.ssd
             s.update(
                 policy=self.policy_name, block_bytes=self.block_bytes,
                 slot_size=self.slot_size,
@@ -603,15 +605,14 @@ class KVCache:
                 dram_bytes=sum(n for _, n in self._dram.values()),
                 dram_capacity_blocks=self.dram_slots,
                 dram_capacity_bytes=self.dram_slots * self.slot_size,
-                ssd_blocks=len(self.ssd) if self.ssd else 0,
-                ssd_bytes=self.ssd.bytes_used if self.ssd else 0,
-                ssd_capacity_blocks=self.ssd.nslots if self.ssd else 0,
-                ssd_capacity_bytes=self.ssd.nslots * self.slot_size if self.ssd else 0,
-                ssd_disk_bytes=self.ssd.disk_bytes() if self.ssd else 0,
-                ssd_io=("o_direct" if self.ssd.direct else "buffered+fdatasync")
-                if self.ssd else None,
-                ssd_recovered_blocks=self.ssd.recovered if self.ssd else 0,
-                ssd_corrupt_records=self.ssd.corrupt if self.ssd else 0,
+                ssd_blocks=len(d) if d is not None else 0,
+                ssd_bytes=d.bytes_used if d is not None else 0,
+                ssd_capacity_blocks=d.nslots if d is not None else 0,
+                ssd_capacity_bytes=d.nslots * self.slot_size if d is not None else 0,
+                ssd_disk_bytes=d.disk_bytes() if d is not None else 0,
+                ssd_io=None if d is None else ("o_direct" if d.direct else "buffered+fdatasync"),
+                ssd_recovered_blocks=d.recovered if d is not None else 0,
+                ssd_corrupt_records=d.corrupt if d is not None else 0,
             )
         return s
 

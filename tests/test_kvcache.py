@@ -1,0 +1,329 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tiered KV cache: policies against a brute-force model, tier movement, restart,
+torn and corrupt SSD records, configuration errors, accounting, remote get between two
+engines through a real redis, and the real cache against the simulator."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import mooncake_te as mte
+from mooncake_te.errors import ConfigError, InvalidArgumentError
+from mooncake_te.kvcache import KVCache, LFU, LRU, as_key, prefix_hashes
+from mooncake_te.kvcache.record import HEADER_SIZE
+from mooncake_te.kvcache.ssd import SLAB
+from servers import redis_server  # noqa: F401  (fixture)
+
+BB = 8192 - HEADER_SIZE           # block bytes that fill an 8 KiB slot exactly
+SLOT = 8192
+
+
+def block(i: int, n: int = BB) -> np.ndarray:
+    rng = np.random.default_rng(i)
+    return rng.integers(0, 256, n, dtype=np.uint8)
+
+
+def cache(tmp_path=None, dram=4, ssd=0, **kw) -> KVCache:
+    kw.setdefault("log_interval_s", 0)
+    return KVCache(BB, dram * SLOT, ssd * SLOT, str(tmp_path / "kv") if tmp_path else None,
+                   **kw)
+
+
+# --- policies ----------------------------------------------------------------------------
+ops = st.lists(st.tuples(st.sampled_from(["insert", "touch", "remove", "pop"]),
+                         st.integers(0, 7)), max_size=60)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.sampled_from(["lru", "lfu"]))
+def test_policies_match_a_brute_force_model(seq, name):
+    pol = LRU() if name == "lru" else LFU()
+    model = {}                       # key -> [freq, last use]
+    for clock, (op, key) in enumerate(seq):
+        if op == "insert" and key not in model:
+            pol.insert(key)
+            model[key] = [1, clock]
+        elif op == "touch" and key in model:
+            pol.touch(key)
+            model[key][0] += 1
+            model[key][1] = clock
+        elif op == "remove":
+            pol.remove(key)
+            model.pop(key, None)
+        elif op == "pop" and model:
+            rank = (lambda k: model[k][1]) if name == "lru" else (lambda k: tuple(model[k]))
+            want = min(model, key=rank)
+            assert pol.victim() == want
+            assert pol.pop() == want
+            del model[want]
+        assert len(pol) == len(model) and all(k in pol for k in model)
+    if model:
+        rank = (lambda k: model[k][1]) if name == "lru" else (lambda k: tuple(model[k]))
+        order = sorted(model, key=rank)
+        assert list(pol) == order
+        assert pol.victim(skip={order[0]}) == (order[1] if len(order) > 1 else None)
+
+
+# --- keys --------------------------------------------------------------------------------
+def test_prefix_hashes_are_prefix_keys_and_stable():
+    a = prefix_hashes(list(range(48)), 16)
+    b = prefix_hashes(list(range(32)) + [7] * 16, 16)
+    assert a[:2] == b[:2] and a[2] != b[2]                # same prefix, then they diverge
+    assert prefix_hashes([1, 2, 3], 2) == prefix_hashes([1, 2], 2)
+    assert len(prefix_hashes([1, 2, 3], 2, include_partial=True)) == 2
+    # Stable across processes and versions: a fixed digest (BLAKE2b-128, person "mooncake-kv").
+    assert a[0].hex() == prefix_hashes(np.arange(16), 16)[0].hex()
+    assert as_key(5) == bytes(15) + b"\x05" and as_key(a[0]) is a[0]
+    assert as_key("x") == as_key(b"x") and len(as_key(b"long key")) == 16
+    with pytest.raises(InvalidArgumentError):
+        as_key(-1)
+
+
+# --- DRAM tier ---------------------------------------------------------------------------
+def test_put_get_lookup_dram_only():
+    with cache(dram=8) as c:
+        assert c.put([1, 2, 3], [block(1), block(2), block(3, 100)]) == 3
+        assert c.put([1], [block(9)]) == 0                # held already: touched, not rewritten
+        got = c.get([1, 3, 4])
+        assert np.array_equal(got[0], block(1)) and np.array_equal(got[1], block(3, 100))
+        assert got[2] is None
+        assert c.lookup([1, 2, 4, 3]) == 2 and c.lookup([4, 1]) == 0
+        out = [bytearray(BB), np.zeros(BB, np.uint8)]
+        assert c.get([2, 1], out=out) == [BB, BB]
+        assert bytes(out[0]) == block(2).tobytes() and np.array_equal(out[1], block(1))
+        with pytest.raises(InvalidArgumentError, match="1 to block_bytes"):
+            c.put([7], [bytes(BB + 1)])
+        s = c.stats()
+        assert (s["lookups"], s["lookup_blocks"], s["hit_blocks"]) == (2, 6, 2)
+        assert s["served_dram"] == 4 and s["get_misses"] == 1 and s["dram_blocks"] == 3
+        for i in range(10, 20):                          # DRAM only: evictions drop blocks
+            c.put([i], [block(i)])
+        assert c.stats()["dropped"] == 5 and 1 not in c and 19 in c
+
+
+def test_dram_pool_is_one_registered_buffer(engine):
+    with cache(dram=4, engine=engine) as c:
+        assert c.region is not None and c.region.address == c.base
+        assert c.region.length == 4 * SLOT and c.region.access == "r"
+        assert any(b.address == c.base for b in engine.descriptor().buffers)
+    assert all(r.address != c.base for r in engine.regions)     # closed: unregistered
+
+
+# --- tier movement -----------------------------------------------------------------------
+def test_demotion_promotion_and_du_growth(tmp_path):
+    with cache(tmp_path, dram=4, ssd=16) as c:
+        slab = tmp_path / "kv" / SLAB
+        assert c.stats()["ssd_io"] in ("o_direct", "buffered+fdatasync")
+        c.put(range(4), [block(i) for i in range(4)])
+        assert [c.tier(i) for i in range(4)] == ["dram"] * 4
+        du0 = os.stat(slab).st_blocks
+        c.put(range(4, 7), [block(i) for i in range(4, 7)])
+        # LRU: 0, 1, 2 were the least recent, so they went down to SSD.
+        assert [c.tier(i) for i in range(7)] == ["ssd"] * 3 + ["dram"] * 4
+        s = c.stats()
+        assert (s["evictions_dram"], s["demotions"], s["ssd_blocks"]) == (3, 3, 3)
+        assert os.stat(slab).st_blocks * 512 >= du0 * 512 + 3 * SLOT     # du -sh grows
+        assert c.lookup([0, 1, 5]) == 3 and c.stats()["hit_blocks_ssd"] == 2
+        got = c.get([1])                                  # an SSD hit: promoted
+        assert np.array_equal(got[0], block(1)) and c.tier(1) == "dram"
+        s = c.stats()
+        assert (s["promotions"], s["served_ssd"], s["demotions"]) == (1, 1, 4)
+        assert c.tier(3) == "ssd"                         # made room for it
+        # The SSD copy of a promoted block stays, so its next demotion writes nothing.
+        for i in range(10, 14):
+            c.put([i], [block(i)])
+        assert c.tier(1) == "ssd" and c.stats()["demotions_skipped"] == 1
+        assert all(np.array_equal(c.get([i])[0], block(i)) for i in range(7))
+
+
+def test_lfu_keeps_the_frequently_used(tmp_path):
+    with cache(dram=3, policy="lfu") as c:
+        c.put([1, 2, 3], [block(i) for i in (1, 2, 3)])
+        c.get([1]); c.get([1]); c.get([2])
+        c.put([4], [block(4)])                            # evicts 3 (count 1)
+        assert 3 not in c and 1 in c and 2 in c
+        c.put([5], [block(5)])                            # 4 (count 1, newest) goes: LFU
+        assert 4 not in c and 5 in c
+
+
+# --- restart and corruption --------------------------------------------------------------
+def test_restart_finds_ssd_blocks_in_lru_order(tmp_path):
+    with cache(tmp_path, dram=2, ssd=8) as c:
+        c.put(range(6), [block(i) for i in range(6)])     # 0..3 demoted in that order
+    with cache(tmp_path, dram=2, ssd=8) as c:
+        s = c.stats()
+        assert s["ssd_recovered_blocks"] == 4 and s["ssd_blocks"] == 4
+        assert [c.tier(i) for i in range(6)] == ["ssd"] * 4 + [None] * 2
+        assert list(c.ssd.policy) == [as_key(i) for i in range(4)]
+        assert all(np.array_equal(g, block(i)) for i, g in enumerate(c.get(range(4))))
+
+
+def _slab_offset_of(tmp_path, key):
+    with cache(tmp_path, dram=1, ssd=8) as c:
+        return c.ssd.index[as_key(key)][0] * SLOT
+
+
+def test_torn_block_is_dropped_never_served(tmp_path, caplog):
+    with cache(tmp_path, dram=1, ssd=8) as c:
+        c.put([1, 2, 3], [block(i) for i in (1, 2, 3)])  # 1 and 2 on SSD
+    off = _slab_offset_of(tmp_path, 2)
+    with open(tmp_path / "kv" / SLAB, "r+b") as f:       # a torn write: half the data lost
+        f.seek(off + HEADER_SIZE + BB // 2)
+        f.write(bytes(BB // 2))
+    with cache(tmp_path, dram=1, ssd=8) as c, caplog.at_level(logging.WARNING):
+        assert c.lookup([1, 2]) == 2                     # the header still looks fine...
+        got = c.get([1, 2])
+        assert np.array_equal(got[0], block(1)) and got[1] is None   # ...the data does not
+        assert c.stats()["corrupt_dropped"] == 1 and 2 not in c
+        assert "corrupt or torn" in caplog.text
+
+
+def test_corrupt_header_and_truncated_file(tmp_path):
+    with cache(tmp_path, dram=1, ssd=8) as c:
+        c.put([1, 2, 3, 4], [block(i) for i in (1, 2, 3, 4)])   # 1, 2, 3 on SSD
+    off1 = _slab_offset_of(tmp_path, 1)
+    slab = tmp_path / "kv" / SLAB
+    with open(slab, "r+b") as f:
+        f.seek(off1 + 20)                                # a flipped byte in the key
+        f.write(b"\xff")
+    last = max(_slab_offset_of(tmp_path, k) for k in (2, 3))
+    os.truncate(slab, last + HEADER_SIZE + 10)           # the last record cut short
+    with cache(tmp_path, dram=1, ssd=8) as c:
+        s = c.stats()
+        assert s["ssd_corrupt_records"] == 1 and s["ssd_recovered_blocks"] == 2
+        assert 1 not in c
+        got = c.get([2, 3])
+        assert sum(g is None for g in got) == 1         # the truncated one
+        assert all(np.array_equal(g, block(k)) for k, g in zip((2, 3), got) if g is not None)
+
+
+# --- configuration errors ----------------------------------------------------------------
+def test_cache_dir_not_writable(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=r"cache_dir = .*a-file/kv.* is not a writable"):
+        KVCache(BB, SLOT, SLOT, str(f / "kv"))
+    with pytest.raises(ConfigError, match="not a writable directory"):
+        KVCache(BB, SLOT, SLOT, "/proc/mooncake-kvcache")
+    if os.geteuid() != 0:            # root ignores permission bits
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        with pytest.raises(ConfigError, match="not a writable"):
+            KVCache(BB, SLOT, SLOT, str(ro))
+    with pytest.raises(ConfigError, match="needs cache_dir"):
+        KVCache(BB, SLOT, SLOT, None)
+    with pytest.raises(ConfigError, match="holds no block"):
+        KVCache(BB, SLOT - 1)
+
+
+def test_cache_dir_in_use_or_of_another_layout(tmp_path):
+    with cache(tmp_path, dram=1, ssd=4):
+        with pytest.raises(ConfigError, match="in use by another process"):
+            cache(tmp_path, dram=1, ssd=4)
+    with pytest.raises(ConfigError, match="holds a cache written with"):
+        KVCache(2 * BB, 4 * SLOT, 8 * SLOT, str(tmp_path / "kv"))
+    with pytest.raises(ConfigError, match="holds a cache written with"):
+        cache(tmp_path, dram=1, ssd=4, namespace="another-model")
+
+
+def test_buffered_fallback_and_config_file(tmp_path):
+    cfg = tmp_path / "c.toml"
+    d = tmp_path / "kvb"
+    cfg.write_text(f'[kvcache]\ncache_dir = "{d}"\ndram_cache_gb = {2 * SLOT / 2**30!r}\n'
+                   f'ssd_cache_gb = {4 * SLOT / 2**30!r}\neviction_policy = "lfu"\n'
+                   f'block_size = 32\n')
+    with KVCache.from_config(str(cfg), block_bytes=BB, o_direct=False, log_interval_s=0) as c:
+        assert (c.dram_slots, c.ssd.nslots, c.policy_name, c.block_tokens) == (2, 4, "lfu", 32)
+        assert c.stats()["ssd_io"] == "buffered+fdatasync"
+        c.put(range(4), [block(i) for i in range(4)])
+        assert c.tier(0) == "ssd" and np.array_equal(c.get([0])[0], block(0))
+    with pytest.raises(ConfigError, match="dram_cache_gb = 0 holds no block"):
+        KVCache.from_config(None, block_bytes=BB)
+
+
+# --- accounting --------------------------------------------------------------------------
+def test_hit_rate_line_is_logged_periodically(caplog):
+    with caplog.at_level(logging.INFO, logger="mooncake_te.kvcache"):
+        with cache(dram=4, log_interval_s=0.05, block_tokens=16) as c:
+            c.put([1, 2], [block(1), block(2)])
+            assert c.lookup([1, 2, 3, 4], num_tokens=60) == 2
+            deadline = time.monotonic() + 5
+            while "kv cache hit rate" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.02)
+            s = c.stats()
+    assert "kv cache hit rate 50.0% of blocks, 53.3% of tokens" in caplog.text
+    assert s["token_hit_rate"] == pytest.approx(32 / 60)
+    assert s["dram_bytes"] == 2 * BB and s["dram_capacity_bytes"] == 4 * SLOT
+
+
+# --- the real cache against the simulator ------------------------------------------------
+TRACE = os.path.join("/work/shared/data/mooncake-traces", "synthetic_trace.jsonl")
+_alt = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", "data",
+                    "mooncake-traces", "synthetic_trace.jsonl")
+if os.path.exists(_alt):
+    TRACE = _alt
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason="sample trace not found")
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_real_dram_cache_equals_the_simulation(policy):
+    from mooncake_te.kvcache import load_trace, simulate
+    from mooncake_te.kvcache.replay import replay_real
+    tr = load_trace(TRACE).head(800)
+    with KVCache(512 * 4, 400 * 4096, policy=policy, log_interval_s=0) as c:
+        s = replay_real(tr, c, 4, verify=True)
+    sim = simulate(tr, policy, 400)
+    assert (s["hit_blocks"], s["hit_tokens"]) == (sim.hit_blocks, sim.hit_tokens)
+    assert s["evictions_dram"] == sim.evictions and s["verify_mismatches"] == 0
+
+
+@pytest.mark.skipif(not os.path.exists(TRACE), reason="sample trace not found")
+def test_real_tiered_cache_serves_right_bytes(tmp_path):
+    from mooncake_te.kvcache import load_trace, simulate
+    from mooncake_te.kvcache.replay import replay_real
+    tr = load_trace(TRACE).head(800)
+    with KVCache(512 * 4, 100 * 4096, 600 * 4096, str(tmp_path / "kv"),
+                 log_interval_s=0) as c:
+        s = replay_real(tr, c, 4, verify=True)
+    assert s["verify_mismatches"] == 0 and s["get_misses"] == 0
+    assert s["hit_blocks_ssd"] > 0 and s["promotions"] == s["served_ssd"] > 0
+    # Inclusive tiers: between an LRU of the SSD size and one of both sizes together.
+    assert simulate(tr, "lru", 600).hit_blocks <= s["hit_blocks"] \
+        <= simulate(tr, "lru", 700).hit_blocks
+
+
+# --- remote get between two engines ------------------------------------------------------
+def test_remote_get_between_two_engines(redis_server):  # noqa: F811
+    url = redis_server.url
+    with mte.TransferEngine(name="kv-a", metadata=url, host="127.0.0.1") as ea, \
+            mte.TransferEngine(name="kv-b", metadata=url, host="127.0.0.1") as eb, \
+            cache(dram=4, engine=ea, namespace="t-remote") as a, \
+            cache(dram=4, engine=eb, namespace="t-remote") as b:
+        keys = prefix_hashes(np.arange(64), 16)
+        a.put(keys, [block(i) for i in range(4)])
+        assert a.flush_index()
+        assert b.lookup(keys) == 0 and b.lookup(keys, remote=True) == 4
+        got = b.get(keys[:3], remote=True)
+        assert all(np.array_equal(g, block(i)) for i, g in enumerate(got))
+        s = b.stats()
+        assert s["served_remote"] == 3 and s["hit_blocks_remote"] == 4
+        assert b.tier(keys[0]) == "dram"                  # kept locally, zero-copy into the pool
+        # A stale index record (A reused the slot) is a miss, never wrong bytes.
+        a.put(range(100, 104), [block(i) for i in range(100, 104)])
+        assert keys[3] not in a
+        b._index.flush()
+        rec = (a.engine.name, a.base, BB)                 # what a stale record would say
+        b._index.lookup = lambda k: rec
+        assert b.get([keys[3]], remote=True) == [None]
+        assert b.stats()["remote_failed"] == 1
+
+
+def test_remote_get_needs_an_index(engine):
+    with cache(dram=2, engine=engine) as c:              # p2p metadata: no store
+        with pytest.raises(InvalidArgumentError, match="owner index"):
+            c.get([1], remote=True)
