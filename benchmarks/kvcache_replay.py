@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Benchmark: ``trace replay --real`` on the synthetic trace with a DRAM tier smaller than
+its working set, beside the disk's own O_DIRECT figures (fio, else dd) and the transfer
+engine's same-host figure (``mooncake-te bench``, loopback over TCP).
+
+Usage::
+
+    python benchmarks/kvcache_replay.py [--trace FILE] [--bytes-per-token 512]
+        [--dram-gb 1] [--ssd-gb 16] [--cache-dir DIR] [--requests N] [--json]
+
+Prints one table and, with ``--json``, one JSON object. Takes a minute or two with the
+defaults (about 11 GiB of blocks written through the cache, 256 KiB per block).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_TRACE = os.path.join(HERE, os.pardir, os.pardir, "shared", "data", "mooncake-traces",
+                             "synthetic_trace.jsonl")
+if not os.path.exists(DEFAULT_TRACE):
+    DEFAULT_TRACE = "/work/shared/data/mooncake-traces/synthetic_trace.jsonl"
+
+
+def fio_or_dd(directory: str, block: int, size_mb: int = 1024) -> dict:
+    """O_DIRECT write and read GB/s of ``directory``'s disk: fio (4 jobs in flight, like
+    the cache's I/O threads) if installed, else dd (one I/O at a time)."""
+    path = os.path.join(directory, "odirect.bench")
+    out = {}
+    try:
+        if shutil.which("fio"):
+            for rw in ("write", "read"):
+                r = subprocess.run(
+                    ["fio", "--name=kv", f"--filename={path}", f"--rw={rw}", f"--bs={block}",
+                     f"--size={size_mb}M", "--direct=1", "--ioengine=psync", "--numjobs=4",
+                     "--group_reporting", "--output-format=json"],
+                    capture_output=True, text=True, timeout=300)
+                j = json.loads(r.stdout)["jobs"][0][rw]
+                out[f"fio_{rw}_gbps"] = j["bw_bytes"] / 1e9
+            out["tool"] = f"fio psync, 4 jobs, bs={block}, direct=1"
+        else:
+            cnt = size_mb * (1 << 20) // block
+            for rw, cmd in (("write", ["dd", "if=/dev/zero", f"of={path}", f"bs={block}",
+                                       f"count={cnt}", "oflag=direct"]),
+                            ("read", ["dd", f"if={path}", "of=/dev/null", f"bs={block}",
+                                      "iflag=direct"])):
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                m = re.search(r"copied, ([\d.]+) s", r.stderr)
+                out[f"dd_{rw}_gbps"] = size_mb * (1 << 20) / float(m.group(1)) / 1e9
+            out["tool"] = f"dd bs={block} O_DIRECT, one I/O at a time"
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return out
+
+
+def engine_loopback(block: int) -> dict:
+    """``mooncake-te bench`` READ GB/s at the cache's block size, same host, TCP."""
+    r = subprocess.run([sys.executable, "-m", "mooncake_te", "bench", "--op", "read",
+                        "--block-sizes", str(block), "--duration", "1", "--json",
+                        "--no-progress"], capture_output=True, text=True, timeout=300)
+    try:
+        d = json.loads(r.stdout)
+        p = d["points"][0]
+        return {"engine_read_gbps": p.get("gbps", p.get("GBps")), "engine_point": p}
+    except (ValueError, KeyError, IndexError):
+        return {"engine_error": (r.stderr or r.stdout)[-300:]}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--bytes-per-token", type=int, default=512)
+    ap.add_argument("--dram-gb", type=float, default=1.0)
+    ap.add_argument("--ssd-gb", type=float, default=16.0)
+    ap.add_argument("--cache-dir")
+    ap.add_argument("--requests", type=int)
+    ap.add_argument("--policy", default="lru", choices=("lru", "lfu"))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    from mooncake_te.kvcache import KVCache, load_trace, simulate
+    from mooncake_te.kvcache.replay import replay_real
+
+    trace = load_trace(args.trace)
+    if args.requests:
+        trace = trace.head(args.requests)
+    block = trace.block_tokens * args.bytes_per_token
+    tmp = None
+    cache_dir = args.cache_dir
+    if cache_dir is None:
+        tmp = cache_dir = tempfile.mkdtemp(prefix="kvcache-bench-", dir="/var/tmp")
+    try:
+        disk = fio_or_dd(cache_dir, block)
+        eng = engine_loopback(block)
+        with KVCache(block, int(args.dram_gb * (1 << 30)), int(args.ssd_gb * (1 << 30)),
+                     os.path.join(cache_dir, "kv"), args.policy, log_interval_s=0) as c:
+            s = replay_real(trace, c, args.bytes_per_token)
+        uniq = len({h for ids in trace.hash_ids for h in ids})
+        sim_dram = simulate(trace, args.policy, s["dram_capacity_blocks"])
+        sim_ssd = simulate(trace, args.policy, s["ssd_capacity_blocks"])
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    res = {"trace": os.path.abspath(args.trace), "requests": len(trace), "block_bytes": block,
+           "working_set_blocks": uniq, "working_set_gib": uniq * block / (1 << 30),
+           "replay": {k: s[k] for k in (
+               "dram_capacity_blocks", "ssd_capacity_blocks", "ssd_io", "block_hit_rate",
+               "token_hit_rate", "block_hit_rate_dram", "block_hit_rate_ssd",
+               "served_dram_bytes", "dram_read_gbps", "served_ssd_bytes", "ssd_read_gbps",
+               "demoted_bytes", "ssd_write_gbps", "promotions", "demotions", "evictions_ssd",
+               "wall_s")},
+           "sim_lru_at_dram_size": sim_dram.block_hit_rate,
+           "sim_lru_at_ssd_size": sim_ssd.block_hit_rate, "disk": disk, "engine": eng}
+    if args.json:
+        print(json.dumps(res, indent=2, default=str))
+        return 0
+    r = res["replay"]
+    print(f"trace {res['trace']}: {res['requests']:,} requests, working set "
+          f"{uniq:,} blocks = {res['working_set_gib']:.1f} GiB of {block // 1024} KiB blocks")
+    print(f"cache: DRAM {r['dram_capacity_blocks']:,} blocks, SSD {r['ssd_capacity_blocks']:,} "
+          f"blocks ({r['ssd_io']}), {args.policy.upper()}; replay took {r['wall_s']:.1f} s")
+    print(f"hit rate (blocks): {r['block_hit_rate']:.4f} = DRAM {r['block_hit_rate_dram']:.4f}"
+          f" + SSD {r['block_hit_rate_ssd']:.4f}; tokens {r['token_hit_rate']:.4f}")
+    print(f"  simulator, one {args.policy.upper()} of the DRAM size: "
+          f"{res['sim_lru_at_dram_size']:.4f}; of the SSD size: {res['sim_lru_at_ssd_size']:.4f}")
+    print(f"served from DRAM : {r['served_dram_bytes'] / 1e9:8.2f} GB at "
+          f"{r['dram_read_gbps']:.2f} GB/s (copy out of the pool)")
+    print(f"served from SSD  : {r['served_ssd_bytes'] / 1e9:8.2f} GB at "
+          f"{r['ssd_read_gbps']:.2f} GB/s (O_DIRECT read + CRC, {r['promotions']:,} promotions)")
+    print(f"demoted to SSD   : {r['demoted_bytes'] / 1e9:8.2f} GB at "
+          f"{r['ssd_write_gbps']:.2f} GB/s ({r['demotions']:,} demotions)")
+    print(f"disk ({disk.get('tool')}): " + ", ".join(
+        f"{k} {v:.2f}" for k, v in disk.items() if k.endswith("gbps")))
+    if "engine_read_gbps" in eng:
+        print(f"transfer engine same-host READ at {block // 1024} KiB: "
+              f"{eng['engine_read_gbps']:.2f} GB/s")
+    else:
+        print(f"transfer engine bench failed: {eng.get('engine_error')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
