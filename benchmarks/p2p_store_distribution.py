@@ -40,6 +40,12 @@ ROOT = os.path.dirname(HERE)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 
+def _cpu_seconds() -> float:
+    import resource
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _publisher(conn, size, chunk_size, metadata, ready):
     import numpy as np
     import mooncake_te as mte
@@ -51,7 +57,7 @@ def _publisher(conn, size, chunk_size, metadata, ready):
     digest = hashlib.sha256(data).hexdigest()
     conn.send((store.address, digest))
     conn.recv()                                  # "stats"
-    conn.send(store.stats())
+    conn.send(dict(store.stats(), cpu_s=_cpu_seconds()))
     conn.recv()                                  # "exit"
     store.close()
     eng.close()
@@ -72,7 +78,7 @@ def _getter(conn, size, metadata, seed, decentralized, parallelism, start, verif
     t1 = time.time()
     conn.send((t0, t1))
     conn.recv()                                  # everyone is done: stop serving
-    out = {"stats": store.stats()}
+    out = {"stats": store.stats(), "cpu_s": _cpu_seconds()}
     if verify:
         out["sha"] = hashlib.sha256(dst).hexdigest()
     conn.send(out)
@@ -122,6 +128,9 @@ def run_once(size, n, decentralized, chunk_size, metadata, parallelism, verify):
             "publisher_uploaded": pub_stats["bytes_uploaded"],
             "publisher_uploaded_x": pub_stats["bytes_uploaded"] / size,
             "downloaded": sum(r["stats"]["bytes_downloaded"] for r in results),
+            # CPU seconds of all processes (setup included): on a machine with few cores
+            # this, not the network, bounds the aggregate rate
+            "cpu_s": pub_stats["cpu_s"] + sum(r["cpu_s"] for r in results),
             "verified": bool(verify)}
 
 
@@ -158,7 +167,8 @@ def main(argv=None) -> int:
                     print(f"N={n:<2} {row['mode']:<13} {row['seconds']:7.2f} s  "
                           f"{row['aggregate_gbps']:6.2f} GB/s aggregate  getters "
                           f"{row['fastest_s']:.2f}-{row['slowest_s']:.2f} s  publisher "
-                          f"uploaded {row['publisher_uploaded_x']:.2f} x size", flush=True)
+                          f"uploaded {row['publisher_uploaded_x']:.2f} x size  "
+                          f"cpu {row['cpu_s']:.1f} s", flush=True)
     finally:
         if server is not None:
             server.close()

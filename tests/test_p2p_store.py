@@ -84,6 +84,8 @@ def _child(conn, metadata, kwargs):
                 while "result" not in gets[args[0]] and time.monotonic() < deadline:
                     time.sleep(0.01)
                 out = gets[args[0]].get("result", ("error", ("Timeout", "get did not end")))
+            elif cmd == "sha":              # name -> sha256 of our copy
+                out = _sha(arrays[args[0]])
             elif cmd == "corrupt":          # name: flip every byte of our copy
                 arrays[args[0]] ^= 0xFF
                 out = None
@@ -175,6 +177,15 @@ def procs():
         p.close()
 
 
+def wait_until(pred, timeout: float, step: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
 def spec(server) -> str:
     return f"{server.url}?ttl=2"
 
@@ -261,8 +272,12 @@ def test_corrupt_chunk_detected_and_fetched_elsewhere(etcd, procs):
     assert g["corrupt_from"].get(bad.name, 0) >= 1
     assert g["chunks_from"].get(bad.name, 0) == 0
     assert g["chunks_from"][seed.name] == size // CHUNK
-    # The holder checked its own copy when told, and stopped serving what is damaged.
-    assert bad.call("stats")["corrupt_local"] >= 1
+    # The holder checked its own copy when told, stopped serving what is damaged, and
+    # fetched it again from the others.
+    assert wait_until(lambda: bad.call("sha", name) == digest, 15), bad.call("stats")
+    st = bad.call("stats")
+    assert st["corrupt_local"] == st["repaired_chunks"] == size // CHUNK
+    assert getter.call("stats")["corrupt_chunks"] == g["corrupt_chunks"]
 
 
 def test_missing_and_unregistered_mid_get_are_clear_errors(etcd, procs):

@@ -93,7 +93,8 @@ class Fetch:
     """Fill ``pieces`` with the object ``manifest`` describes (see the module doc)."""
 
     def __init__(self, store, manifest: Manifest, pieces, local, *, decentralized: bool,
-                 parallelism: int, progress, timeout: float | None, stall_timeout: float):
+                 parallelism: int, progress, timeout: float | None, stall_timeout: float,
+                 have=None):
         self.store = store
         self.engine = store.engine
         self.m = manifest
@@ -106,7 +107,8 @@ class Fetch:
         self.stall_timeout = stall_timeout
         n = manifest.chunks
         self.n = n
-        self.have = np.zeros(n, dtype=bool)
+        # ``have``: chunks already in place (a repair fetches only the others)
+        self.have = np.zeros(n, dtype=bool) if have is None else np.array(have, dtype=bool)
         self.inflight = np.zeros(n, dtype=bool)
         self.peers: dict[str, _Peer] = {}
         self.lock = threading.Lock()
@@ -118,6 +120,8 @@ class Fetch:
         self.rng = random.Random()
         self._announced = False
         self._discover = threading.Event()     # a holder knows of more holders: ask
+        self._ignored: dict[str, float] = {}    # holders that said "not mine": until when
+        self.finished = threading.Event()
 
     # -- the calling thread ----------------------------------------------------------------
     def run(self) -> None:
@@ -158,8 +162,13 @@ class Fetch:
                 w.join()
             for p in self.peers.values():
                 p.client.close()
+            self.finished.set()
         if self.error is not None:
             raise self.error
+
+    def cancel(self, e: BaseException) -> None:
+        """End the get with ``e`` (its thread raises it once reads in flight are done)."""
+        self._fail(e)
 
     def _fail(self, e: BaseException) -> None:
         with self.lock:
@@ -189,8 +198,10 @@ class Fetch:
         return list(refs.values())
 
     def _refresh_holders(self) -> None:
+        now = time.monotonic()
         for ref in self._candidates():
-            if ref.key in self.peers or ref.key == self.store.ref.key:
+            if ref.key in self.peers or ref.key == self.store.ref.key or \
+                    self._ignored.get(ref.key, 0) > now:
                 continue
             peer = _Peer(ref, ControlClient(ref.address, self.store.control_timeout), self.n)
             try:
@@ -206,7 +217,9 @@ class Fetch:
                 continue
             if not reply.get("ok"):
                 peer.client.close()
-                continue        # does not hold it (any more): ask again next round
+                # Does not hold it (any more, or not yet): not worth a connection per round.
+                self._ignored[ref.key] = now + 2.0
+                continue
             peer.layout = [(int(a), int(n)) for a, n in reply["layout"]]
             peer.update(reply, self.n)
             with self.lock:
@@ -355,6 +368,8 @@ class Fetch:
         if crc_of(self.pieces, off, length) != m.checksums[c]:
             result = "corrupt"
         self._report(peer, c, result, length)
+        if result == "corrupt":
+            self.store._count("corrupt_chunks")
         with self.lock:
             if result == "corrupt":
                 peer.corrupt += 1

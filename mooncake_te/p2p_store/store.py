@@ -58,6 +58,7 @@ class _Local:
         self.chunks_uploaded = 0
         self.uploads_to: dict[str, int] = {}
         self.corrupt_local = 0
+        self.scrub = False                  # a chunk was found corrupt: check them all
         self.summary: dict = {}
 
     @property
@@ -138,12 +139,14 @@ class P2PStore:
         self._lock = threading.RLock()
         self._objects: dict[str, _Local] = {}
         self._stats = {"bytes_uploaded": 0, "bytes_downloaded": 0, "chunks_uploaded": 0,
-                       "chunks_downloaded": 0, "corrupt_chunks": 0, "corrupt_local": 0}
+                       "chunks_downloaded": 0, "corrupt_chunks": 0, "corrupt_local": 0,
+                       "repaired_chunks": 0}
         self._chunks_from: dict[str, int] = {}
         self._bytes_from: dict[str, int] = {}
         self._chunks_to: dict[str, int] = {}
         self._failed: dict[str, str] = {}
         self._gets: dict[str, dict] = {}
+        self._fetches: set = set()               # gets and repairs in progress
         self._server = ControlServer(host or engine.host, port, self._handle, self._release)
         self.address = self._server.address
         self.name = name or engine.name
@@ -190,6 +193,14 @@ class P2PStore:
             return
         self._closed = True
         self._stop.set()
+        with self._lock:
+            fetches = list(self._fetches)
+        for f in fetches:
+            # Reads land in memory that is about to be unregistered: stop them first.
+            f.cancel(InvalidArgumentError(f"the P2P store {self.name} was closed during "
+                                          f"the get of {f.m.name!r}"))
+        for f in fetches:
+            f.finished.wait(10.0)
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         with self._lock:
@@ -398,7 +409,10 @@ class P2PStore:
                       parallelism=self.parallelism, progress=progress, timeout=timeout,
                       stall_timeout=self.stall_timeout)
         t0 = time.monotonic()
+        with self._lock:
+            self._fetches.add(fetch)
         try:
+            self._check_open()
             fetch.run()
         except BaseException:
             with self._lock:
@@ -412,6 +426,9 @@ class P2PStore:
                 self._quietly(self.directory.remove_holder, manifest, self.ref)
             self._drop_memory(local)
             raise
+        finally:
+            with self._lock:
+                self._fetches.discard(fetch)
         with self._lock:
             local.complete = True
             local.summary = fetch.summary()
@@ -445,7 +462,8 @@ class P2PStore:
 
         Keys: ``bytes_uploaded``, ``bytes_downloaded``, ``chunks_uploaded``,
         ``chunks_downloaded``, ``corrupt_chunks`` (received and refused),
-        ``corrupt_local`` (found in our own copies), ``chunks_from`` / ``bytes_from``
+        ``corrupt_local`` (found in our own copies), ``repaired_chunks`` (of those,
+        fetched again from other holders), ``chunks_from`` / ``bytes_from``
         (per holder name: what we fetched from it), ``chunks_to`` (per getter: what it
         fetched from us), ``failed_holders`` (name: why), and ``objects`` (per object:
         ``held``, ``chunks_have``, ``bytes_uploaded`` and, for fetched ones, the get's
@@ -476,6 +494,10 @@ class P2PStore:
             self._stats["chunks_downloaded"] += 1
             self._chunks_from[source.name] = self._chunks_from.get(source.name, 0) + 1
             self._bytes_from[source.name] = self._bytes_from.get(source.name, 0) + length
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[key] += n
 
     def _announce_later(self, local: _Local) -> None:
         # Off the data path: a store round trip must not hold up a worker.
@@ -615,14 +637,28 @@ class P2PStore:
         off, length = m.chunk_range(c)
         if crc_of(local.pieces, off, length) == m.checksums[c]:
             return      # it was damaged on the way, or the getter is wrong
+        self._drop_chunk(local, c)
+        # Memory that changed under one chunk (a buffer reused too early) has likely
+        # changed elsewhere too: the refresh thread checks every chunk, then repairs.
+        local.scrub = True
+        log.warning("our copy of chunk %d of %r is corrupt (the memory changed after it was "
+                    "verified); no longer serving it", c, m.name)
+
+    def _drop_chunk(self, local: _Local, c: int) -> None:
         with self._lock:
             if local.bits[c]:
                 local.bits[c] = False
                 local.have -= 1
                 local.corrupt_local += 1
                 self._stats["corrupt_local"] += 1
-        log.warning("our copy of chunk %d of %r is corrupt (the memory changed after it was "
-                    "verified); no longer serving it", c, m.name)
+
+    def _scrub(self, local: _Local) -> None:
+        local.scrub = False
+        m = local.manifest
+        for c in np.flatnonzero(local.bits):
+            off, length = m.chunk_range(int(c))
+            if crc_of(local.pieces, off, length) != m.checksums[c]:
+                self._drop_chunk(local, int(c))
 
     def _release(self, session: dict) -> None:
         with self._lock:
@@ -657,11 +693,34 @@ class P2PStore:
                 log.info("%r was withdrawn by its publisher; no longer serving it", name)
                 self._drop_memory(local)
                 return
+        if local.scrub:
+            self._scrub(local)
+        if local.complete and local.have < m.chunks and self.decentralized:
+            self._repair(local)
         if isinstance(self.directory, StoreDirectory) and local.have and \
                 (local.role == "origin" or self.decentralized):
             # Re-add ourselves if a concurrent writer's update dropped us.
             if all(h.key != self.ref.key for h in self.directory.holders(name, m.object_id)):
                 self.directory.add_holder(m, self.ref)
+
+
+    def _repair(self, local: _Local) -> None:
+        """Fetch again the chunks found corrupt in our own copy (from the other holders)."""
+        m = local.manifest
+        with self._lock:
+            missing = m.chunks - local.have
+            fetch = Fetch(self, m, local.pieces, local, decentralized=True, parallelism=2,
+                          progress=None, timeout=None, stall_timeout=self.stall_timeout,
+                          have=local.bits.copy())
+            self._fetches.add(fetch)
+        try:
+            fetch.run()
+            with self._lock:
+                self._stats["repaired_chunks"] += missing
+            log.info("repaired %d corrupt chunks of %r from other holders", missing, m.name)
+        finally:
+            with self._lock:
+                self._fetches.discard(fetch)
 
 
 def _info(m: Manifest, held) -> ObjectInfo:
