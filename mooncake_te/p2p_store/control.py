@@ -96,11 +96,14 @@ class ControlServer:
                                       "RPC port"}).encode())
                     return
                 try:
-                    reply = self._handle(json.loads(payload), session)
+                    request = json.loads(payload)
+                    reply = self._handle(request, session)
                 except Exception as e:  # a bad request must not take the server down
                     log.debug("P2P store request failed: %r", e)
-                    reply = {"ok": False, "error": "internal", "message": repr(e)}
-                framing.send_frame(conn, FRAME, json.dumps(reply, separators=(",", ":")).encode())
+                    request, reply = {}, {"ok": False, "error": "internal", "message": repr(e)}
+                if not request.get("noreply"):
+                    framing.send_frame(conn, FRAME,
+                                       json.dumps(reply, separators=(",", ":")).encode())
         except OSError:
             pass
         finally:
@@ -182,6 +185,23 @@ class ControlClient:
                                 f"(P2PStore.address, printed by `mooncake-te p2p publish`), "
                                 f"not the engine's segment name", status=ERR_SOCKET)
         return reply
+
+    def send(self, request: dict) -> None:
+        """Send ``request`` without waiting for an answer (the server sends none).
+
+        For reports whose answer changes nothing (a chunk's outcome): the getter moves on
+        to its next chunk instead of spending a round trip. MetadataError if unreachable.
+        """
+        payload = json.dumps(dict(request, noreply=True), separators=(",", ":")).encode()
+        with self._lock:
+            try:
+                if self._sock is None:
+                    self._sock = self._connect()
+                framing.send_frame(self._sock, FRAME, payload)
+            except OSError as e:
+                self._drop()
+                raise MetadataError(f"P2P store at {self.address} is unreachable ({e})",
+                                    status=ERR_SOCKET, errno=e.errno) from None
 
     def _drop(self) -> None:
         if self._sock is not None:

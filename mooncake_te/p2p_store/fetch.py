@@ -396,7 +396,7 @@ class Fetch:
 
     def _report(self, peer: _Peer, c: int, result: str, length: int) -> None:
         try:
-            peer.client.call({"op": "done", "name": self.m.name, "object_id": self.m.object_id,
+            peer.client.send({"op": "done", "name": self.m.name, "object_id": self.m.object_id,
                               "chunk": c, "result": result, "bytes": length,
                               "by": self.store.name})
         except MetadataError:
