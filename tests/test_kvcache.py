@@ -163,6 +163,17 @@ def test_restart_finds_ssd_blocks_in_lru_order(tmp_path):
         assert all(np.array_equal(g, block(i)) for i, g in enumerate(c.get(range(4))))
 
 
+def test_close_persist_keeps_dram_blocks_too(tmp_path):
+    with cache(tmp_path, dram=3, ssd=8) as c:
+        c.put(range(5), [block(i) for i in range(5)])     # 0, 1 on SSD; 2, 3, 4 in DRAM
+        c.get([2])                                        # 2 becomes the most recent
+        c.close(persist=True)
+    with cache(tmp_path, dram=3, ssd=8) as c:
+        assert c.stats()["ssd_recovered_blocks"] == 5
+        assert list(c.ssd.policy) == [as_key(i) for i in (0, 1, 3, 4, 2)]
+        assert all(np.array_equal(g, block(i)) for i, g in enumerate(c.get(range(5))))
+
+
 def _slab_offset_of(tmp_path, key):
     with cache(tmp_path, dram=1, ssd=8) as c:
         return c.ssd.index[as_key(key)][0] * SLOT

@@ -197,12 +197,45 @@ class KVCache:
         """Wait until this cache's index updates reached the metadata store."""
         return self._index.flush(timeout) if self._index is not None else True
 
+    def persist(self) -> int:
+        """Write every DRAM block that has no SSD copy to the SSD tier (oldest first, so
+        the recency order survives a restart); returns how many were written. ``close``
+        does this when ``persist=True``, so a clean restart finds the DRAM blocks too."""
+        self._check_open()
+        if self.ssd is None:
+            return 0
+        with self._lock:
+            todo = [k for k in self._dpol if k not in self.ssd]
+            pinned = set(todo)
+            writes = {}
+            for k in todo:
+                slot, n = self._dram[k]
+                self._seq += 1
+                sslot, evicted = self.ssd.assign(k, n, self._seq, pinned,
+                                                 self._dpol.frequency(k))
+                self._c["evictions_ssd"] += len(evicted)
+                if sslot is None:
+                    break
+                # Record the new seq in the header that goes to disk.
+                off = slot * self.slot_size
+                h = parse_header(self._mv[off:off + HEADER_SIZE])
+                self._mv[off:off + HEADER_SIZE] = pack_header(k, n, self._seq, h.crc)
+                writes[sslot] = self._mv[off:off + _round4k(HEADER_SIZE + n)]
+            t = time.perf_counter()
+            self.ssd.write_many(sorted(writes.items()))
+            self._c["ssd_write_s"] += time.perf_counter() - t
+            self._c["demoted_bytes"] += sum(self._dram[k][1] for k in todo[:len(writes)])
+            return len(writes)
+
     # --- lifetime -----------------------------------------------------------------------
-    def close(self) -> None:
+    def close(self, persist: bool = False) -> None:
         """Withdraw this cache's index records, flush the SSD tier, unregister the pool.
-        Idempotent. The SSD tier's blocks stay in ``cache_dir`` for the next start."""
+        Idempotent. The SSD tier's blocks stay in ``cache_dir`` for the next start; with
+        ``persist=True`` the DRAM blocks are written there first (:meth:`persist`)."""
         if self._closed:
             return
+        if persist and self.ssd is not None:
+            self.persist()
         self._closed = True
         stop = getattr(self, "_stop", None)
         if stop is not None:
