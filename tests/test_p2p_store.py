@@ -308,7 +308,10 @@ def other_store(request):
 def test_holder_lists_live_in_redis_and_http(other_store):
     url = spec(other_store)
     engines = [mte.TransferEngine(host="127.0.0.1", metadata=url) for _ in range(3)]
-    stores = [P2PStore(e, metadata=url, chunk_size=CHUNK) for e in engines]
+    # The first shares its engine's store client (metadata=None), the others open theirs.
+    stores = [P2PStore(e, metadata=url if i else None, chunk_size=CHUNK)
+              for i, e in enumerate(engines)]
+    assert stores[0].directory.backend is engines[0]._backend
     try:
         data = _data(1 << 20, 6)
         stores[0].register("kv", data)
@@ -364,3 +367,26 @@ def test_p2p_metadata_with_a_seed_and_errors():
             s.close()
         for e in engines:
             e.close()
+
+
+def test_config_decentralized_false(tmp_path):
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('[p2p_store]\nmetadata_server = "p2p"\ndecentralized = false\n')
+    pub_eng = mte.TransferEngine(host="127.0.0.1")
+    eng = mte.TransferEngine(host="127.0.0.1", config=str(cfg))
+    pub = P2PStore(pub_eng, chunk_size=CHUNK)
+    store = P2PStore(eng, seeds=[pub.address])
+    try:
+        assert store.decentralized is False and store.directory.kind == "p2p"
+        data = _data(5 * CHUNK, 9)
+        pub.register("cfg", data)
+        out = store.get("cfg")
+        assert _sha(out) == _sha(data)
+        assert store.stats()["gets"]["cfg"]["chunks_from"] == {pub.name: 5}
+        assert store.list()[0].held is None         # a plain copy: not served onward
+        assert wait_until(lambda: pub.stats()["chunks_to"] == {store.name: 5}, 5)
+    finally:
+        store.close()
+        pub.close()
+        eng.close()
+        pub_eng.close()

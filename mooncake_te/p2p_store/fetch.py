@@ -125,14 +125,17 @@ class Fetch:
 
     # -- the calling thread ----------------------------------------------------------------
     def run(self) -> None:
-        self._refresh_holders()
         workers = [threading.Thread(target=self._worker, daemon=True,
                                     name=f"mte-p2p-get-{i}") for i in range(self.parallelism)]
-        for w in workers:
-            w.start()
         next_holders = time.monotonic() + HOLDERS_PERIOD
         next_manifest = time.monotonic() + MANIFEST_PERIOD
         try:
+            try:
+                self._refresh_holders()
+            except MooncakeError as e:
+                self._fail(e)
+            for w in workers:
+                w.start()
             while True:
                 with self.lock:
                     if self.error is not None or self.have.all():
@@ -159,7 +162,8 @@ class Fetch:
                     self.error = NoHolderError("the get was interrupted")
                 self.cond.notify_all()
             for w in workers:
-                w.join()
+                if w.is_alive() or w.ident is not None:
+                    w.join()
             for p in self.peers.values():
                 p.client.close()
             self.finished.set()
