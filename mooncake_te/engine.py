@@ -110,24 +110,12 @@ class TransferEngine:
         self.config = cfg = Config.load(config)
         te = cfg["transfer_engine"]
         if metadata is None:
-            md = cfg["metadata"]
-            metadata = "p2p"
-            if md["server_type"] not in ("p2p", "p2phandshake"):
-                from .metadata.stores import spec_from_config
-                metadata = spec_from_config(md["server_type"], md["server_address"])
+            metadata = _metadata_from_config(cfg["metadata"])
         protocol = (protocol or te["protocol"] or "auto").lower()
         if isinstance(devices, str):
             devices = [d.strip() for d in devices.split(",") if d.strip()]
         self.devices = list(devices if devices is not None else te["device_names"])
-        token = auth_token if auth_token is not None else (te["auth_token"] or None)
-        if isinstance(token, str):
-            token = token.encode()
-        if token is not None and not isinstance(token, (bytes, bytearray)):
-            raise E.InvalidArgumentError(f"auth_token must be str or bytes, got "
-                                         f"{type(token).__name__}")
-        if token is not None and not 1 <= len(token) <= 256:
-            raise E.InvalidArgumentError("auth_token must be 1 to 256 bytes long")
-        self._token = bytes(token) if token else None
+        self._token = _token(auth_token if auth_token is not None else te["auth_token"])
         self.timeout = cfg.timeout_s
         self.host = host or te["host"] or default_host()
         port = te["port"] if port is None else port
@@ -220,13 +208,8 @@ class TransferEngine:
     def _choose_protocol(self, protocol: str) -> str:
         known = self.available_transports
         if protocol == "auto":
-            # Best that this machine has; TCP always works.
-            for p in ("rdma", "tcp"):
-                if getattr(known.get(p), "available", True) and not isinstance(known.get(p), type(None)):
-                    t = known[p]
-                    if getattr(t, "available", True) is not False:
-                        return p
-            return "tcp"
+            # The best this machine has; TCP always works.
+            return next(p for p in ("rdma", "tcp") if getattr(known.get(p), "available", False))
         if protocol not in known:
             raise E.InvalidArgumentError(f"unknown protocol {protocol!r}; use one of "
                                          f"auto, {', '.join(known)}")
@@ -481,6 +464,27 @@ class TransferEngine:
         """Notifications received since the last call (drained)."""
         self._check_open()
         return [Notification(s, m) for s, m in self._transport.notifications()]
+
+
+def _metadata_from_config(md: dict) -> str:
+    if md["server_type"] in ("p2p", "p2phandshake"):
+        return "p2p"
+    from .metadata.stores import spec_from_config
+    return spec_from_config(md["server_type"], md["server_address"])
+
+
+def _token(token) -> bytes | None:
+    """The auth token as bytes (None: no authentication), validated."""
+    if token is None or token == "" or token == b"":
+        return None
+    if isinstance(token, str):
+        token = token.encode()
+    if not isinstance(token, (bytes, bytearray)):
+        raise E.InvalidArgumentError(f"auth_token must be str or bytes, got "
+                                     f"{type(token).__name__}")
+    if not 1 <= len(token) <= 256:
+        raise E.InvalidArgumentError("auth_token must be 1 to 256 bytes long")
+    return bytes(token)
 
 
 _warned_hosts: set = set()
