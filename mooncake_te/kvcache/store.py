@@ -376,7 +376,7 @@ class KVCache:
                     c["put_blocks"] += 1
                     c["put_bytes"] += n
                 slot = self._place(k, n, freq)
-                self._fills.append((slot, k, mv, n))
+                self._fills[slot] = (k, mv, n)
             self._run_round()
             self._end_op()
         return new
@@ -455,10 +455,11 @@ class KVCache:
     # --- the round machinery ------------------------------------------------------------
     def _reset_round(self) -> None:
         self._assigned: set = set()
-        self._writes: dict = {}        # ssd slot -> (dram slot, length)
+        self._writes: dict = {}        # ssd slot -> (dram slot or bounce view, length)
         self._promote: list = []       # (key, dram slot, length, out index)
         self._remote: list = []        # (key, dram slot, (owner, addr, length), out index)
-        self._fills: list = []         # (dram slot, key, source view, length)
+        self._fills: dict = {}         # dram slot -> (key, source view, length)
+        self._bounce: list = []        # aligned copies of blocks demoted before their fill
         self._copyouts: list = []      # (out index, dram slot, length, tier)
         self._outs = self._res = None
 
@@ -468,10 +469,22 @@ class KVCache:
         while not self._free:
             victim = self._dpol.victim()
             vslot, vlen = self._dram[victim]
+            bounce = None
             if vslot in self._assigned:
-                # The victim was placed in this round and its bytes are not there yet.
-                self._run_round()
-                continue
+                # The victim was placed in this round and its bytes are not in the slot yet.
+                fill = self._fills.get(vslot)
+                if fill is None or fill[0] != victim:
+                    # A promotion or remote read still to land there: do the round first.
+                    self._run_round()
+                    continue
+                # Its bytes are the caller's: the fill is cancelled and, if the block goes
+                # to SSD, written from an aligned copy. LFU does this on every insertion
+                # once the pool is full of hotter blocks (a new block is the coldest), so
+                # running the round here would serialise those puts one write at a time.
+                del self._fills[vslot]
+                self._assigned.discard(vslot)
+                if self.ssd is not None and victim not in self.ssd:
+                    bounce = self._bounce_copy(victim, fill[1], fill[2])
             vfreq = self._dpol.frequency(victim)
             self._dpol.remove(victim)
             del self._dram[victim]
@@ -487,19 +500,35 @@ class KVCache:
             elif victim in self.ssd:
                 c["demotions_skipped"] += 1       # its SSD copy is still there
             else:
-                self._seq += 1
-                sslot, evicted = self.ssd.assign(victim, vlen, self._seq, self._pinned, vfreq)
+                sslot, evicted = self.ssd.assign(victim, vlen, bounce[1] if bounce else
+                                                 self._next_seq(), self._pinned, vfreq)
                 c["evictions_ssd"] += len(evicted)
                 if sslot is None:
                     c["dropped"] += 1
                 else:
-                    self._writes[sslot] = (vslot, vlen)   # a reused SSD slot: last one wins
+                    # A reused SSD slot: the last block assigned to it wins.
+                    self._writes[sslot] = (bounce[0], vlen) if bounce else (vslot, vlen)
                     c["demotions"] += 1
         slot = self._free.pop()
         self._dram[key] = (slot, length)
         self._dpol.insert(key, freq)
         self._assigned.add(slot)
         return slot
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _bounce_copy(self, key, src, n):
+        """An aligned record image of a block not yet in its slot: ``(view, seq)``."""
+        size = _round4k(HEADER_SIZE + n)
+        mm = mmap.mmap(-1, size)
+        mv = memoryview(mm)
+        mv[HEADER_SIZE:HEADER_SIZE + n] = src
+        seq = self._next_seq()
+        mv[:HEADER_SIZE] = pack_header(key, n, seq, zlib.crc32(mv[HEADER_SIZE:HEADER_SIZE + n]))
+        self._bounce.append(mm)
+        return mv, seq
 
     def _run_round(self) -> None:
         """Do the data movement the walk decided, then start a new round."""
@@ -508,7 +537,12 @@ class KVCache:
         # (1) demotions: DRAM slot image -> SSD, several writes in flight.
         if self._writes:
             items, nbytes = [], 0
-            for sslot, (dslot, n) in sorted(self._writes.items()):
+            for sslot, src in sorted(self._writes.items()):
+                if isinstance(src[0], memoryview):          # a bounce copy
+                    items.append((sslot, src[0]))
+                    nbytes += src[1]
+                    continue
+                dslot, n = src
                 off = dslot * self.slot_size
                 items.append((sslot, self._mv[off:off + _round4k(HEADER_SIZE + n)]))
                 nbytes += n
@@ -537,7 +571,7 @@ class KVCache:
         if self._remote:
             self._read_remote()
         # (3) new blocks from the caller.
-        for slot, key, src, n in self._fills:
+        for slot, (key, src, n) in self._fills.items():
             self._write_slot(slot, key, src, n)
         # (4) promoted and deferred blocks out to the caller.
         if self._copyouts and outs is not None:
