@@ -199,3 +199,21 @@ def test_cli_replay_real_dram_only_equals_the_simulation(capsys, tmp_path):
     assert d["dram_capacity_blocks"] == 600
     assert (d["hit_blocks"], d["hit_tokens"]) == (sim.hit_blocks, sim.hit_tokens)
     assert d["verify_mismatches"] == 0 and d["served_dram"] == sim.hit_blocks
+
+
+@needs_traces
+def test_cli_replay_real_tiered_from_a_config(capsys, tmp_path):
+    slot = 8192
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[kvcache]\ncache_dir = "{tmp_path / "kv"}"\n'
+                   f'dram_cache_gb = {50 * slot / 2**30!r}\n'
+                   f'ssd_cache_gb = {400 * slot / 2**30!r}\n'
+                   f'eviction_policy = "lfu"\n')
+    assert main(["trace", "replay", CONV, "--real", "--config", str(cfg), "--requests", "300",
+                 "--bytes-per-token", "8", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "real cache, LFU, 300 requests" in out and "verify: 0 mismatching blocks" in out
+    assert "DRAM tier  50 blocks" in out and "SSD tier  400 blocks" in out
+    assert "kv cache hit rate" in out
+    assert (tmp_path / "kv" / "kvcache.slab").stat().st_blocks > 0
+    assert main(["trace"]) == 2                         # no subcommand: help

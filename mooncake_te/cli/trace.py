@@ -30,7 +30,8 @@ def add_parser(subparsers) -> None:
                                    "start, then each block is touched or inserted (evicting "
                                    "while the cache holds the capacity or more).")
     r.add_argument("file")
-    r.add_argument("--policy", choices=("lru", "lfu"), default="lru")
+    r.add_argument("--policy", choices=("lru", "lfu"),
+                   help="eviction policy (default lru; with --real, the config's)")
     cap = r.add_mutually_exclusive_group()
     cap.add_argument("--capacity-blocks", type=int, metavar="N",
                      help="cache size in blocks (default: unlimited)")
@@ -116,6 +117,7 @@ def _replay(args) -> int:
     trace = _load(args.file, args.requests)
     if args.real:
         return _replay_real(args, trace)
+    args.policy = args.policy or "lru"
     res = simulate(trace, args.policy, _capacity(args, trace.block_tokens), args.warmup)
     d = res.to_dict()
     d["path"] = trace.path
@@ -143,7 +145,7 @@ def _replay_real(args, trace) -> int:
     dram = args.dram_gb if args.dram_gb is not None else k["dram_cache_gb"]
     ssd = args.ssd_gb if args.ssd_gb is not None else k["ssd_cache_gb"]
     cache_dir = args.cache_dir or k["cache_dir"] or None
-    policy = args.policy if args.policy != "lru" or not args.config else k["eviction_policy"]
+    policy = args.policy or k["eviction_policy"]
     with KVCache(block_bytes, int(dram * gib), int(ssd * gib), cache_dir, policy,
                  block_tokens=trace.block_tokens, log_interval_s=0) as cache:
         def progress(done, total):

@@ -37,6 +37,7 @@ def derive(c: dict) -> dict:
     """Add the rates to a snapshot of the counters."""
     d = dict(c)
     qb, qt = c["lookup_blocks"], c["lookup_tokens"]
+    d["miss_blocks"] = qb - c["hit_blocks"]
     d["block_hit_rate"] = c["hit_blocks"] / qb if qb else 0.0
     d["token_hit_rate"] = c["hit_tokens"] / qt if qt else 0.0
     for tier in ("dram", "ssd", "remote"):

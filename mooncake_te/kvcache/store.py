@@ -23,6 +23,7 @@ import logging
 import mmap
 import threading
 import time
+import warnings
 import zlib
 
 import numpy as np
@@ -252,6 +253,14 @@ class KVCache:
         self.region = None
         if self.ssd is not None:
             self.ssd.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"{self!r} was not closed", ResourceWarning, stacklevel=2)
+            try:
+                self.close()
+            except Exception:           # never raise from a finalizer
+                pass
 
     def __enter__(self) -> "KVCache":
         return self
