@@ -390,3 +390,36 @@ def test_config_decentralized_false(tmp_path):
         pub.close()
         eng.close()
         pub_eng.close()
+
+
+def test_cli_publish_fetch_list(tmp_path):
+    import json
+    import subprocess
+    import sys
+    src = tmp_path / "model.bin"
+    src.write_bytes(_data(3 * CHUNK + 1000, 10).tobytes())
+    cli = [sys.executable, "-m", "mooncake_te", "p2p"]
+    pub = subprocess.Popen(cli + ["publish", str(src), "--host", "127.0.0.1", "--chunk-size",
+                                  "64K", "--duration", "20", "--json"],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(pub.stdout.readline())
+        assert info["name"] == "model.bin" and info["chunks"] == 4
+        out = tmp_path / "copy.bin"
+        seed = ["--seed", info["store"], "--host", "127.0.0.1"]
+        r = subprocess.run(cli + ["fetch", "model.bin", "-o", str(out), "--json"] + seed,
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert got["chunks_from"] == {info["segment"]: 4}
+        assert out.read_bytes() == src.read_bytes()
+        r = subprocess.run(cli + ["list", "--json"] + seed, capture_output=True, text=True,
+                           timeout=60)
+        assert [o["name"] for o in json.loads(r.stdout)] == ["model.bin"]
+        r = subprocess.run(cli + ["fetch", "nothing-here"] + seed, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1 and "no object named 'nothing-here'" in r.stderr
+        assert "model.bin" in r.stderr                  # the published names are listed
+    finally:
+        pub.terminate()
+        pub.wait(10)

@@ -104,7 +104,9 @@ def _stop_event(duration=None) -> threading.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     if duration is not None:
-        threading.Timer(duration, stop.set).start()
+        timer = threading.Timer(duration, stop.set)
+        timer.daemon = True         # an interrupted run must not wait for it
+        timer.start()
     return stop
 
 
