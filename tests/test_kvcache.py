@@ -171,6 +171,24 @@ def test_lfu_block_evicted_in_the_put_that_brought_it_goes_to_ssd(tmp_path):
         assert np.array_equal(c.get([12])[0], block(12))
 
 
+def test_an_io_error_drops_what_was_in_flight(tmp_path, caplog):
+    with cache(tmp_path, dram=2, ssd=8) as c:
+        c.put([0, 1], [block(0), block(1)])
+        real = c.ssd.write_many
+
+        def failing(items):
+            raise OSError(5, "Input/output error")
+        c.ssd.write_many = failing
+        with pytest.raises(OSError), caplog.at_level(logging.ERROR):
+            c.put([2], [block(2)])                        # demotes 0: the write fails
+        c.ssd.write_many = real
+        assert "failed" in caplog.text
+        assert 0 not in c and 2 not in c                  # neither half-moved block is kept
+        assert np.array_equal(c.get([1])[0], block(1))
+        c.put([2, 3], [block(2), block(3)])               # and the cache goes on working
+        assert all(np.array_equal(g, block(i)) for i, g in zip((1, 2, 3), c.get([1, 2, 3])))
+
+
 # --- restart and corruption --------------------------------------------------------------
 def test_restart_finds_ssd_blocks_in_lru_order(tmp_path):
     with cache(tmp_path, dram=2, ssd=8) as c:

@@ -434,7 +434,7 @@ class KVCache:
                     self._dpol.touch(k)
                     slot, n = ent
                     if slot in self._assigned:         # placed earlier in this round
-                        self._copyouts.append((i, slot, n, "dram"))
+                        self._copyouts.append((i, slot, n, "dram", k))
                     else:
                         self._copy_out(i, slot, n, outs, res, "dram")
                 elif self.ssd is not None and k in self.ssd:
@@ -464,12 +464,12 @@ class KVCache:
     # --- the round machinery ------------------------------------------------------------
     def _reset_round(self) -> None:
         self._assigned: set = set()
-        self._writes: dict = {}        # ssd slot -> (dram slot or bounce view, length)
+        self._writes: dict = {}        # ssd slot -> (dram slot or bounce view, length, key)
         self._promote: list = []       # (key, dram slot, length, out index)
         self._remote: list = []        # (key, dram slot, (owner, addr, length), out index)
         self._fills: dict = {}         # dram slot -> (key, source view, length)
         self._bounce: list = []        # aligned copies of blocks demoted before their fill
-        self._copyouts: list = []      # (out index, dram slot, length, tier)
+        self._copyouts: list = []      # (out index, dram slot, length, tier, key)
         self._outs = self._res = None
 
     def _place(self, key: bytes, length: int, freq: int) -> int:
@@ -516,7 +516,7 @@ class KVCache:
                     c["dropped"] += 1
                 else:
                     # A reused SSD slot: the last block assigned to it wins.
-                    self._writes[sslot] = (bounce[0], vlen) if bounce else (vslot, vlen)
+                    self._writes[sslot] = (bounce[0] if bounce else vslot, vlen, victim)
                     c["demotions"] += 1
         slot = self._free.pop()
         self._dram[key] = (slot, length)
@@ -541,17 +541,38 @@ class KVCache:
 
     def _run_round(self) -> None:
         """Do the data movement the walk decided, then start a new round."""
+        try:
+            self._move()
+        except BaseException:
+            self._abort_round()
+            raise
+
+    def _abort_round(self) -> None:
+        """After a failed round (an I/O error): forget every block whose bytes may not
+        have landed, so nothing half-written is ever served, then start afresh."""
+        for key, (slot, _) in list(self._dram.items()):
+            if slot in self._assigned:
+                self._drop_dram(key, slot)
+        if self.ssd is not None:
+            for _, _, key in self._writes.values():
+                self.ssd.remove(key)
+        log.error("kvcache: a round of data movement failed; dropped %d DRAM and %d SSD "
+                  "blocks it was moving", len(self._assigned), len(self._writes))
+        self._reset_round()
+        self._end_op()
+
+    def _move(self) -> None:
         outs, res = self._outs, self._res
         c = self._c
         # (1) demotions: DRAM slot image -> SSD, several writes in flight.
         if self._writes:
             items, nbytes = [], 0
-            for sslot, src in sorted(self._writes.items()):
-                if isinstance(src[0], memoryview):          # a bounce copy
-                    items.append((sslot, src[0]))
-                    nbytes += src[1]
+            for sslot, (src, n, _) in sorted(self._writes.items()):
+                if isinstance(src, memoryview):             # a bounce copy
+                    items.append((sslot, src))
+                    nbytes += n
                     continue
-                dslot, n = src
+                dslot = src
                 off = dslot * self.slot_size
                 items.append((sslot, self._mv[off:off + _round4k(HEADER_SIZE + n)]))
                 nbytes += n
@@ -573,7 +594,7 @@ class KVCache:
                     c["served_ssd_bytes"] += n
                     if self._index is not None:
                         self._index.publish(k, self.base + slot * self.slot_size, n)
-                    self._copyouts.append((i, slot, n, None))
+                    self._copyouts.append((i, slot, n, None, k))
                 else:
                     c["corrupt_dropped"] += 1
                     self._drop_dram(k, slot)
@@ -584,8 +605,9 @@ class KVCache:
             self._write_slot(slot, key, src, n)
         # (4) promoted and deferred blocks out to the caller.
         if self._copyouts and outs is not None:
-            for i, slot, n, tier in self._copyouts:
-                self._copy_out(i, slot, n, outs, res, tier)
+            for i, slot, n, tier, key in self._copyouts:
+                if self._dram.get(key, (None,))[0] == slot:   # not dropped meanwhile
+                    self._copy_out(i, slot, n, outs, res, tier)
         self._reset_round()
         self._outs, self._res = outs, res
 
@@ -663,7 +685,7 @@ class KVCache:
                 c["served_remote_bytes"] += n
                 if self._index is not None:
                     self._index.publish(k, self.base + slot * self.slot_size, n)
-                self._copyouts.append((i, slot, n, None))
+                self._copyouts.append((i, slot, n, None, k))
             else:
                 c["remote_failed"] += 1
                 self._drop_dram(k, slot)
