@@ -120,8 +120,6 @@ def run_once(size, n, decentralized, chunk_size, metadata, parallelism, verify):
     end = max(t1 for _, t1 in times)
     durations = [t1 - t0 for t0, t1 in times]
     seconds = end - t_start
-    from_getters = sum(sum(v for k, v in r["stats"]["bytes_from"].items()
-                           if k != pub_stats.get("name")) for r in results)
     return {"getters": n, "mode": "decentralized" if decentralized else "centralized",
             "size": size, "seconds": seconds, "aggregate_gbps": n * size / seconds / 1e9,
             "fastest_s": min(durations), "slowest_s": max(durations),

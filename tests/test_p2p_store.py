@@ -21,8 +21,7 @@ import pytest
 from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve
 
 import mooncake_te as mte
-from mooncake_te.p2p_store import (NoHolderError, ObjectExistsError, ObjectNotFoundError,
-                                   ObjectUnregisteredError, P2PStore)
+from mooncake_te.p2p_store import ObjectExistsError, ObjectNotFoundError, P2PStore
 
 CALL_TIMEOUT = 60.0
 CHUNK = 64 << 10
@@ -423,3 +422,14 @@ def test_cli_publish_fetch_list(tmp_path):
     finally:
         pub.terminate()
         pub.wait(10)
+
+
+def test_every_holder_gone_is_a_clear_error(etcd, procs):
+    procs += start(2, spec(etcd), chunk_size=CHUNK, stall_timeout=1.0)
+    seed, getter = procs
+    seed.call("register", "orphan", 1 << 20, 11)
+    seed.kill()                 # its manifest stays in etcd; nobody can serve it
+    getter.call("start_get", "orphan", 0, True)
+    kind, (etype, msg) = getter.call("wait_get", "orphan", 20)
+    assert (kind, etype) == ("error", "NoHolderError"), msg
+    assert seed.name in msg and "unreachable" in msg and "orphan" in msg

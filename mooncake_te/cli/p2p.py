@@ -9,7 +9,6 @@ publisher with ``--seed HOST:PORT``, which ``publish`` prints.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os

@@ -18,6 +18,7 @@ import json
 import logging
 import socket
 import threading
+import weakref
 from typing import Callable
 
 from ..errors import ERR_SOCKET, MetadataError
@@ -42,8 +43,9 @@ class ControlServer:
     """
 
     def __init__(self, host: str, port: int, handle: Callable, on_close: Callable):
-        self._handle = handle
-        self._on_close = on_close
+        # Weak: the serving threads must not keep an unclosed store alive for ever.
+        self._handle = _weak(handle)
+        self._on_close = _weak(on_close)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -95,9 +97,12 @@ class ControlServer:
                         {"reply_msg": "this is a mooncake_te P2P store port, not an engine's "
                                       "RPC port"}).encode())
                     return
+                handle = self._handle()
+                if handle is None:
+                    return                  # the store is gone
                 try:
                     request = json.loads(payload)
-                    reply = self._handle(request, session)
+                    reply = handle(request, session)
                 except Exception as e:  # a bad request must not take the server down
                     log.debug("P2P store request failed: %r", e)
                     request, reply = {}, {"ok": False, "error": "internal", "message": repr(e)}
@@ -111,7 +116,9 @@ class ControlServer:
                 self._conns.discard(conn)
             conn.close()
             try:
-                self._on_close(session)
+                on_close = self._on_close()
+                if on_close is not None:
+                    on_close(session)
             except Exception:
                 log.exception("releasing a P2P store session failed")
 
@@ -132,6 +139,13 @@ class ControlServer:
             except OSError:
                 pass
         self._thread.join(timeout=2.0)
+
+
+def _weak(fn):
+    """A weak reference to a bound method; plain functions are held as they are."""
+    if hasattr(fn, "__self__"):
+        return weakref.WeakMethod(fn)
+    return lambda: fn
 
 
 class ControlClient:

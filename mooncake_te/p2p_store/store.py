@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import sys
 import threading
 import time
+import warnings
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,6 +124,7 @@ class P2PStore:
                  control_timeout: float = 5.0, transfer_timeout: float | None = None,
                  stall_timeout: float = 10.0):
         self._closed = True
+        self._pid = os.getpid()
         self.engine = engine
         cfg = getattr(engine, "config", None)
         section = cfg["p2p_store"] if cfg is not None else {}
@@ -153,7 +157,11 @@ class P2PStore:
         self.ref = HolderRef(self.name, self.address, engine.name, secrets.token_hex(6))
         self._closed = False
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._maintain, daemon=True,
+        # The thread holds the store weakly, so an unclosed store can still be collected
+        # (and warn, and close) instead of living for ever.
+        self._thread = threading.Thread(target=_maintain, daemon=True,
+                                        args=(weakref.ref(self), self._stop,
+                                              self.refresh_interval),
                                         name=f"mte-p2p-refresh-{self._server.port}")
         self._thread.start()
 
@@ -193,6 +201,10 @@ class P2PStore:
             return
         self._closed = True
         self._stop.set()
+        if os.getpid() != self._pid:
+            # A forked child's copy: the threads did not survive the fork, and the objects
+            # and holder entries are the parent's to withdraw (pyzmq does the same).
+            return
         with self._lock:
             fetches = list(self._fetches)
         for f in fetches:
@@ -218,6 +230,14 @@ class P2PStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"P2PStore {self.name} was not closed", ResourceWarning, stacklevel=2)
+            try:
+                self.close()
+            except Exception:
+                pass
 
     def __repr__(self) -> str:
         return (f"<P2PStore {self.name} at {self.address} via {self.directory.kind} "
@@ -666,19 +686,18 @@ class P2PStore:
                 local.active = max(0, local.active - k)
 
     # -- background ----------------------------------------------------------------------
-    def _maintain(self) -> None:
-        while not self._stop.wait(self.refresh_interval):
-            with self._lock:
-                items = list(self._objects.items())
-            for name, local in items:
-                if self._stop.is_set():
-                    return
-                try:
-                    self._refresh(name, local)
-                except MooncakeError as e:
-                    log.debug("refresh of %r failed: %s", name, e)
-                except Exception:
-                    log.exception("refresh of %r failed", name)
+    def _maintain_once(self) -> None:
+        with self._lock:
+            items = list(self._objects.items())
+        for name, local in items:
+            if self._stop.is_set():
+                return
+            try:
+                self._refresh(name, local)
+            except MooncakeError as e:
+                log.debug("refresh of %r failed: %s", name, e)
+            except Exception:
+                log.exception("refresh of %r failed", name)
 
     def _refresh(self, name: str, local: _Local) -> None:
         m = local.manifest
@@ -721,6 +740,16 @@ class P2PStore:
         finally:
             with self._lock:
                 self._fetches.discard(fetch)
+
+
+def _maintain(ref, stop: threading.Event, interval: float) -> None:
+    """The refresh loop (see :meth:`P2PStore._refresh`), holding the store weakly."""
+    while not stop.wait(interval):
+        store = ref()
+        if store is None:
+            return
+        store._maintain_once()
+        del store
 
 
 def _info(m: Manifest, held) -> ObjectInfo:
