@@ -30,7 +30,7 @@ DST = TARGET.register(np.zeros(1 << 20, np.uint8))
 SRC = INITIATOR.register(np.ones(1 << 20, np.uint8))
 DATA_PORT = INITIATOR.open_segment(TARGET.name).descriptor.tcp_data_port
 RPC = split_host_port(TARGET.name)
-HELLO = struct.pack("<IIQII", 0x4845544D, 2, 7, 6, 0) + b"\0" * 16 + b"fuzzer"
+HELLO = struct.pack("<IIQII", 0x4845544D, 2, 7, 6, 0) + b"\0" * 32 + b"fuzzer"
 COUNT = 0
 
 

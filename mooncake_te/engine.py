@@ -142,7 +142,8 @@ class TransferEngine:
             cls = self.available_transports[self.protocol]
             self._transport = cls(self._regions, self.host, self.name, self._instance,
                                   lanes=te["tcp_lanes"], slice_size=te["tcp_slice_size"],
-                                  stall_ms=te["timeout_ms"], token=self._token or b"")
+                                  stall_ms=te["timeout_ms"], token=self._token or b"",
+                                  same_host=protocol != "tcp")   # "tcp" forces TCP
             self._backend = open_backend(metadata, local_descriptor=self._describe_bytes,
                                          token=self._token)
             self._cache = SegmentCache(self._backend)
@@ -224,11 +225,13 @@ class TransferEngine:
         with self._lock:
             buffers = [BufferInfo(r.address, r.length, r.location, r.access)
                        for r in self._mrs if r.access != "local"]
+        extra = self._transport.describe()
         d = SegmentDescriptor(name=self.name, protocol=self.protocol, host=self.host,
                               rpc_port=self._rpc.port, instance_id=f"{self._instance:016x}",
-                              buffers=buffers, protocols=[self.protocol],
+                              buffers=buffers,
+                              protocols=["tcp", "shm"] if "shm_socket" in extra else ["tcp"],
                               devices=[{"name": d} for d in self.devices])
-        d.extra.update(self._transport.describe())
+        d.extra.update(extra)
         d.tcp_data_port = d.extra.pop("tcp_data_port", 0)
         return d
 
@@ -426,10 +429,15 @@ class TransferEngine:
                     f"registered with this engine; register the buffer first "
                     f"(eng.register(...)), or check the address and length")
             desc = self._cache.get(name, timeout=min(self.timeout, 5.0))
+            if self.protocol == "shm" and tr.route(desc) != "shm":
+                raise E.TransportUnavailableError(
+                    f"protocol='shm' reaches peers on this host only; {name} is elsewhere (or "
+                    f"serves no same-host listener): use protocol='auto'")
             plan.append((name, op, idx, src, dst, lens, desc))
         deadline = self._deadline(nbytes, timeout)
         native = NativeBatch(n, deadline)
         parts = []
+        routes = set()
         order = np.empty(n, dtype=np.int64) if any(p[2] is not None for p in plan) else None
         first = 0
         for name, op, idx, src, dst, lens, desc in plan:
@@ -437,14 +445,15 @@ class TransferEngine:
                 # submit(): requests are carried grouped by (target, op); remember where
                 # each one came from so status() and errors use the caller's indices.
                 order[idx] = np.arange(first, first + len(src))
-            tr.submit(native, desc, op, src, dst, lens, first, run_inline)
+            routes.add(tr.submit(native, desc, op, src, dst, lens, first, run_inline))
             parts.append((name, first, src, dst, lens, op))
             first += len(src)
         if notify is not None:
             for name in dict.fromkeys(p[0] for p in plan):
                 tr.add_notify(native, self._cache.get(name, timeout=5.0), bytes(notify))
         native.seal()
-        return Batch(native, self.protocol, deadline, parts, self, order)
+        return Batch(native, ",".join(sorted(routes)) or self.protocol, deadline, parts, self,
+                     order)
 
     def stats(self) -> dict:
         """Counters: refused peers (auth), regions, peers."""

@@ -64,7 +64,8 @@ def _data_port(eng, name):
 
 
 def _hello(nonce: bytes, name: bytes, instance=1) -> bytes:
-    return struct.pack("<IIQII", 0x4845544D, 2, instance, len(name), 1) + nonce + name
+    return (struct.pack("<IIQII", 0x4845544D, 2, instance, len(name), 1) + nonce
+            + struct.pack("<QQ", 0, 0) + name)
 
 
 def _recv(s, n):
@@ -90,7 +91,7 @@ def test_data_hello_proof_cannot_be_replayed():
         def handshake(proof_for=None):
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
             s.sendall(_hello(cn, name))
-            reply = _recv(s, 64)
+            reply = _recv(s, 72)
             magic, status, inst = struct.unpack("<IiQ", reply[:16])
             sn, sproof = reply[16:32], reply[32:64]
             assert status == 0

@@ -80,3 +80,24 @@ def test_partition_times_out_and_recovers(netns):
     finally:
         proc.stdin.close()
         proc.wait(10)
+
+
+def test_shm_only_engine_refuses_a_peer_on_another_network_namespace(netns):
+    ns, host_if, host_ip, ns_ip = netns
+    proc = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable,
+                             os.path.join(HERE, "netns_target.py"), ns_ip],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        with mte.TransferEngine(host=host_ip, protocol="shm") as eng:
+            r = eng.register(np.zeros(4096, np.uint8))
+            with pytest.raises(mte.TransportUnavailableError, match="on this host only"):
+                eng.write(info["name"], r.address, info["address"], 4096)
+        with mte.TransferEngine(host=host_ip) as eng:             # auto: falls to TCP
+            r = eng.register(np.zeros(4096, np.uint8))
+            b = eng.submit_arrays(mte.WRITE, info["name"], [r.address], [info["address"]], 4096)
+            b.wait()
+            assert b.transport == "tcp"
+    finally:
+        proc.stdin.close()
+        proc.wait(10)

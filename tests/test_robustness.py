@@ -82,7 +82,7 @@ def _data_port(eng, name):
 
 
 def _hello(name=b"fuzzer", flags=0):
-    return struct.pack("<IIQII", 0x4845544D, 2, 7, len(name), flags) + b"\0" * 16 + name
+    return struct.pack("<IIQII", 0x4845544D, 2, 7, len(name), flags) + b"\0" * 32 + name
 
 
 def _still_serving(tgt, ini, region, lsrc):
@@ -121,7 +121,7 @@ def test_hostile_headers_are_refused(arena, header):
     port = _data_port(ini, tgt.name)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(_hello())
-        assert len(s.recv(64)) == 64
+        assert len(s.recv(72)) == 72
         s.sendall(header + b"\x01" * 64)
         s.shutdown(socket.SHUT_WR)
         s.settimeout(5)

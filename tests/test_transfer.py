@@ -16,6 +16,15 @@ import mooncake_te as mte
 from peers import PeerProcess
 
 
+@pytest.fixture(params=["tcp", "shm"])
+def engine(request):
+    """Every test here runs over TCP and over the same-host transport (unix socket and
+    cross-memory attach): one suite, every transport."""
+    eng = mte.TransferEngine(host="127.0.0.1", protocol=request.param)
+    yield eng
+    eng.close()
+
+
 def sha(b) -> str:
     return hashlib.sha256(np.ascontiguousarray(b)).hexdigest()
 
@@ -46,7 +55,7 @@ def test_many_small_requests_in_one_batch(engine, local_buf, peer):
     offs = np.arange(n, dtype=np.uint64) * block
     b = engine.submit_arrays(mte.WRITE, peer.name, r.address + offs, peer.address + offs, block)
     b.wait()
-    assert b.transport == "tcp"
+    assert b.transport == engine.protocol
     assert all(s == mte.TransferStatus("completed", block) for s in b.status())
     assert peer.call("sha", peer.address, n * block) == sha(buf[: n * block])
     # Scatter READ back in reverse order into the second half of the local buffer.
@@ -320,3 +329,20 @@ def test_random_batches_every_byte(engine, local_buf, peer, reqs, seed):
             local[lo:lo + n] = remote[ro:ro + n]
     assert sha(buf[:size]) == sha(local)
     assert peer.call("sha", peer.address, size) == sha(remote)
+
+
+def test_same_host_peer_uses_cross_memory_attach(local_buf, peer):
+    with mte.TransferEngine(host="127.0.0.1") as eng:         # protocol "auto"
+        buf = np.arange(1 << 20, dtype=np.uint8)
+        r = eng.register(buf)
+        b = eng.submit_arrays(mte.WRITE, peer.name, np.array([r.address], np.uint64),
+                              np.array([peer.address], np.uint64), 1 << 20)
+        b.wait()
+        assert b.transport == "shm"
+        assert eng._transport._peers[peer.name].cma     # bytes moved by process_vm_*
+        assert peer.call("sha", peer.address, 1 << 20) == sha(buf)
+    with mte.TransferEngine(host="127.0.0.1", protocol="tcp") as eng:
+        r = eng.register(np.zeros(4096, np.uint8))
+        b = eng.submit_arrays(mte.READ, peer.name, [r.address], [peer.address], 4096)
+        b.wait()
+        assert b.transport == "tcp"

@@ -15,8 +15,8 @@ def probe() -> dict:
         out["tcp"] = TcpTransport
     except ImportError as e:  # pragma: no cover - the build always has it
         out["tcp"] = UnavailableTransport("tcp", f"native module not built: {e}")
-    out["shm"] = UnavailableTransport("shm", "the same-host shared-memory transport is not "
-                                             "part of this version yet")
+    # Same-host peers: the TCP transport's unix-socket + cross-memory-attach mode.
+    out["shm"] = out["tcp"]
     out["rdma"] = UnavailableTransport("rdma", "the RDMA transport is not part of this version "
                                                "yet (see docs: fabric lab, issue 4)")
     out["nvmeof"] = UnavailableTransport("nvmeof", "the NVMe-oF transport is not part of this "

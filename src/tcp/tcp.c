@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/random.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -27,9 +28,11 @@
 #define MAGIC_HELLO 0x4845544du   /* "MTEH" */
 #define PROTO_VERSION 2u
 #define NONCE_LEN 16
-#define HELLO_SIZE 40                 /* magic, version, instance, name len, flags, nonce */
-#define REPLY_SIZE 64                 /* magic, status, instance, nonce, proof */
+#define HELLO_SIZE 56     /* magic, version, instance, name len, flags, nonce, probe addr+value */
+#define REPLY_SIZE 72     /* magic, status, instance, nonce, proof, flags, pad */
 #define HELLO_AUTH 1u
+#define REPLY_CMA 1u      /* the server can copy to and from our memory (same host) */
+#define CMA_EXTRA 8       /* CMA requests carry the initiator's address after the header */
 #define REQ_SIZE 32
 #define RESP_SIZE 24
 #define GROUP_MAX 256                 /* requests pipelined per writev on a lane */
@@ -423,6 +426,8 @@ typedef struct lane {
     int64_t group_deadline;     /* earliest deadline among the group on the wire */
     uint8_t *hdrs;              /* GROUP_MAX request headers */
     struct iovec *iov;
+    int cma;                    /* this connection's server copies with process_vm_* */
+    uint64_t probe;             /* a value the server reads from us to prove it can */
 } lane_t;
 
 struct mte_peer {
@@ -430,6 +435,8 @@ struct mte_peer {
     char host[256];
     int port;
     uint64_t expect_instance;
+    char uds[108];              /* same-host peer: its abstract unix socket name */
+    atomic_int cma_seen;
     atomic_ullong seen_instance;
     atomic_int restarted;
     int nlanes;
@@ -445,6 +452,9 @@ struct mte_peer {
 struct mte_tcp {
     mte_regions_t *regions;
     int listen_fd;
+    int uds_fd;                  /* same-host listener (abstract unix socket), or -1 */
+    char uds_name[108];
+    pthread_t uds_thread;
     int port;
     char name[256];
     uint64_t instance;
@@ -478,6 +488,31 @@ static void lane_disconnect(lane_t *L)
         L->io.fd = -1;
     }
     L->io.pos = L->io.end = 0;
+}
+
+/* Abstract-namespace unix socket (unix(7)): no file to clean up, scoped to the network
+ * namespace, and the kernel tells the server who we are (SO_PEERCRED). */
+static socklen_t unix_addr(struct sockaddr_un *a, const char *name)
+{
+    memset(a, 0, sizeof(*a));
+    a->sun_family = AF_UNIX;
+    size_t n = strnlen(name, sizeof(a->sun_path) - 2);
+    memcpy(a->sun_path + 1, name, n);
+    return (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + n);
+}
+
+static int connect_unix(const char *name)
+{
+    struct sockaddr_un a;
+    socklen_t len = unix_addr(&a, name);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (connect(fd, (struct sockaddr *)&a, len) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
 }
 
 static int connect_timeout(const char *host, int port, int timeout_ms)
@@ -542,7 +577,8 @@ static int lane_connect(lane_t *L)
 {
     mte_peer_t *p = L->peer;
     mte_tcp_t *t = p->tcp;
-    int fd = connect_timeout(p->host, p->port, 5000);   /* Mooncake: 5 s connect timeout */
+    int fd = p->uds[0] ? connect_unix(p->uds)
+                       : connect_timeout(p->host, p->port, 5000);   /* Mooncake: 5 s */
     if (fd < 0)
         return MTE_E_SOCKET;
     set_tick(fd, TICK_MS);
@@ -558,6 +594,12 @@ static int lane_connect(lane_t *L)
     put32(hello + 16, (uint32_t)nl);
     put32(hello + 20, t->token_len ? HELLO_AUTH : 0);
     memcpy(hello + 24, cnonce, NONCE_LEN);
+    /* Same host: offer a value in our memory for the server to read with
+     * process_vm_readv(2); if it can, it moves our bytes itself (one copy, no socket). */
+    if (getrandom(&L->probe, sizeof(L->probe), 0) != sizeof(L->probe))
+        L->probe = (uint64_t)mte_now_ns() ^ 0x9e3779b97f4a7c15ull;
+    put64(hello + 40, p->uds[0] ? (uint64_t)(uintptr_t)&L->probe : 0);
+    memcpy(hello + 48, &L->probe, 8);
     struct iovec iov[2] = {{hello, HELLO_SIZE}, {(void *)name, nl}};
     int e = send_iov(&L->io, iov, 2);
     if (!e)
@@ -576,6 +618,9 @@ static int lane_connect(lane_t *L)
         goto fail;
     }
     uint64_t inst = get64(r + 8);
+    L->cma = (get32(r + 64) & REPLY_CMA) != 0;
+    if (L->cma)
+        atomic_store(&p->cma_seen, 1);
     if (t->token_len) {
         uint8_t expect[MTE_SHA256_LEN], mine[MTE_SHA256_LEN], inst_le[8];
         const uint8_t *snonce = r + 16;
@@ -665,15 +710,23 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
     if (!err) {
         for (int j = 0; j < nlive; j++) {
             item_t *x = &it[live[j]];
-            uint8_t *h = L->hdrs + (size_t)j * REQ_SIZE;
+            uint8_t *h = L->hdrs + (size_t)j * (REQ_SIZE + CMA_EXTRA);
+            int cma = L->cma && x->op != MTE_OP_NOTIFY;
             put32(h, MAGIC_REQ);
-            put32(h + 4, x->op);
+            put32(h + 4, cma ? (x->op == MTE_OP_WRITE ? MTE_OP_WRITE_CMA : MTE_OP_READ_CMA)
+                             : x->op);
             put64(h + 8, L->seq++);
             put64(h + 16, x->raddr);
             put64(h + 24, x->len);
-            L->iov[niov++] = (struct iovec){h, REQ_SIZE};
-            if (x->op != MTE_OP_READ)
-                L->iov[niov++] = (struct iovec){(void *)(uintptr_t)x->laddr, x->len};
+            if (cma) {
+                /* The server copies between its region and [laddr, +len) of ours. */
+                put64(h + REQ_SIZE, x->laddr);
+                L->iov[niov++] = (struct iovec){h, REQ_SIZE + CMA_EXTRA};
+            } else {
+                L->iov[niov++] = (struct iovec){h, REQ_SIZE};
+                if (x->op != MTE_OP_READ)
+                    L->iov[niov++] = (struct iovec){(void *)(uintptr_t)x->laddr, x->len};
+            }
         }
         err = send_iov(&L->io, L->iov, niov);
     }
@@ -688,13 +741,13 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
         L->io.pos += RESP_SIZE;
         int32_t st = (int32_t)get32(r + 4);
         uint64_t len = get64(r + 16);
+        int inband = x->op == MTE_OP_READ && !L->cma;     /* READ bytes follow the reply */
         if (get32(r) != MAGIC_RESP || get64(r + 8) != first_seq + (uint64_t)j ||
-            (st == 0 && x->op == MTE_OP_READ && len != x->len) ||
-            (x->op != MTE_OP_READ && len != 0)) {
+            (st == 0 && inband && len != x->len) || (!inband && len != 0)) {
             err = MTE_E_PROTOCOL;
             break;
         }
-        if (st == 0 && x->op == MTE_OP_READ) {
+        if (st == 0 && inband) {
             err = recv_into(&L->io, (uint8_t *)(uintptr_t)x->laddr, len);
             if (err)
                 break;
@@ -799,8 +852,8 @@ static void peer_enqueue(mte_peer_t *p, const item_t *items, size_t n)
     pthread_mutex_unlock(&p->mu);
 }
 
-mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, uint64_t expect_instance,
-                         int lanes, uint64_t slice_size, int *err)
+mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *uds,
+                         uint64_t expect_instance, int lanes, uint64_t slice_size, int *err)
 {
     *err = 0;
     if (lanes < 1)
@@ -814,6 +867,7 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, uint64_t expe
     }
     p->tcp = t;
     snprintf(p->host, sizeof(p->host), "%s", host);
+    snprintf(p->uds, sizeof(p->uds), "%s", uds ? uds : "");
     p->port = port;
     p->expect_instance = expect_instance;
     p->nlanes = lanes;
@@ -833,7 +887,7 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, uint64_t expe
         pthread_mutex_init(&L->busy, NULL);
         L->io = (sockio_t){.fd = -1, .buf = malloc(RBUF_SIZE), .cap = RBUF_SIZE,
                            .stop = lane_stop, .ctx = L};
-        L->hdrs = malloc((size_t)GROUP_MAX * REQ_SIZE);
+        L->hdrs = malloc((size_t)GROUP_MAX * (REQ_SIZE + CMA_EXTRA));
         L->iov = malloc(sizeof(struct iovec) * 2 * GROUP_MAX);
         if (!L->io.buf || !L->hdrs || !L->iov || pthread_create(&L->thread, NULL, lane_main, L)) {
             /* Unwind the lanes started so far. */
@@ -857,6 +911,7 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, uint64_t expe
 
 uint64_t mte_peer_seen_instance(const mte_peer_t *p) { return atomic_load(&p->seen_instance); }
 int mte_peer_broken(const mte_peer_t *p) { return atomic_load(&p->restarted); }
+int mte_peer_cma(const mte_peer_t *p) { return atomic_load(&p->cma_seen); }
 
 void mte_peer_shutdown(mte_peer_t *p)
 {
@@ -994,6 +1049,8 @@ typedef struct conn {
     int fd;
     int64_t stall_since;        /* when the current message started waiting on the wire */
     int mid_message;
+    pid_t peer_pid;             /* unix connections: the client's pid, from SO_PEERCRED */
+    int cma;                    /* we can copy to and from the client's memory */
     char peer_name[256];
 } conn_t;
 
@@ -1043,6 +1100,26 @@ static int32_t reject_code(int why)
     return why == -EACCES ? MTE_E_REMOTE_ACCESS : MTE_E_REMOTE_NOT_REG;
 }
 
+/* Moves len bytes between our region at `ours` and the client's memory at `theirs`
+ * with process_vm_readv/writev(2): one copy, no socket. pull: client -> us (a WRITE). */
+static int32_t cma_copy(pid_t pid, uint64_t ours, uint64_t theirs, uint64_t len, int pull)
+{
+    uint64_t done = 0;
+    while (done < len) {
+        struct iovec l = {(void *)(uintptr_t)(ours + done), (size_t)(len - done)};
+        struct iovec r = {(void *)(uintptr_t)(theirs + done), (size_t)(len - done)};
+        ssize_t k = pull ? process_vm_readv(pid, &l, 1, &r, 1, 0)
+                         : process_vm_writev(pid, &l, 1, &r, 1, 0);
+        if (k <= 0) {
+            if (k < 0 && errno == EINTR)
+                continue;
+            return MTE_E_CMA;        /* the client's address is not mapped (or it is gone) */
+        }
+        done += (uint64_t)k;
+    }
+    return 0;
+}
+
 static void conn_serve(conn_t *c)
 {
     mte_tcp_t *t = c->tcp;
@@ -1060,6 +1137,7 @@ static void conn_serve(conn_t *c)
     io.pos += HELLO_SIZE;
     uint32_t nl = get32(hello + 16), flags = get32(hello + 20);
     const uint8_t *cnonce = hello + 24;
+    uint64_t probe_addr = get64(hello + 40);
     int32_t status = 0;
     if (get32(hello) != MAGIC_HELLO || get32(hello + 4) != PROTO_VERSION || nl > 255)
         status = MTE_E_PROTOCOL;
@@ -1076,6 +1154,14 @@ static void conn_serve(conn_t *c)
     put32(reply, MAGIC_HELLO);
     put32(reply + 4, (uint32_t)status);
     put64(reply + 8, t->instance);
+    if (status == 0 && c->peer_pid > 0 && probe_addr) {
+        /* Can we reach the client's memory? Read the value it offered and compare. */
+        uint64_t got = 0;
+        struct iovec l = {&got, 8}, r = {(void *)(uintptr_t)probe_addr, 8};
+        c->cma = process_vm_readv(c->peer_pid, &l, 1, &r, 1, 0) == 8 &&
+                 memcmp(&got, hello + 48, 8) == 0;
+        put32(reply + 64, c->cma ? REPLY_CMA : 0);
+    }
     if (status == 0 && t->token_len) {
         fresh_nonce(snonce);
         memcpy(reply + 16, snonce, NONCE_LEN);
@@ -1157,6 +1243,20 @@ static void conn_serve(conn_t *c)
             mte_region_unpin(r);
             if (e)
                 break;
+        } else if ((op == MTE_OP_WRITE_CMA || op == MTE_OP_READ_CMA) && c->cma) {
+            if (fill(&io, CMA_EXTRA))
+                break;
+            uint64_t peer_addr = get64(io.buf + io.pos);
+            io.pos += CMA_EXTRA;
+            int pull = op == MTE_OP_WRITE_CMA;
+            mte_region_t *r = len ? mte_regions_pin(t->regions, addr, len, pull ?
+                                                    MTE_ACC_REMOTE_WRITE : MTE_ACC_REMOTE_READ,
+                                                    &why) : NULL;
+            int32_t st = r ? cma_copy(c->peer_pid, addr, peer_addr, len, pull)
+                           : reject_code(why ? why : -ENOENT);
+            if (r)
+                mte_region_unpin(r);
+            oresp(&o, st, seq, 0);
         } else if (op == MTE_OP_NOTIFY && len <= NOTIFY_MAX) {
             char *msg = malloc(len ? len : 1);
             if (!msg || recv_into(&io, (uint8_t *)msg, len)) {
@@ -1195,11 +1295,10 @@ static void *conn_main(void *arg)
     return NULL;
 }
 
-static void *accept_main(void *arg)
+static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
 {
-    mte_tcp_t *t = arg;
     for (;;) {
-        int fd = accept4(t->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) {
             if (atomic_load(&t->closing))
                 break;
@@ -1218,6 +1317,12 @@ static void *accept_main(void *arg)
         }
         c->tcp = t;
         c->fd = fd;
+        if (is_unix) {
+            struct ucred cred;
+            socklen_t cl = sizeof(cred);
+            if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0)
+                c->peer_pid = cred.pid;      /* kernel-verified: the client cannot lie */
+        }
         pthread_mutex_lock(&t->mu);
         if (atomic_load(&t->closing)) {
             pthread_mutex_unlock(&t->mu);
@@ -1243,6 +1348,35 @@ static void *accept_main(void *arg)
         pthread_mutex_unlock(&t->mu);
     }
     return NULL;
+}
+
+static void *accept_main(void *arg)
+{
+    mte_tcp_t *t = arg;
+    return accept_loop(t, t->listen_fd, 0);
+}
+
+static void *accept_unix_main(void *arg)
+{
+    mte_tcp_t *t = arg;
+    return accept_loop(t, t->uds_fd, 1);
+}
+
+/* The same-host listener: an abstract unix socket named after our instance id. */
+static int listen_unix(mte_tcp_t *t)
+{
+    snprintf(t->uds_name, sizeof(t->uds_name), "mooncake_te.%d.%016llx", (int)getpid(),
+             (unsigned long long)t->instance);
+    struct sockaddr_un a;
+    socklen_t len = unix_addr(&a, t->uds_name);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    if (bind(fd, (struct sockaddr *)&a, len) < 0 || listen(fd, 128) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
 }
 
 mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
@@ -1305,10 +1439,19 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
         *err = -EAGAIN;
         return NULL;
     }
+    /* Same-host peers are optional: without the listener they simply use TCP. */
+    t->uds_fd = listen_unix(t);
+    if (t->uds_fd >= 0 && pthread_create(&t->uds_thread, NULL, accept_unix_main, t) != 0) {
+        close(t->uds_fd);
+        t->uds_fd = -1;
+    }
+    if (t->uds_fd < 0)
+        t->uds_name[0] = 0;
     return t;
 }
 
 int mte_tcp_port(const mte_tcp_t *t) { return t->port; }
+const char *mte_tcp_uds_name(const mte_tcp_t *t) { return t->uds_name; }
 uint64_t mte_tcp_auth_failures(const mte_tcp_t *t) { return atomic_load(&t->auth_failures); }
 
 void mte_tcp_free(mte_tcp_t *t)
@@ -1319,6 +1462,11 @@ void mte_tcp_free(mte_tcp_t *t)
     shutdown(t->listen_fd, SHUT_RDWR);
     pthread_join(t->accept_thread, NULL);
     close(t->listen_fd);
+    if (t->uds_fd >= 0) {
+        shutdown(t->uds_fd, SHUT_RDWR);
+        pthread_join(t->uds_thread, NULL);
+        close(t->uds_fd);
+    }
     pthread_mutex_lock(&t->mu);
     for (conn_t *c = t->conns; c; c = c->next)
         shutdown(c->fd, SHUT_RDWR);

@@ -15,10 +15,17 @@
  * completed WRITE means applied, and a rejected one (address outside every region)
  * is drained and answered with a status instead of tearing the connection down.
  *
- * Hello: client -> 40 B: u32 'MTEH' | u32 version | u64 instance | u32 name_len |
- *                        u32 flags (1 = authenticates) | 16 B nonce Nc  [+ name]
- *        server -> 64 B: u32 'MTEH' | i32 status | u64 instance | 16 B nonce Ns |
- *                        32 B HMAC(token, "mte-data-server" Nc Ns instance)
+ * Hello: client -> 56 B: u32 'MTEH' | u32 version | u64 instance | u32 name_len |
+ *                        u32 flags (1 = authenticates) | 16 B nonce Nc |
+ *                        u64 probe address | u64 probe value  [+ name]
+ *        server -> 72 B: u32 'MTEH' | i32 status | u64 instance | 16 B nonce Ns |
+ *                        32 B HMAC(token, "mte-data-server" Nc Ns instance) |
+ *                        u32 flags (1 = cross-memory attach) | u32 0
+ * Same-host peers connect over an abstract unix socket instead; the server learns the
+ * client's pid from SO_PEERCRED (kernel-verified, so a client cannot point the server at
+ * another process) and, if process_vm_readv of the probe returns the probe value, serves
+ * WRITE_CMA/READ_CMA requests (header + u64 client address, no payload) by copying
+ * directly between its region and the client's memory.
  * With a token (both sides must have one, else status -803), the client checks the
  * server's proof, then sends HMAC(token, "mte-data-client" Ns Nc name), and the server
  * answers u32 'MTEH' | i32 status before any request is read. */
@@ -30,7 +37,9 @@
 
 #include "../core/regions.h"
 
-enum { MTE_OP_WRITE = 1, MTE_OP_READ = 2, MTE_OP_NOTIFY = 3 };
+enum { MTE_OP_WRITE = 1, MTE_OP_READ = 2, MTE_OP_NOTIFY = 3,
+       /* same host: the server copies with process_vm_readv/writev, no payload */
+       MTE_OP_WRITE_CMA = 4, MTE_OP_READ_CMA = 5 };
 enum { MTE_ST_PENDING = 0, MTE_ST_COMPLETED = 1, MTE_ST_FAILED = 2, MTE_ST_TIMEOUT = 3,
        MTE_ST_CANCELED = 4 };
 
@@ -45,6 +54,7 @@ enum { MTE_ST_PENDING = 0, MTE_ST_COMPLETED = 1, MTE_ST_FAILED = 2, MTE_ST_TIMEO
 #define MTE_E_PEER_RESTARTED   (-1006)
 #define MTE_E_PROTOCOL         (-1007)
 #define MTE_E_CLOSED           (-1008)
+#define MTE_E_CMA              (-1009)
 #define MTE_E_NOMEM            (-302)
 
 typedef struct mte_tcp mte_tcp_t;
@@ -64,6 +74,8 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
                        const char *name, uint64_t instance, int stall_ms,
                        const void *token, size_t token_len, int *err);
 int mte_tcp_port(const mte_tcp_t *t);
+/* Name of the same-host listener (abstract unix socket), "" if there is none. */
+const char *mte_tcp_uds_name(const mte_tcp_t *t);
 uint64_t mte_tcp_auth_failures(const mte_tcp_t *t);
 void mte_tcp_free(mte_tcp_t *t);
 int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len);
@@ -71,14 +83,17 @@ mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t);
 void mte_notif_free(mte_notif_t *n);
 
 /* --- peers (client side) ----------------------------------------------------------- */
-mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, uint64_t expect_instance,
-                         int lanes, uint64_t slice_size, int *err);
+/* uds: the peer's same-host listener name (then lanes are unix connections and, when the
+ * peer can reach our memory, bytes move by process_vm_readv/writev), or NULL/"" for TCP. */
+mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *uds,
+                         uint64_t expect_instance, int lanes, uint64_t slice_size, int *err);
 /* Stops the lanes and fails what is queued; the peer stays valid (batches may still name
  * it for notifications) until mte_peer_free. Shut every peer down before freeing any. */
 void mte_peer_shutdown(mte_peer_t *p);
 void mte_peer_free(mte_peer_t *p);
 uint64_t mte_peer_seen_instance(const mte_peer_t *p);
 int mte_peer_broken(const mte_peer_t *p);     /* the peer reported a new instance id */
+int mte_peer_cma(const mte_peer_t *p);        /* some lane moves bytes by process_vm_* */
 
 /* --- batches ----------------------------------------------------------------------- */
 mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns);   /* CLOCK_MONOTONIC ns, 0=none */

@@ -37,6 +37,7 @@ cdef class TcpServer:
     cdef mte_tcp_t *t
     cdef readonly Regions regions
     cdef readonly int port
+    cdef readonly str uds_name
     cdef int pid
 
     def __cinit__(self, Regions regions, str bind_host, int port, str name,
@@ -56,6 +57,7 @@ cdef class TcpServer:
             raise OSError(-err, f"cannot listen for TCP data connections on {bind_host}:{port}: "
                                 f"{os.strerror(-err)}")
         self.port = mte_tcp_port(self.t)
+        self.uds_name = mte_tcp_uds_name(self.t).decode()
         self.pid = os.getpid()
 
     def close(self):
@@ -103,16 +105,17 @@ cdef class Peer:
     cdef readonly str host
     cdef readonly int port
     cdef readonly int lanes
+    cdef readonly str uds
     cdef int pid
     cdef public object key       # the facade's identity of the peer incarnation
 
     def __cinit__(self, TcpServer server, str host, int port, uint64_t expect_instance,
-                  int lanes, uint64_t slice_size):
+                  int lanes, uint64_t slice_size, str uds=""):
         cdef int err = 0
-        cdef bytes h = host.encode()
+        cdef bytes h = host.encode(), u = uds.encode()
         self.server = server
-        self.host, self.port, self.lanes = host, port, lanes
-        self.p = mte_peer_new(server.t, h, port, expect_instance, lanes, slice_size, &err)
+        self.host, self.port, self.lanes, self.uds = host, port, lanes, uds
+        self.p = mte_peer_new(server.t, h, port, u, expect_instance, lanes, slice_size, &err)
         if self.p == NULL:
             raise MemoryError(f"cannot start lanes to {host}:{port} (error {err})")
         self.pid = os.getpid()
@@ -120,6 +123,11 @@ cdef class Peer:
     @property
     def seen_instance(self):
         return mte_peer_seen_instance(self.p) if self.p != NULL else 0
+
+    @property
+    def cma(self):
+        """True once a lane moves bytes by cross-memory attach (same host)."""
+        return self.p != NULL and mte_peer_cma(self.p) != 0
 
     @property
     def restarted(self):

@@ -21,16 +21,18 @@ cdef extern from "tcp/tcp.h" nogil:
                            const void *token, size_t token_len, int *err)
     int mte_tcp_port(const mte_tcp_t *t)
     uint64_t mte_tcp_auth_failures(const mte_tcp_t *t)
+    const char *mte_tcp_uds_name(const mte_tcp_t *t)
     void mte_tcp_free(mte_tcp_t *t)
     int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len)
     mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t)
     void mte_notif_free(mte_notif_t *n)
-    mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, uint64_t expect_instance,
-                             int lanes, uint64_t slice_size, int *err)
+    mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *uds,
+                             uint64_t expect_instance, int lanes, uint64_t slice_size, int *err)
     void mte_peer_shutdown(mte_peer_t *p)
     void mte_peer_free(mte_peer_t *p)
     uint64_t mte_peer_seen_instance(const mte_peer_t *p)
     int mte_peer_broken(const mte_peer_t *p)
+    int mte_peer_cma(const mte_peer_t *p)
     mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns)
     void mte_batch_unref(mte_batch_t *b)
     int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *local,
