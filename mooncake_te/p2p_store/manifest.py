@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import secrets
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import ERR_MALFORMED_JSON, MetadataError
@@ -144,12 +146,19 @@ class Manifest:
     def build(cls, name: str, pieces, chunk_size: int, origin: HolderRef,
               progress=None) -> "Manifest":
         size = sum(n for _, n in pieces)
-        sums = []
-        for off in range(0, size, chunk_size):
-            n = min(chunk_size, size - off)
-            sums.append(crc_of(pieces, off, n))
-            if progress is not None:
-                progress(off + n, size)
+        offsets = range(0, size, chunk_size)
+        done = 0
+        # zlib.crc32 releases the GIL for large buffers, so threads checksum chunks in
+        # parallel: a 64 GiB checkpoint is ~27 s on one core, a few seconds on eight.
+        workers = max(1, min(8, os.cpu_count() or 1, len(offsets)))
+        with ThreadPoolExecutor(workers, thread_name_prefix="mte-p2p-crc") as pool:
+            sums = []
+            for off, crc in zip(offsets, pool.map(
+                    lambda o: crc_of(pieces, o, min(chunk_size, size - o)), offsets)):
+                sums.append(crc)
+                done = off + min(chunk_size, size - off)
+                if progress is not None:
+                    progress(done, size)
         return cls(name, secrets.token_hex(8), size, chunk_size, sums, origin)
 
     def to_json(self) -> dict:
