@@ -3,17 +3,15 @@
 and SSD (checksummed block records under ``cache_dir``), keyed by prefix hashes, with
 LRU/LFU eviction, demotion and promotion, hit-rate accounting and a remote ``get``.
 
-The trace simulator behind ``mooncake-te trace`` lives in :mod:`.trace`.
+The trace simulator behind ``mooncake-te trace`` lives in :mod:`.trace`; the guide is
+``docs/kvcache.md``.
 """
 from __future__ import annotations
 
+from .keys import as_key, prefix_hashes
 from .policy import LFU, LRU, make_policy
+from .store import KVCache
 from .trace import SimResult, Trace, load_trace, simulate, sweep, trace_stats
 
-__all__ = ["LRU", "LFU", "make_policy", "Trace", "load_trace", "SimResult", "simulate",
-           "sweep", "trace_stats"]
-
-from .keys import as_key, prefix_hashes  # noqa: E402
-from .store import KVCache  # noqa: E402
-
-__all__ += ["KVCache", "as_key", "prefix_hashes"]
+__all__ = ["KVCache", "as_key", "prefix_hashes", "LRU", "LFU", "make_policy", "Trace",
+           "load_trace", "SimResult", "simulate", "sweep", "trace_stats"]
