@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Loopback TCP figures beside the kernel's ceiling, measured in the same run.
+"""Loopback figures beside the machine's ceilings, measured in the same run.
 
 Runs iperf3 (Debian's, one stream, 1 MiB writes, the plain-C ceiling of loopback TCP on
-this machine), then ``mooncake-te bench`` at 4 KiB, 64 KiB, 1 MiB and 16 MiB, then iperf3
-again, and prints GB/s per block size with the ratio to the mean iperf3 figure, plus the
-synchronous 4 KiB latency. Machines are noisy (±20-30 % run to run), so only ratios
-within one run mean anything.
+this machine), then ``mooncake-te bench --protocol tcp`` at 4 KiB, 64 KiB, 1 MiB and
+16 MiB, then iperf3 again, and prints GB/s per block size with the ratio to the mean
+iperf3 figure, plus the synchronous 4 KiB latency. Then the same-host transport
+(``--protocol shm``) beside a single-thread memcpy of the same size. Machines are noisy
+(±20-30 % run to run), so only ratios within one run mean anything.
 
     python benchmarks/loopback_vs_iperf3.py [--duration 2] [--json]
 """
@@ -50,12 +51,24 @@ def iperf3(seconds: float) -> float:
         server.wait()
 
 
-def bench(seconds: float) -> dict:
+def bench(seconds: float, protocol: str, sizes="4K,64K,1M,16M") -> dict:
     out = subprocess.run([sys.executable, "-m", "mooncake_te", "bench", "--host", "127.0.0.1",
-                          "--block-sizes", "4K,64K,1M,16M", "--duration", str(seconds),
-                          "--json", "--no-progress"], capture_output=True, text=True,
-                         check=True, timeout=600).stdout
+                          "--protocol", protocol, "--block-sizes", sizes,
+                          "--duration", str(seconds), "--json", "--no-progress"],
+                         capture_output=True, text=True, check=True, timeout=600).stdout
     return json.loads(out)
+
+
+def memcpy(nbytes: int, seconds: float = 1.0) -> float:
+    """GB/s of one thread copying nbytes (numpy's copyto is a plain memcpy here)."""
+    import numpy as np
+    a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+    np.copyto(b, a)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        np.copyto(b, a)
+        n += 1
+    return n * nbytes / (time.perf_counter() - t0) / 1e9
 
 
 def main() -> int:
@@ -64,9 +77,14 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     before = iperf3(3)
-    res = bench(args.duration)
+    res = bench(args.duration, "tcp")
     after = iperf3(3)
     ceiling = (before + after) / 2
+    mc_before = memcpy(16 << 20)
+    shm = bench(args.duration, "shm", "1M,16M")
+    mc = (mc_before + memcpy(16 << 20)) / 2
+    shm_rows = [{"op": p["op"], "block_size": p["block_size"], "gbps": p["gbps"],
+                 "ratio_to_memcpy": p["gbps"] / mc} for p in shm["points"]]
     rows = []
     for p in res["points"]:
         rows.append({"op": p["op"], "block_size": p["block_size"], "batch": p["batch_size"],
@@ -76,6 +94,9 @@ def main() -> int:
             for s in res.get("sync", [])}
     report = {"iperf3_gbps": {"before": before, "after": after, "mean": ceiling},
               "points": rows, "sync_4k": sync, "reference": REFERENCE,
+              "memcpy_16m_gbps": mc, "shm_points": shm_rows,
+              "shm_sync_4k": {s["op"]: {"p50_us": s["lat_us"]["p50"], "p99_us": s["lat_us"]["p99"]}
+                              for s in shm.get("sync", [])},
               "loadavg": res["machine"]}
     if args.json:
         print(json.dumps(report, indent=1))
@@ -96,6 +117,13 @@ def main() -> int:
         print(f"synchronous 4 KiB {op}: median {s['p50_us']:.1f} µs, p99 {s['p99_us']:.1f} µs")
     print("(mooncake/nixl columns: figures measured on this machine class for issue 2, "
           "not in this run)")
+    print(f"\nsame-host transport (unix socket + cross-memory attach); single-thread memcpy "
+          f"of 16 MiB: {mc:.2f} GB/s")
+    for r in shm_rows:
+        bs = r["block_size"]
+        print(f"{r['op']:6}{bs >> 20:>7}M{r['gbps']:>8.2f} GB/s  {r['ratio_to_memcpy']:>5.0%} of memcpy")
+    for op, s_ in report["shm_sync_4k"].items():
+        print(f"synchronous 4 KiB {op} (shm): median {s_['p50_us']:.1f} µs, p99 {s_['p99_us']:.1f} µs")
     return 0
 
 

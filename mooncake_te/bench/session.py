@@ -30,6 +30,7 @@ class BenchSession:
     def __init__(self, mode: str, host: str | None = None, segment: str | None = None,
                  buffer_size: int = 128 << 20, metadata: str | None = None,
                  protocol: str | None = None):
+        from ..batch import READ
         from ..engine import TransferEngine
         from ..errors import InvalidArgumentError
         self.mode = mode
@@ -61,8 +62,12 @@ class BenchSession:
             self.remote_address, self.remote_length = buf.address, buf.length
             self.local = np.empty(min(buffer_size, buf.length), dtype=np.uint8)
             self.local.fill(0xA5)         # fault every page in before anything is timed
-            self.engine.register(self.local)
-            self.transport = self.engine.protocol
+            region = self.engine.register(self.local)
+            # What actually carries bytes to this peer (a same-host peer gets "shm").
+            probe = self.engine.submit_arrays(READ, segment, [region.address],
+                                              [self.remote_address], 64)
+            probe.wait()
+            self.transport = probe.transport
             self.runner = Runner(self.engine, segment, self.remote_address,
                                  self.remote_length, self.local,
                                  TargetControl(self.engine, segment))
