@@ -27,9 +27,12 @@ def add_parser(subparsers) -> None:
     sub = p.add_subparsers(dest="p2p_command", metavar="<publish|fetch|list>")
 
     def common(q):
-        q.add_argument("--metadata", default="p2p",
+        q.add_argument("--metadata", default=None,
                        help="etcd://h:2379, redis://h:6379, http://h:8080/metadata, or p2p "
-                            "(no server: fetchers give --seed) (default: p2p)")
+                            "(no server: fetchers give --seed) (default: config.toml "
+                            "[p2p_store] / [metadata], MC_METADATA_SERVER, else p2p)")
+        q.add_argument("--config", default=None, metavar="PATH",
+                       help="a config.toml ([metadata], [transfer_engine], [p2p_store])")
         q.add_argument("--seed", action="append", default=[], metavar="HOST:PORT",
                        help="with --metadata p2p: the publisher's store address (repeatable)")
         q.add_argument("--host", default=None,
@@ -87,8 +90,10 @@ def run(args) -> int:
 def _open(args, **kwargs):
     import mooncake_te as mte
     from ..p2p_store import P2PStore
-    metadata = args.metadata or "p2p"
-    eng = mte.TransferEngine(host=args.host, metadata=metadata)
+    metadata = args.metadata
+    if metadata is None and args.seed:
+        metadata = "p2p"            # seeds only mean something without a store
+    eng = mte.TransferEngine(host=args.host, metadata=metadata, config=args.config)
     try:
         store = P2PStore(eng, metadata=metadata, seeds=args.seed or None, host=args.host,
                          port=args.port, **kwargs)
@@ -141,13 +146,14 @@ def _publish(args) -> int:
         finally:
             if bar:
                 bar.stop()
+        backend = getattr(store.directory, "backend", None)
+        where = getattr(backend, "address", None) or "p2p"
         info = {"name": name, "size": m.size, "chunks": m.chunks, "chunk_size": m.chunk_size,
-                "store": store.address, "segment": eng.name, "metadata": args.metadata}
+                "store": store.address, "segment": eng.name, "metadata": where}
         if args.json:
             print(json.dumps(info), flush=True)
         else:
-            how = (f"--metadata {args.metadata}" if args.metadata != "p2p"
-                   else f"--seed {store.address}")
+            how = f"--metadata {where}" if backend is not None else f"--seed {store.address}"
             print(f"published {name!r}: {m.size} bytes in {m.chunks} chunks of {m.chunk_size}; "
                   f"store {store.address}\nfetch it with: mooncake-te p2p fetch {name} {how}",
                   flush=True)

@@ -109,6 +109,18 @@ class P2PStore:
     refresh_interval : float
         Seconds between checks that this store is still listed for what it holds, and
         that objects it replicates are still published.
+    control_timeout : float
+        Seconds to connect to another store's control port or wait for its answer.
+    transfer_timeout : float, optional
+        Seconds one chunk read may take (default: the engine's ``timeout_ms``).
+    stall_timeout : float
+        A get fails with :class:`NoHolderError` when no chunk arrived and none was in
+        flight for this long (no holder can supply the rest).
+
+    Notes
+    -----
+    Close the store before its engine: closing withdraws what it published through
+    the engine's metadata client (when shared) and unregisters memory.
 
     Examples
     --------
@@ -151,7 +163,11 @@ class P2PStore:
         self._failed: dict[str, str] = {}
         self._gets: dict[str, dict] = {}
         self._fetches: set = set()               # gets and repairs in progress
-        self._server = ControlServer(host or engine.host, port, self._handle, self._release)
+        try:
+            self._server = ControlServer(host or engine.host, port, self._handle, self._release)
+        except BaseException:
+            self.directory.close()
+            raise
         self.address = self._server.address
         self.name = name or engine.name
         self.ref = HolderRef(self.name, self.address, engine.name, secrets.token_hex(6))
