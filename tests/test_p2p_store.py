@@ -195,6 +195,38 @@ def get_ok(p: StoreProcess, name: str, timeout: float = 30.0) -> str:
     return value
 
 
+# --- chunk arithmetic --------------------------------------------------------------------------
+def test_transfer_plan_maps_every_byte_between_differently_split_copies():
+    from mooncake_te.p2p_store.manifest import transfer_plan
+    rng = np.random.default_rng(12)
+    for _ in range(200):
+        size = int(rng.integers(1, 5000))
+        memory = np.zeros(4 * size + 1000, np.uint8)          # addresses are indices here
+        obj = rng.integers(0, 256, size, dtype=np.uint8)
+
+        def split(base):
+            cuts = np.sort(rng.choice(np.arange(1, size), min(size - 1, int(rng.integers(0, 6))),
+                                      replace=False)) if size > 1 else []
+            bounds = [0, *cuts, size]
+            pieces, addr = [], base
+            for lo, hi in zip(bounds, bounds[1:]):
+                pieces.append((addr, hi - lo))
+                addr += hi - lo + int(rng.integers(0, 7))    # gaps between buffers
+            return pieces
+        src, dst = split(0), split(2 * size + 100)
+        for (a, n), lo in zip(src, np.cumsum([0] + [n for _, n in src])):
+            memory[a:a + n] = obj[lo:lo + n]
+        chunk = int(rng.integers(1, size + 1))
+        for off in range(0, size, chunk):
+            n = min(chunk, size - off)
+            local, remote, lens = transfer_plan(dst, src, off, n)
+            assert sum(lens) == n
+            for la, ra, k in zip(local, remote, lens):
+                memory[la:la + k] = memory[ra:ra + k]
+        got = np.concatenate([memory[a:a + n] for a, n in dst])
+        assert (got == obj).all()
+
+
 # --- distribution ---------------------------------------------------------------------------
 def test_fan_out_later_getters_fetch_from_earlier_ones(etcd, procs):
     size, name = 8 << 20, "fanout"
@@ -242,20 +274,23 @@ def test_centralized_fetches_everything_from_the_publisher(etcd, procs):
 
 def test_holder_killed_mid_get_the_others_finish_it(etcd, procs):
     size, name = 8 << 20, "victim"
-    procs += start(4, spec(etcd), chunk_size=CHUNK)
-    seed, r1, r2, getter = procs
+    procs += start(5, spec(etcd), chunk_size=CHUNK)
+    seed, r1, r2, *getters = procs
     digest = seed.call("register", name, size, 3)
     for r in (r1, r2):
         r.call("start_get", name, 0, True)
         assert get_ok(r, name) == digest
-    getter.call("start_get", name, 0.004, True)     # ~4 ms per chunk: time to kill
-    getter.wait_progress(name, size // 4)
+    for g in getters:
+        g.call("start_get", name, 0.004, True)     # ~4 ms per chunk: time to kill
+    for g in getters:
+        g.wait_progress(name, size // 4)
     r1.kill()
-    assert get_ok(getter, name) == digest
-    got = getter.call("stats")
-    assert got["gets"][name]["chunks_from"].get(r1.name, 0) > 0   # it was used before
-    assert r1.name in got["gets"][name]["failed_holders"]          # and then avoided
-    assert sum(got["gets"][name]["chunks_from"].values()) == size // CHUNK
+    for g in getters:
+        assert get_ok(g, name) == digest
+        got = g.call("stats")["gets"][name]
+        assert got["chunks_from"].get(r1.name, 0) > 0     # it was used before
+        assert r1.name in got["failed_holders"]           # and then avoided
+        assert sum(got["chunks_from"].values()) == size // CHUNK
 
 
 def test_corrupt_chunk_detected_and_fetched_elsewhere(etcd, procs):
