@@ -113,7 +113,8 @@ def test_bench_json_end_to_end():
     p = cli("bench", "--block-sizes", "4K,64K", "--duration", "0.2", "--json",
             "--no-progress")
     r = json.loads(p.stdout)                  # stdout is exactly one JSON object
-    assert r["header"]["mode"] == "loopback" and r["header"]["transport"] == "tcp"
+    # The loopback target is on this host, so "auto" takes the same-host transport.
+    assert r["header"]["mode"] == "loopback" and r["header"]["transport"] == "shm"
     assert r["header"]["segment"].startswith("127.0.0.1:")
     assert r["interrupted"] is False
     pts = {(q["op"], q["block_size"]): q for q in r["points"]}
