@@ -20,7 +20,7 @@ with mte.TransferEngine(host="127.0.0.1") as prefill, \
     batch = prefill.submit_arrays(mte.WRITE, decode.name, src.address + blocks,
                                   remote + blocks, 65536, notify=b"req-42 done")
     batch.wait(timeout=10)                             # raises on the first failure
-    print(batch.transport, batch.status()[0])          # tcp TransferStatus('completed', 65536)
+    print(batch.transport, batch.status()[0])          # shm TransferStatus('completed', 65536)
     print(decode.notifications())                      # [Notification(sender=..., message=b'req-42 done')]
 
     # READ pulls remote bytes into local memory.

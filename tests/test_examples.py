@@ -11,7 +11,7 @@ def test_quickstart_example_runs():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "TransferStatus(state='completed', transferred_bytes=65536)" in out.stdout
+    assert "shm TransferStatus(state='completed', transferred_bytes=65536)" in out.stdout
     assert "req-42 done" in out.stdout and "not inside a region it registered" in out.stdout
 
 
