@@ -39,7 +39,7 @@
 #define GROUP_BYTES (2u << 20)        /* ...or this many payload bytes */
 #define RBUF_SIZE (256u << 10)
 #define OBUF_SIZE (256u << 10)
-#define SMALL_READ (64u << 10)        /* READ replies up to this size are coalesced */
+#define SMALL_READ (16u << 10)        /* READ replies up to this size are coalesced */
 #define DIRECT_RECV (16u << 10)       /* payloads at least this big skip the buffer */
 #define TICK_MS 200                   /* socket timeout tick: deadlines are checked per tick */
 #define NOTIFY_MAX (1u << 20)
@@ -75,6 +75,10 @@ typedef struct {
     int fd;
     uint8_t *buf;
     size_t pos, end, cap;
+    /* How far a refill may read past what is needed. After a big payload the next one
+     * is likely big too: then only its header is read into the buffer and the payload
+     * goes straight to its destination, instead of being copied out of the buffer. */
+    size_t readahead;
     stop_fn stop;
     void *ctx;
 } sockio_t;
@@ -148,7 +152,10 @@ static int fill(sockio_t *s, size_t n)
         s->pos = 0;
     }
     while (s->end < n) {
-        ssize_t k = recv_some(s, s->buf + s->end, s->cap - s->end);
+        size_t want = s->cap - s->end;
+        if (n - s->end + s->readahead < want)
+            want = n - s->end + s->readahead;
+        ssize_t k = recv_some(s, s->buf + s->end, want);
         if (k < 0)
             return (int)k;
         s->end += (size_t)k;
@@ -734,6 +741,9 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
     int j = 0;
     for (; !err && j < nlive; j++) {
         item_t *x = &it[live[j]];
+        /* A big READ reply: read just its header, then its bytes straight into place. */
+        L->io.readahead = (x->op == MTE_OP_READ && !L->cma && x->len >= DIRECT_RECV)
+                          ? 0 : RBUF_SIZE;
         err = fill(&L->io, RESP_SIZE);
         if (err)
             break;
@@ -886,7 +896,7 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *u
         L->index = i;
         pthread_mutex_init(&L->busy, NULL);
         L->io = (sockio_t){.fd = -1, .buf = malloc(RBUF_SIZE), .cap = RBUF_SIZE,
-                           .stop = lane_stop, .ctx = L};
+                           .readahead = RBUF_SIZE, .stop = lane_stop, .ctx = L};
         L->hdrs = malloc((size_t)GROUP_MAX * (REQ_SIZE + CMA_EXTRA));
         L->iov = malloc(sizeof(struct iovec) * 2 * GROUP_MAX);
         if (!L->io.buf || !L->hdrs || !L->iov || pthread_create(&L->thread, NULL, lane_main, L)) {
@@ -1124,7 +1134,7 @@ static void conn_serve(conn_t *c)
 {
     mte_tcp_t *t = c->tcp;
     sockio_t io = {.fd = c->fd, .buf = malloc(RBUF_SIZE), .cap = RBUF_SIZE,
-                   .stop = conn_stop, .ctx = c};
+                   .readahead = RBUF_SIZE, .stop = conn_stop, .ctx = c};
     obuf_t o = {.io = &io, .buf = malloc(OBUF_SIZE), .len = 0};
     if (!io.buf || !o.buf)
         goto out;
@@ -1217,6 +1227,7 @@ static void conn_serve(conn_t *c)
                 mte_region_unpin(r);
             if (e)
                 break;
+            io.readahead = len >= DIRECT_RECV ? 0 : RBUF_SIZE;
             oresp(&o, r ? 0 : reject_code(why ? why : -ENOENT), seq, 0);
         } else if (op == MTE_OP_READ) {
             mte_region_t *r = len ? mte_regions_pin(t->regions, addr, len,
