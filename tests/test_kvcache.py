@@ -189,6 +189,36 @@ def test_an_io_error_drops_what_was_in_flight(tmp_path, caplog):
         assert all(np.array_equal(g, block(i)) for i, g in zip((1, 2, 3), c.get([1, 2, 3])))
 
 
+def test_threads_share_one_cache(tmp_path):
+    import threading
+    errors = []
+    blocks = {i: block(i, 512 + 7 * i) for i in range(40)}
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(150):
+                ks = [int(x) for x in rng.choice(40, size=3, replace=False)]
+                if rng.random() < 0.5:
+                    c.put(ks, [blocks[k] for k in ks])
+                else:
+                    for k, g in zip(ks, c.get(ks)):
+                        if g is not None and not np.array_equal(g, blocks[k]):
+                            errors.append(k)
+        except Exception as e:          # pragma: no cover - reported below
+            errors.append(e)
+
+    with cache(tmp_path, dram=4, ssd=12) as c:
+        ts = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=60)
+        assert errors == []
+        s = c.stats()
+        assert s["demotions"] > 0 and s["promotions"] > 0 and s["evictions_ssd"] > 0
+
+
 # --- restart and corruption --------------------------------------------------------------
 def test_restart_finds_ssd_blocks_in_lru_order(tmp_path):
     with cache(tmp_path, dram=2, ssd=8) as c:
