@@ -18,7 +18,6 @@ import json
 import logging
 import threading
 
-from ..errors import MooncakeError
 from ..metadata.base import KeyValueBackend, key_prefix
 
 log = logging.getLogger("mooncake_te.kvcache")
@@ -68,7 +67,7 @@ class OwnerIndex:
         """``(owner, addr, length)`` of another engine holding ``key``, or None."""
         try:
             raw = self.store.get(self._key(key))
-        except MooncakeError as e:
+        except Exception as e:          # the index is a hint: an outage is a miss
             log.warning("kvcache: owner index lookup failed: %s", e)
             return None
         if not raw:
@@ -103,7 +102,7 @@ class OwnerIndex:
                     else:
                         self.store.put(self._key(key), json.dumps(
                             {"owner": self.owner, "addr": op[0], "length": op[1]}).encode())
-                except (MooncakeError, ValueError) as e:
+                except Exception as e:      # a store outage must not end the thread
                     self.errors += 1
                     if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
                         log.warning("kvcache: owner index update failed (%d so far): %s",
