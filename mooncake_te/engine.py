@@ -235,6 +235,13 @@ class TransferEngine:
         d.tcp_data_port = d.extra.pop("tcp_data_port", 0)
         return d
 
+    @property
+    def metadata(self):
+        """The metadata backend this engine publishes to (a ``MetadataBackend``; store
+        backends are ``KeyValueBackend`` with get/put/delete), for components that keep
+        their own keys beside the segment descriptors (kvcache index, P2P store)."""
+        return self._backend
+
     def _describe_bytes(self) -> bytes:
         return self.descriptor().encode()
 

@@ -188,7 +188,7 @@ class KVCache:
         if isinstance(index, str):
             index = self._own_store = open_backend(index)
         if index is None:
-            b = getattr(self.engine, "_backend", None)
+            b = getattr(self.engine, "metadata", None)
             index = b if isinstance(b, KeyValueBackend) else None
         if index is None:
             return
