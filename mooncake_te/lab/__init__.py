@@ -19,7 +19,7 @@ from .errors import GuestError, GuestTimeoutError, LabError, LabUnavailableError
 from .guest import Result, run
 from .host import DEBIAN_PACKAGES, has_nvmeof, has_rdma, in_guest
 from .kernel import cache_dir
-from .prepare import Prepared, prepare
+from .cache import Prepared, prepare
 
 __all__ = ["run", "prepare", "Result", "Prepared", "cache_dir", "has_rdma", "has_nvmeof",
            "in_guest", "DEBIAN_PACKAGES", "LabError", "LabUnavailableError", "GuestError",

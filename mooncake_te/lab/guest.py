@@ -189,7 +189,7 @@ def kernel_for_run(log=None) -> _kernel.Kernel:
     """The cached kernel, preparing it first when the cache has none."""
     k = _kernel.cached()
     if k is None:
-        from .prepare import prepare
+        from .cache import prepare
         if log:
             log("no guest kernel cached yet: preparing the lab first")
         k = prepare(log=log or (lambda *_: None)).kernel

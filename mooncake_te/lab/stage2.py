@@ -234,7 +234,7 @@ def setup_rxe(n: int) -> list[dict]:
     def flush():
         if batch:
             lines = "\n".join(" ".join(a[1:]) for a in batch) + "\n"
-            sh([batch[0][0], "-batch", "-"], f"{batch[0][0]} -batch:\n{lines}", input=lines)
+            sh([batch[0][0], "-b", "-"], f"{batch[0][0]} -b:\n{lines}", input=lines)
             batch.clear()
 
     for step in steps:

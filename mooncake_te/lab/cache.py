@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``prepare``: fetch the guest kernel and build the initramfs, once, into the cache."""
+"""The lab's cache: ``prepare`` fetches the guest kernel and builds the initramfs, once."""
 from __future__ import annotations
 
 import time
