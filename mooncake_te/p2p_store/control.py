@@ -3,9 +3,11 @@
 
 Chunk *data* never comes through here: getters read it one-sided through the transfer
 engine. This port carries what the engine has no words for: which chunks a holder has
-(a bitmap), a grant before each chunk read (so a holder knows its load, can turn a
-getter away when busy, and counts what it uploaded), the outcome after it (a corrupt
-chunk makes the holder check its own copy), and gossip about other holders.
+(a bitmap) and how loaded it is, a notice when a getter starts reading a chunk and the
+outcome when it is done (so the holder knows its load and counts what it uploaded; a
+corrupt chunk makes it check its own copy), and gossip about other holders. The two
+notices are sent without waiting for an answer, so a holder busy with its own work
+never delays the data path.
 
 Framing is the engine's handshake framing (``u64 length | u8 type | payload``,
 :mod:`mooncake_te.metadata.framing`) with a type of our own, so a store's port that is
@@ -37,7 +39,7 @@ class ControlServer:
     ----------
     handle : callable(request: dict, session: dict) -> dict
         Answers one request; ``session`` is per connection (the store keeps a getter's
-        outstanding grants there so a vanished getter's grants are released).
+        reads in progress there so a vanished getter's are released).
     on_close : callable(session: dict)
         Called when a connection ends.
     """

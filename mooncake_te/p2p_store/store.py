@@ -56,7 +56,7 @@ class _Local:
         self.have = n if complete else 0
         self.owned = list(owned)            # regions this store registered, to unregister
         self.known: dict[str, HolderRef] = {}
-        self.active = 0                     # grants outstanding
+        self.active = 0                     # chunk reads by others in progress
         self.uploaded = 0
         self.chunks_uploaded = 0
         self.uploads_to: dict[str, int] = {}
@@ -103,9 +103,6 @@ class P2PStore:
         Default chunk size of objects this store publishes (4 MiB).
     parallelism : int
         Chunk reads a get keeps in flight.
-    max_uploads : int
-        Chunk reads by others this store grants at once; more are told to come back
-        (they try other holders first), which is what pushes getters onto each other.
     refresh_interval : float
         Seconds between checks that this store is still listed for what it holds, and
         that objects it replicates are still published.
@@ -132,7 +129,7 @@ class P2PStore:
     def __init__(self, engine, metadata=None, *, seeds=None, decentralized: bool | None = None,
                  name: str | None = None, host: str | None = None, port: int = 0,
                  chunk_size: int = DEFAULT_CHUNK_SIZE, parallelism: int = 4,
-                 max_uploads: int = 8, refresh_interval: float = 1.0,
+                 refresh_interval: float = 1.0,
                  control_timeout: float = 5.0, transfer_timeout: float | None = None,
                  stall_timeout: float = 10.0):
         self._closed = True
@@ -144,9 +141,8 @@ class P2PStore:
                                   if decentralized is None else decentralized)
         self.chunk_size = _check_chunk_size(chunk_size)
         self.parallelism = int(parallelism)
-        self.max_uploads = int(max_uploads)
-        if self.parallelism < 1 or self.max_uploads < 1:
-            raise InvalidArgumentError("parallelism and max_uploads must be at least 1")
+        if self.parallelism < 1:
+            raise InvalidArgumentError(f"parallelism must be at least 1, got {parallelism!r}")
         self.refresh_interval = float(refresh_interval)
         self.control_timeout = float(control_timeout)
         self.transfer_timeout = transfer_timeout
@@ -361,10 +357,26 @@ class P2PStore:
         try:
             if local.role == "origin":
                 self.directory.withdraw(local.manifest)
-            elif self.decentralized:
+            else:
                 self.directory.remove_holder(local.manifest, self.ref)
+                if isinstance(self.directory, StoreDirectory) and not self._closed:
+                    threading.Thread(target=self._quietly, daemon=True, name="mte-p2p-unlist",
+                                     args=(self._unlist_again, local.manifest)).start()
         finally:
             self._drop_memory(local)
+
+    def _unlist_again(self, m: Manifest) -> None:
+        """Remove our holder entry again if another holder's concurrent update (the
+        stores have no compare-and-swap) wrote it back after our removal."""
+        for delay in (0.2, 1.0, 3.0):
+            if self._stop.wait(delay):
+                return
+            with self._lock:
+                again = self._objects.get(m.name)
+            if again is not None and again.manifest.object_id == m.object_id:
+                return          # fetched again meanwhile: the entry is right
+            if any(h.key == self.ref.key for h in self.directory.holders(m.name, m.object_id)):
+                self.directory.remove_holder(m, self.ref)
 
     def _drop_memory(self, local: _Local) -> None:
         for mr in local.owned:
@@ -538,7 +550,20 @@ class P2PStore:
     def _announce_later(self, local: _Local) -> None:
         # Off the data path: a store round trip must not hold up a worker.
         threading.Thread(target=self._quietly, daemon=True, name="mte-p2p-announce",
-                         args=(self.directory.add_holder, local.manifest, self.ref)).start()
+                         args=(self._list_self, local)).start()
+
+    def _current(self, local: _Local) -> bool:
+        with self._lock:
+            return self._objects.get(local.manifest.name) is local
+
+    def _list_self(self, local: _Local) -> None:
+        """Add this store to the holders of ``local`` unless it stopped holding it; an
+        unregister that raced with the addition is redone after it."""
+        if not self._current(local):
+            return
+        self.directory.add_holder(local.manifest, self.ref)
+        if not self._current(local):
+            self.directory.remove_holder(local.manifest, self.ref)
 
     def _holder_failed(self, manifest: Manifest, ref: HolderRef, why) -> None:
         with self._lock:
@@ -547,6 +572,11 @@ class P2PStore:
                 o.known.pop(ref.key, None)
         threading.Thread(target=self._quietly, daemon=True, name="mte-p2p-prune",
                          args=(self.directory.holder_gone, manifest, ref)).start()
+
+    def _prune_later(self, manifest: Manifest, ref: HolderRef) -> None:
+        if isinstance(self.directory, StoreDirectory):
+            threading.Thread(target=self._quietly, daemon=True, name="mte-p2p-prune",
+                             args=(self.directory.remove_holder, manifest, ref)).start()
 
     def _current_manifest(self, m: Manifest) -> Manifest | None:
         if isinstance(self.directory, SeedDirectory) and m.origin.key != self.ref.key:
@@ -591,8 +621,8 @@ class P2PStore:
                     "message": f"{self.name} does not hold object {name!r} ({oid})"}
         if op == "bitmap":
             return self._bitmap(local, True)
-        if op == "req":
-            return self._grant(local, req, session)
+        if op == "start":
+            return self._start(local, req, session)
         if op == "done":
             return self._done(local, req, session)
         if op == "holders":
@@ -613,7 +643,8 @@ class P2PStore:
 
     def _bitmap(self, local: _Local, with_layout: bool) -> dict:
         with self._lock:
-            r = {"ok": True, "have": local.have, "load": local.active}
+            r = {"ok": True, "have": local.have, "load": local.active,
+                 "known": len(local.known)}     # getters ask for the list when it grows
             if local.have == local.manifest.chunks:
                 r["complete"] = True
             else:
@@ -622,29 +653,17 @@ class P2PStore:
             r["layout"] = local.pieces
         return r
 
-    def _grant(self, local: _Local, req: dict, session: dict) -> dict:
-        c = int(req.get("chunk", -1))
-        if not 0 <= c < local.manifest.chunks:
-            return {"ok": False, "error": "bad_request", "message": f"no chunk {c}"}
+    def _start(self, local: _Local, req: dict, session: dict) -> dict:
+        """A getter starts reading a chunk from us (it waits for no answer)."""
         if "from" in req and self.decentralized:
             ref = HolderRef.from_json(req["from"])
             with self._lock:
                 local.known[ref.key] = ref
         with self._lock:
-            changed = req.get("have") != local.have
-            if not local.bits[c]:
-                r = self._bitmap(local, False)
-                r.update(ok=False, error="missing")
-                return r
-            if local.active >= self.max_uploads:
-                return {"ok": False, "error": "busy", "load": local.active}
             local.active += 1
             grants = session.setdefault("grants", {})
             grants[local] = grants.get(local, 0) + 1
-            r = self._bitmap(local, False) if changed else {"ok": True, "have": local.have}
-            r["load"] = local.active
-            r["known"] = len(local.known)       # getters ask for the list when it grows
-            return r
+        return {"ok": True}
 
     def _done(self, local: _Local, req: dict, session: dict) -> dict:
         c = int(req.get("chunk", -1))
@@ -736,7 +755,7 @@ class P2PStore:
                 (local.role == "origin" or self.decentralized):
             # Re-add ourselves if a concurrent writer's update dropped us.
             if all(h.key != self.ref.key for h in self.directory.holders(name, m.object_id)):
-                self.directory.add_holder(m, self.ref)
+                self._list_self(local)
 
 
     def _repair(self, local: _Local) -> None:
