@@ -187,7 +187,7 @@ class Fetch:
             return [self.m.origin]
         refs = {r.key: r for r in self.store.directory.holders(self.m.name, self.m.object_id)}
         refs.setdefault(self.m.origin.key, self.m.origin)
-        # Gossip: a holder knows the getters that asked it for chunks before the
+        # Gossip: a holder knows the getters that read chunks from it before the
         # directory (whose read-modify-write may lose updates) lists them; ask those
         # that reported knowing more than we last heard.
         for p in list(self.peers.values()):
