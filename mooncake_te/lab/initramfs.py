@@ -58,7 +58,7 @@ done
 for m in @MODULES@; do
     insmod "/modules/$m" || fail "insmod $m failed"
 done
-mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 @TAG@ /newroot || fail "mounting the host's root over 9p failed"
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000,cache=loose @TAG@ /newroot || fail "mounting the host's root over 9p failed"
 [ -x "/newroot$PY" ] || fail "no Python at $PY on the host's root"
 mount --move /proc /newroot/proc
 mount --move /sys /newroot/sys
