@@ -183,7 +183,7 @@ class P2PStore:
             metadata = spec_from_config(section["metadata_server"],
                                         section.get("metadata_address", ""))
         if metadata is None:
-            backend = getattr(self.engine, "_backend", None)
+            backend = getattr(self.engine, "metadata", None)
             if isinstance(backend, KeyValueBackend):
                 return StoreDirectory(backend, owned=False)     # share the engine's client
             metadata = "p2p"
