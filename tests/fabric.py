@@ -127,9 +127,14 @@ class FabricTier:
         self.log_path = cache / "last-guest-run.log"
         report.unlink(missing_ok=True)
         ids = [it.nodeid for it in self.items]
-        argv = [sys.executable, "-m", "pytest", "-p", "fabric", "-p", "no:cacheprovider",
-                "--fabric-report", str(report), "-q", "-rfE", "--color=no",
-                "--rootdir", str(self.config.rootpath), *ids]
+        plugins = [a for m in self._guest_plugins() for a in ("-p", m)]
+        argv = [sys.executable, "-m", "pytest", "-p", "fabric", *plugins,
+                "-p", "no:cacheprovider", "--fabric-report", str(report), "-q", "-rfE",
+                "--color=no", "--rootdir", str(self.config.rootpath), *ids]
+        # Plugins installed as packages are loaded by name only where the picked tests
+        # use them: under software emulation importing every installed plugin (hypothesis
+        # alone) costs more than the tests (pytest docs, PYTEST_DISABLE_PLUGIN_AUTOLOAD).
+        env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
         self._say(f"fabric: {len(ids)} test(s) need {', '.join(needs)}, which this host "
                   f"lacks: running them in one lab guest boot (mooncake-te lab; guest "
                   f"output in {self.log_path})")
@@ -137,7 +142,7 @@ class FabricTier:
         try:
             with open(self.log_path, "wb") as log:
                 log.write(("$ " + " ".join(argv) + "\n").encode())
-                r = lab.run(argv, rxe=2, nvmeof="nvmeof" in needs,
+                r = lab.run(argv, rxe=2, nvmeof="nvmeof" in needs, env=env,
                             timeout=self.config.getoption("fabric_timeout"),
                             cwd=str(self.config.invocation_params.dir), out=log,
                             log=lambda m: log.write((m + "\n").encode()))
@@ -155,6 +160,28 @@ class FabricTier:
         report.unlink(missing_ok=True)
         if self.problem:
             self._say(f"fabric: {self.problem.splitlines()[0]}")
+
+    def _guest_plugins(self) -> list[str]:
+        """Modules of the installed plugins the picked tests need in the guest.
+
+        pytest-timeout always (the ini's ``timeout`` guards the guest's tests too), and
+        any installed plugin that defines a fixture one of the picked tests requests.
+        """
+        pm = self.config.pluginmanager
+        installed = {}
+        for plugin, _dist in pm.list_plugin_distinfo():
+            name = getattr(plugin, "__name__", "")
+            if name:
+                installed[name.split(".")[0]] = name
+        wanted = [installed["pytest_timeout"]] if "pytest_timeout" in installed else []
+        for item in self.items:
+            info = getattr(item, "_fixtureinfo", None)
+            for defs in getattr(info, "name2fixturedefs", {}).values():
+                for fd in defs:
+                    top = getattr(fd.func, "__module__", "").split(".")[0]
+                    if top in installed and installed[top] not in wanted:
+                        wanted.append(installed[top])
+        return wanted
 
     def _load(self, path: Path):
         collect_errors = []
@@ -205,8 +232,8 @@ class FabricTier:
         return [setup, teardown]
 
     def pytest_terminal_summary(self, terminalreporter):
-        if not self.items:
-            return
+        if not self.items or (self.log_path is None and self.problem is None):
+            return                          # nothing was tried (--collect-only, -x ...)
         ran = sum(1 for it in self.items if it.nodeid in self.results)
         terminalreporter.write_sep("-", "fabric tier")
         terminalreporter.write_line(
