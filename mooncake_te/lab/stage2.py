@@ -179,10 +179,11 @@ def nvmeof_plan(image: str, size: int, nqn: str = NQN, addr=NVMEOF_ADDR):
 # --------------------------------------------------------------------------- steps
 
 def mounts() -> None:
-    # The host's /run, /tmp and /dev/shm must not be shared with the guest: the
-    # guest's pytest would clean up the host's pytest-of-root folders, and sockets or
-    # pid files of host services would look alive. tmpfs gives the guest its own.
-    for target, fstype, opts in (("/run", "tmpfs", "mode=755"), ("/tmp", "tmpfs", "mode=1777"),
+    # The host's /run and /dev/shm must not be shared with the guest: sockets and pid
+    # files of host services would look alive there. /tmp stays shared (a command may
+    # run from it), but the command's TMPDIR points into the guest's own tmpfs, so a
+    # pytest in the guest never cleans up the host's pytest-of-<user> folders.
+    for target, fstype, opts in (("/run", "tmpfs", "mode=755"),
                                  ("/dev/shm", "tmpfs", "mode=1777"),
                                  ("/dev/pts", "devpts", "gid=5,mode=620")):
         os.makedirs(target, exist_ok=True)
@@ -311,8 +312,14 @@ def run_command(spec: dict, env: dict) -> int:
     out.write(BEGIN)
     out.flush()
     try:
+        if not os.path.isdir(spec["cwd"]):
+            raise NotADirectoryError(spec["cwd"])
         proc = subprocess.Popen(spec["argv"], cwd=spec["cwd"], env=env,
                                 stdin=subprocess.DEVNULL)
+    except NotADirectoryError:
+        out.write(f"{PREFIX} the working folder {spec['cwd']} is not there in the guest "
+                  f"(the guest sees the host's / except /run and /dev/shm)\n".encode())
+        rc = 127
     except FileNotFoundError:
         out.write(f"{PREFIX} command not found in the guest: {spec['argv'][0]}\n".encode())
         rc = 127
@@ -353,6 +360,8 @@ def main(rundir: str) -> None:
         result["timings"]["modules_s"] = round(time.monotonic() - t, 2)
         env = dict(spec["env"])
         env["MOONCAKE_LAB"] = "1"
+        env["TMPDIR"] = "/run/mooncake-lab/tmp"
+        os.makedirs(env["TMPDIR"], mode=0o1777, exist_ok=True)
         t = time.monotonic()
         devices = setup_rxe(spec["rxe"])
         result["timings"]["rxe_s"] = round(time.monotonic() - t, 2)
