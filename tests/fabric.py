@@ -193,6 +193,10 @@ class FabricTier:
             d = json.loads(line)
             rep = self.config.hook.pytest_report_from_serializable(config=self.config,
                                                                    data=d["data"])
+            if isinstance(rep.longrepr, list):
+                # A skip's (path, lineno, reason) is a tuple to pytest; JSON made it a
+                # list (pytest-xdist's execnet keeps tuples, plain JSON does not).
+                rep.longrepr = tuple(rep.longrepr)
             if d["kind"] == "collect":
                 collect_errors.append(f"{rep.nodeid}: {rep.longreprtext.strip()[-800:]}")
             else:

@@ -129,11 +129,13 @@ def cached(package: str | None = None) -> Kernel | None:
     return None
 
 
-def _run(argv, cwd=None, what=""):
+def _run(argv, cwd=None, what="", error=LabError, hint=""):
     out = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
-        tail = (out.stderr.strip() or out.stdout.strip()).splitlines()[-1:] or [""]
-        raise LabError(f"{what} failed: {' '.join(map(str, argv))}: {tail[0]}")
+        lines = [ln for ln in (out.stderr + out.stdout).splitlines()
+                 if ln.strip() and not ln.startswith("W:")]
+        raise error(f"{what} failed: {' '.join(map(str, argv))}: "
+                    f"{lines[-1] if lines else 'exit ' + str(out.returncode)}{hint}")
     return out
 
 
@@ -152,7 +154,9 @@ def fetch(package: str, log=print) -> Kernel:
         # apt drops to the _apt user for downloads unless told otherwise, and that user
         # cannot write into root's cache (apt.conf(5), APT::Sandbox::User).
         _run(["apt-get", "download", "-q", "-o", "APT::Sandbox::User=root", package],
-             cwd=tmp, what=f"downloading {package}")
+             cwd=tmp, what=f"downloading {package}", error=LabUnavailableError,
+             hint=" (is the package name right? run 'apt-get update' and check that "
+                  "this machine reaches its Debian mirror)")
         debs = list(tmp.glob(f"{package}_*.deb"))
         if not debs:
             raise LabError(f"apt-get download {package} left no .deb in {tmp}")
