@@ -152,6 +152,10 @@ def qemu_argv(kern: _kernel.Kernel, initrd: Path, rundir: Path, *, accel: str = 
                            f"on spaces: {p!r} has one (set MOONCAKE_LAB_CACHE to a path "
                            f"without spaces)")
     stage2_py = os.path.abspath(stage2.__file__)
+    # /init checks and execs this path before switch_root is done resolving symlinks
+    # against the guest's view, and a virtualenv's python is a symlink: pass the real
+    # file (stage 2 uses the standard library only, so which prefix it sees is moot).
+    python = os.path.realpath(python)
     cmdline = (f"console=ttyS0 quiet loglevel=3 panic=-1 mte.python={python} "
                f"mte.stage2={stage2_py} mte.run={rundir}")
     cpu = ["-accel", "kvm", "-cpu", "host"] if accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
@@ -161,6 +165,29 @@ def qemu_argv(kern: _kernel.Kernel, initrd: Path, rundir: Path, *, accel: str = 
             "-kernel", str(kern.vmlinuz), "-initrd", str(initrd), "-append", cmdline,
             "-virtfs", f"local,path=/,mount_tag={initramfs.MOUNT_TAG},"
                        "security_model=passthrough,id=hostroot,multidevs=remap"]
+
+
+def _sweep(root: Path) -> None:
+    """Remove run folders left by runs whose process died without cleaning up."""
+    for d in root.glob("run-*-*"):
+        try:
+            pid = int(d.name.split("-")[1])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            pass
+
+
+def _die_with_parent():
+    """In the qemu child: ask for SIGKILL when the process that started it dies.
+
+    Our own ``finally`` stops qemu on errors, Ctrl-C and timeouts; this covers the cases
+    it cannot, such as the host Python being SIGKILLed (prctl(2), PR_SET_PDEATHSIG).
+    """
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)          # PR_SET_PDEATHSIG = 1
 
 
 def _kill(proc: subprocess.Popen):
@@ -256,7 +283,8 @@ def run(argv, *, rxe: int = 2, nvmeof: bool = False, nvmeof_size: int = 64 << 20
     accel = choose_accel(accel)
     root = initramfs.run_root()
     root.mkdir(parents=True, exist_ok=True)
-    rundir = Path(tempfile.mkdtemp(prefix="run-", dir=root))
+    _sweep(root)
+    rundir = Path(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=root))
     out = out if out is not None else sys.stdout.buffer
     try:
         spec = {"argv": argv, "cwd": cwd, "env": env, "rxe": rxe,
@@ -268,7 +296,8 @@ def run(argv, *, rxe: int = 2, nvmeof: bool = False, nvmeof_size: int = 64 << 20
         t0 = time.monotonic()
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_die_with_parent)
         except OSError as e:
             raise LabUnavailableError(f"cannot start {QEMU}: {e} (apt-get install "
                                       f"--no-install-recommends qemu-system-x86)") from None
