@@ -243,10 +243,10 @@ def test_console_keeps_near_markers_that_are_not_markers():
 def test_failure_line_names_a_panic():
     c = guest._Console(io.BytesIO())
     c.feed(b"[ 2.0] Kernel panic - not syncing: Attempted to kill init!\n")
-    assert guest._failure(c, "x").startswith("the guest kernel panicked: [ 2.0] Kernel panic")
+    assert guest._failure(c, "x")[0].startswith("the guest kernel panicked: [ 2.0] Kernel panic")
     c = guest._Console(io.BytesIO())
     c.feed(initramfs.INIT_FAIL.encode() + b" insmod 9p.ko failed\n")
-    assert guest._failure(c, "x") == "the guest could not start: insmod 9p.ko failed"
+    assert guest._failure(c, "x")[0] == "the guest could not start: insmod 9p.ko failed"
 
 
 def test_qemu_argv(tmp_path, monkeypatch):

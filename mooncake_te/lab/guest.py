@@ -64,7 +64,7 @@ class Result:
 class _Console:
     """Splits the serial console into the command's bytes and everything else."""
 
-    def __init__(self, out, echo=None, tail=60):
+    def __init__(self, out, echo=None, tail=200):
         self.out = out                     # binary stream for the command's output
         self.echo = echo                   # text stream for boot messages, or None
         self.tail = collections.deque(maxlen=tail)
@@ -202,14 +202,17 @@ def _kill(proc: subprocess.Popen):
         proc.wait()
 
 
-def _failure(con: _Console, fallback: str) -> str:
-    """One line saying why the guest ended without a result."""
-    for line in con.tail:
+def _failure(con: _Console, fallback: str) -> tuple[str, list[str]]:
+    """One line saying why the guest ended without a result, and the console lines
+    that show it (for a panic, those before it: the register dump after it says less)."""
+    tail = list(con.tail)
+    for i, line in enumerate(tail):
         if "Kernel panic" in line:
-            return f"the guest kernel panicked: {line.strip()}"
+            return f"the guest kernel panicked: {line.strip()}", tail[max(0, i - 12):i + 1]
         if line.startswith(initramfs.INIT_FAIL):
-            return f"the guest could not start: {line[len(initramfs.INIT_FAIL):].strip()}"
-    return fallback
+            return (f"the guest could not start: {line[len(initramfs.INIT_FAIL):].strip()}",
+                    tail[max(0, i - 12):i + 1])
+    return fallback, tail[-15:]
 
 
 def kernel_for_run(log=None) -> _kernel.Kernel:
@@ -338,10 +341,10 @@ def run(argv, *, rxe: int = 2, nvmeof: bool = False, nvmeof_size: int = 64 << 20
         try:
             res = json.loads((rundir / "result.json").read_text())
         except (OSError, ValueError):
-            msg = _failure(con, f"qemu exited (status {proc.returncode}) without a result "
-                                f"from the guest")
-            raise GuestError(msg + ". Last console lines:\n  "
-                             + "\n  ".join(tail[-15:] or ["(none)"])) from None
+            msg, lines = _failure(con, f"qemu exited (status {proc.returncode}) without a "
+                                       f"result from the guest")
+            raise GuestError(msg + ". Console:\n  " + "\n  ".join(lines or ["(none)"])) \
+                from None
         if res.get("error"):
             raise GuestError(f"in the guest: {res['error']}")
         return Result(returncode=int(res["rc"]), boot_s=boot, wall_s=wall, accel=accel,
