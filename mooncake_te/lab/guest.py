@@ -274,7 +274,9 @@ def run(argv, *, rxe: int = 2, nvmeof: bool = False, nvmeof_size: int = 64 << 20
         raise LabError("no command to run in the guest (mooncake-te lab run -- CMD ...)")
     if rxe < 0 or rxe > 16:
         raise LabError(f"--rxe {rxe}: between 0 and 16 Soft-RoCE devices, please")
-    host.check(boot=True, nvmeof=nvmeof)
+    if nvmeof and nvmeof_size < (1 << 20):
+        raise LabError(f"--nvmeof-size {nvmeof_size >> 20} MiB: at least 1 MiB, please")
+    host.check(boot=True, rxe=rxe > 0, nvmeof=nvmeof)
     cwd = os.path.abspath(cwd or os.getcwd())
     env = dict(os.environ if env is None else env)
     if "/" not in argv[0] and shutil.which(argv[0], path=env.get("PATH")) is None:

@@ -96,8 +96,8 @@ def is_static_elf(path: str) -> bool:
         return False
 
 
-def check(*, prepare: bool = False, boot: bool = True, nvmeof: bool = False,
-          selftest: bool = False) -> None:
+def check(*, prepare: bool = False, boot: bool = True, rxe: bool = True,
+          nvmeof: bool = False, selftest: bool = False) -> None:
     """Raise :class:`LabUnavailableError` naming everything this host lacks.
 
     Parameters
@@ -106,6 +106,8 @@ def check(*, prepare: bool = False, boot: bool = True, nvmeof: bool = False,
         Also check the tools that fetch and unpack the guest kernel.
     boot : bool
         Check what booting the guest needs (root, qemu, the guest-side tools).
+    rxe : bool
+        Also check the tools that make Soft-RoCE devices.
     nvmeof : bool
         Also check the NVMe-oF initiator tools.
     selftest : bool
@@ -118,7 +120,7 @@ def check(*, prepare: bool = False, boot: bool = True, nvmeof: bool = False,
     missing: list[tuple[str, str]] = []
     tools = list(PREPARE_TOOLS if prepare else ())
     if boot:
-        tools += BOOT_TOOLS + GUEST_TOOLS
+        tools += BOOT_TOOLS + (GUEST_TOOLS if rxe else GUEST_TOOLS[:2])
         if nvmeof:
             tools += GUEST_NVMEOF_TOOLS
         if selftest:
