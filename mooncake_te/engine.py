@@ -425,15 +425,16 @@ class TransferEngine:
         # Validate everything before anything is queued.
         plan = []
         for (name, op), (idx, src, dst, lens) in groups.items():
+            caller = (lambda k: k) if idx is None else (lambda k: idx[k])   # caller's index
             if len(lens) and not lens.all():
-                k = int(np.argmin(lens))
+                k = caller(int(np.argmin(lens)))
                 raise E.InvalidArgumentError(f"request {k}: length must be positive, got 0")
             bad, why = self._regions.check_many(src, lens, 0)
             if bad >= 0:
                 length = int(lens[bad] if len(lens) > 1 else lens[0])
                 raise E.AddressNotRegisteredError(
-                    f"request {bad}: local [{int(src[bad]):#x}, +{length}) is not inside a region "
-                    f"registered with this engine; register the buffer first "
+                    f"request {caller(bad)}: local [{int(src[bad]):#x}, +{length}) is not inside "
+                    f"a region registered with this engine; register the buffer first "
                     f"(eng.register(...)), or check the address and length")
             desc = self._cache.get(name, timeout=min(self.timeout, 5.0))
             if self.protocol == "shm" and tr.route(desc) != "shm":
@@ -447,17 +448,24 @@ class TransferEngine:
         routes = set()
         order = np.empty(n, dtype=np.int64) if any(p[2] is not None for p in plan) else None
         first = 0
-        for name, op, idx, src, dst, lens, desc in plan:
-            if order is not None:
-                # submit(): requests are carried grouped by (target, op); remember where
-                # each one came from so status() and errors use the caller's indices.
-                order[idx] = np.arange(first, first + len(src))
-            routes.add(tr.submit(native, desc, op, src, dst, lens, first, run_inline))
-            parts.append((name, first, src, dst, lens, op))
-            first += len(src)
-        if notify is not None:
-            for name in dict.fromkeys(p[0] for p in plan):
-                tr.add_notify(native, self._cache.get(name, timeout=5.0), bytes(notify))
+        try:
+            for name, op, idx, src, dst, lens, desc in plan:
+                if order is not None:
+                    # submit(): requests are carried grouped by (target, op); remember where
+                    # each one came from so status() and errors use the caller's indices.
+                    order[idx] = np.arange(first, first + len(src))
+                routes.add(tr.submit(native, desc, op, src, dst, lens, first, run_inline))
+                parts.append((name, first, src, dst, lens, op))
+                first += len(src)
+            if notify is not None:
+                for name in dict.fromkeys(p[0] for p in plan):
+                    tr.add_notify(native, self._cache.get(name, timeout=5.0), bytes(notify))
+        except BaseException:
+            # Part of the batch may be queued already: stop what has not started, and let
+            # the batch finish so nothing waits on it forever.
+            native.cancel()
+            native.seal()
+            raise
         native.seal()
         return Batch(native, ",".join(sorted(routes)) or self.protocol, deadline, parts, self,
                      order)

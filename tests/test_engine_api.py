@@ -132,3 +132,18 @@ def test_forked_child_does_not_tear_down_the_parent(engine_pair):
     os.waitpid(pid, 0)
     a.write(b.name, ra.address, rb.address, 4096)
     assert (dst == src).all()
+
+
+def test_submit_errors_name_the_callers_index(engine_pair):
+    a, b = engine_pair
+    r = a.register(np.zeros(8192, np.uint8))
+    rb = b.register(np.zeros(8192, np.uint8))
+    junk = np.zeros(16, np.uint8)
+    reqs = [mte.TransferRequest(mte.WRITE, r.address, b.name, rb.address, 16),
+            mte.TransferRequest(mte.READ, r.address, b.name, rb.address, 16),
+            mte.TransferRequest(mte.READ, junk.ctypes.data, b.name, rb.address, 16)]
+    with pytest.raises(mte.AddressNotRegisteredError, match="request 2"):
+        a.submit(reqs)
+    reqs[2] = mte.TransferRequest(mte.READ, r.address, b.name, rb.address, 0)
+    with pytest.raises(mte.InvalidArgumentError, match="request 2"):
+        a.submit(reqs)
