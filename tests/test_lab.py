@@ -279,6 +279,8 @@ def test_run_refuses_a_command_that_does_not_exist(monkeypatch):
     monkeypatch.setattr(host, "check", lambda **kw: None)
     with pytest.raises(lab.LabError, match="command not found: no-such-cmd-xyz"):
         lab.run(["no-such-cmd-xyz"])
+    with pytest.raises(lab.LabError, match="not executable: ./no/such/x"):
+        lab.run(["./no/such/x"])
     with pytest.raises(lab.LabError, match="--rxe 99"):
         lab.run(["true"], rxe=99)
 

@@ -279,10 +279,17 @@ def run(argv, *, rxe: int = 2, nvmeof: bool = False, nvmeof_size: int = 64 << 20
     host.check(boot=True, rxe=rxe > 0, nvmeof=nvmeof)
     cwd = os.path.abspath(cwd or os.getcwd())
     env = dict(os.environ if env is None else env)
-    if "/" not in argv[0] and shutil.which(argv[0], path=env.get("PATH")) is None:
-        # The guest's root is this host's root: what is not here is not there.
+    # The guest's root is this host's root: what is not here is not there, so say so
+    # before spending a boot on it.
+    if "/" in argv[0]:
+        exe = os.path.join(cwd, argv[0])
+        if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+            raise LabError(f"command not found or not executable: {argv[0]}")
+    elif shutil.which(argv[0], path=env.get("PATH")) is None:
         raise LabError(f"command not found: {argv[0]} (the guest runs this host's "
                        f"programs; install it here)")
+    if not os.path.isdir(cwd):
+        raise LabError(f"no such folder to run in: {cwd}")
     k = kernel_for_run(log)
     initrd = initramfs.ensure(k)
     accel = choose_accel(accel)
