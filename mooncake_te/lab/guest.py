@@ -130,9 +130,14 @@ class _Console:
             self._console_bytes(b"\n")
 
     def _write(self, b: bytes):
-        if b:
-            self.out.write(b)
-            self.out.flush()
+        if b and self.out is not None:
+            try:
+                self.out.write(b)
+                self.out.flush()
+            except (OSError, ValueError):
+                # The reader went away (``| head``): keep draining the console, or
+                # qemu blocks on a full pipe and the guest hangs until the timeout.
+                self.out = None
 
 
 def qemu_argv(kern: _kernel.Kernel, initrd: Path, rundir: Path, *, accel: str = "tcg",
