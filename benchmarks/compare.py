@@ -172,13 +172,15 @@ class CpuMeter:
 class Peer:
     """A ``compare_peer.py`` child speaking JSON lines."""
 
-    def __init__(self, python: str, engine: str, role: str, buffer_size: int, logdir: str):
+    def __init__(self, python: str, engine: str, role: str, buffer_size: int, logdir: str,
+                 cpu: int | None = None):
         self.label = f"{engine} {role}"
         self.log_path = os.path.join(logdir, f"{engine}-{role}.log")
         self.log = open(self.log_path, "w")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        pin = ["--cpu", str(cpu)] if cpu is not None else []
         self.proc = subprocess.Popen([python, PEER, "--engine", engine, "--role", role,
-                                      "--buffer-size", str(buffer_size)],
+                                      "--buffer-size", str(buffer_size), *pin],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env)
         hello = self._read(120)
@@ -232,16 +234,17 @@ def run_engine(engine: str, python: str, args, log) -> dict:
     """Every point of the workload through one engine; raises EngineUnavailable."""
     logdir = os.path.join(args.cache, "logs")
     os.makedirs(logdir, exist_ok=True)
-    target = Peer(python, engine, "target", args.buffer_size, logdir)
+    cpus = {"none": (None, None), "same": (0, 0), "split": (1, 0)}[args.pin]
+    target = Peer(python, engine, "target", args.buffer_size, logdir, cpus[0])
     init = None
     try:
-        init = Peer(python, engine, "initiator", args.buffer_size, logdir)
+        init = Peer(python, engine, "initiator", args.buffer_size, logdir, cpus[1])
         init.call(cmd="connect", info=target.call(cmd="info"))
         meter = CpuMeter([target.pid, init.pid])
         points, syncs = [], []
         seed = 1
         for op in args.ops:
-            for block in args.block_sizes:
+            for block in ([] if args.sync_only else args.block_sizes):
                 attempts = []
                 for attempt in range(args.retries + 1):
                     seed += 2
@@ -356,7 +359,7 @@ def print_table(report: dict, noise_limit: float) -> None:
     syncs = {(r["engine"], s["op"]): s for r in ok for s in r["sync"]}
     if syncs:
         print(f"\nsynchronous {size_str(report['sync_size'])} single requests, one at a time "
-              f"(µs)")
+              f"(µs); CPU placement: {report.get('pin', 'none')}")
         print(f"{'engine':>16} {'op':>6} {'count':>8} {'median':>8} {'p90':>8} {'p99':>8} "
               f"{'max':>8}")
         for (n, op), s in syncs.items():
@@ -437,6 +440,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every engine this many times, alternating the order; each "
                          "point keeps its quietest attempt")
+    ap.add_argument("--pin", choices=["none", "same", "split"], default="none",
+                    help="CPU placement of each engine's two processes: free (default), "
+                         "both on CPU 0, or on CPUs 1 and 0. Synchronous latency depends "
+                         "on it: a wake-up across vCPUs costs tens of µs on a VM")
+    ap.add_argument("--sync-only", action="store_true",
+                    help="only the synchronous single-request points")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/mooncake_te/compare"))
     ap.add_argument("--json", metavar="FILE", help="also write the full report here")
     ap.add_argument("--plot", metavar="FILE.png",
@@ -472,7 +481,8 @@ def main(argv=None) -> int:
               "buffer_size": args.buffer_size, "block_sizes": args.block_sizes,
               "ops": args.ops, "inflight": args.inflight, "duration": args.duration,
               "sync_size": args.sync_size, "noise_limit": args.noise_limit,
-              "retries": args.retries, "rounds": args.rounds, "engines": []}
+              "retries": args.retries, "rounds": args.rounds, "pin": args.pin,
+              "engines": []}
     log(f"compare: {', '.join(engines)}; buffer {size_str(args.buffer_size)} per side; "
         f"load average {report['loadavg_before'][0]:.2f} on {os.cpu_count()} CPUs "
         f"(shared machine: expect noise)")

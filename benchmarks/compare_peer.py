@@ -419,7 +419,11 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", choices=sorted(ENGINES), required=True)
     ap.add_argument("--buffer-size", type=int, required=True)
     ap.add_argument("--role", choices=["target", "initiator"], required=True)
+    ap.add_argument("--cpu", type=int, default=None,
+                    help="pin this process (and the engine threads it starts) to one CPU")
     args = ap.parse_args(argv)
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})     # before any engine thread exists
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)                  # engine chatter on stdout must not break the protocol
 
