@@ -144,7 +144,9 @@ class FabricTier:
                 log.write(("$ " + " ".join(argv) + "\n").encode())
                 r = lab.run(argv, rxe=2, nvmeof="nvmeof" in needs, env=env,
                             timeout=self.config.getoption("fabric_timeout"),
-                            cwd=str(self.config.invocation_params.dir), out=log,
+                            # node ids are relative to the rootdir, wherever pytest
+                            # was started from
+                            cwd=str(self.config.rootpath), out=log,
                             log=lambda m: log.write((m + "\n").encode()))
             self.guest_rc = r.returncode
             self._say(f"fabric: guest run took {r.wall_s:.0f} s (boot and setup "
