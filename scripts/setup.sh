@@ -10,7 +10,11 @@ cd "$(dirname "$0")/.."
 # Build tools, a Python with venv and headers, and the real servers the tests start
 # (redis-server, etcd-server), iperf3 for the loopback ceiling in the benchmarks, openssl
 # for the doctor's HTTPS test certificate, fio for the kvcache benchmark's disk ceiling.
-PKGS=(python3 python3-venv python3-dev gcc libc6-dev redis-server etcd-server iperf3 fio procps openssl)
+PKGS=(python3 python3-venv python3-dev gcc libc6-dev redis-server etcd-server iperf3 fio procps
+      openssl iproute2
+      # the fabric lab (docs/fabric-lab.md): a qemu guest with Soft-RoCE and NVMe-oF
+      qemu-system-x86 busybox-static kmod rdma-core ibverbs-providers ibverbs-utils perftest
+      nvme-cli)
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

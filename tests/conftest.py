@@ -16,6 +16,8 @@ import pytest
 import mooncake_te as mte
 from peers import PeerProcess
 
+pytest_plugins = ["fabric"]   # tests/fabric.py: rdma/nvmeof tests run in the fabric lab guest
+
 
 def _probe_gpu() -> str | None:
     if not os.path.exists("/dev/nvidiactl"):
