@@ -127,7 +127,7 @@ class TransferEngine:
 
         self._lock = threading.RLock()
         self._regions = Regions()
-        self._mrs: list[MemoryRegion] = []
+        self._mrs: dict[int, MemoryRegion] = {}     # by address, in registration order
         self._instance = secrets.randbits(63) | 1
         self._rpc = RpcServer(self.host, port, self._describe_bytes, self._on_rpc_notify,
                               token=self._token)
@@ -224,7 +224,7 @@ class TransferEngine:
     def descriptor(self) -> SegmentDescriptor:
         with self._lock:
             buffers = [BufferInfo(r.address, r.length, r.location, r.access)
-                       for r in self._mrs if r.access != "local"]
+                       for r in self._mrs.values() if r.access != "local"]
         extra = self._transport.describe()
         d = SegmentDescriptor(name=self.name, protocol=self.protocol, host=self.host,
                               rpc_port=self._rpc.port, instance_id=f"{self._instance:016x}",
@@ -246,7 +246,10 @@ class TransferEngine:
         return self.descriptor().encode()
 
     def _publish(self) -> None:
-        self._backend.publish(self.descriptor())
+        # p2p: peers ask our RPC port, which describes the live state; building the
+        # descriptor here would make registering n regions cost O(n^2) for nothing.
+        if not self._p2p:
+            self._backend.publish(self.descriptor())
 
     def _on_rpc_notify(self, sender: str, message: bytes) -> None:
         self._transport.server.push_notification(sender, message)
@@ -272,7 +275,7 @@ class TransferEngine:
     @property
     def regions(self) -> list:
         with self._lock:
-            return list(self._mrs)
+            return list(self._mrs.values())
 
     def register(self, obj, location: str = "auto", access: str = "rw") -> MemoryRegion:
         """Register a buffer (buffer protocol, ``__cuda_array_interface__``, ``__dlpack__``)."""
@@ -314,7 +317,7 @@ class TransferEngine:
             raise E.InvalidArgumentError(f"cannot register [{mr.address:#x}, +{mr.length}): "
                                          f"{os.strerror(-rc)}")
         with self._lock:
-            self._mrs.append(mr)
+            self._mrs[mr.address] = mr
         self._transport.register(mr)
         if mr.access != "local":
             self._publish()
@@ -325,13 +328,13 @@ class TransferEngine:
         self._check_open()
         addr = region.address if isinstance(region, MemoryRegion) else int(region)
         with self._lock:
-            mr = next((r for r in self._mrs if r.address == addr), None)
+            mr = self._mrs.get(addr)
         if mr is None:
             raise E.AddressNotRegisteredError(f"no region registered at {addr:#x}")
         self._transport.unregister(mr)
         self._regions.remove(mr.address)
         with self._lock:
-            self._mrs.remove(mr)
+            del self._mrs[addr]
         if mr.access != "local":
             self._publish()
 
