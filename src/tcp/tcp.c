@@ -399,6 +399,18 @@ int mte_batch_wait(mte_batch_t *b, int64_t deadline_ns)
 {
     struct timespec ts = {.tv_sec = deadline_ns / 1000000000LL,
                           .tv_nsec = deadline_ns % 1000000000LL};
+    /* A small batch often finishes within microseconds: poll first (see spin_ns). */
+    int64_t until = mte_now_ns() + spin_ns();
+    if (until > deadline_ns)
+        until = deadline_ns;
+    while (mte_now_ns() < until) {
+        pthread_mutex_lock(&b->mu);
+        int done = b->finished;
+        pthread_mutex_unlock(&b->mu);
+        if (done)
+            return 1;
+        sched_yield();
+    }
     pthread_mutex_lock(&b->mu);
     while (!b->finished) {
         if (pthread_cond_timedwait(&b->cv, &b->mu, &ts) == ETIMEDOUT)
@@ -844,6 +856,12 @@ static void *lane_main(void *arg)
     mte_peer_t *p = L->peer;
     item_t group[GROUP_MAX];
     for (;;) {
+        /* Poll the queue briefly before sleeping: the next request of a ping-pong user
+         * usually arrives within microseconds (see spin_ns). */
+        int64_t until = mte_now_ns() + spin_ns();
+        while (__atomic_load_n(&p->qlen, __ATOMIC_RELAXED) == 0 &&
+               !atomic_load(&p->closing) && mte_now_ns() < until)
+            sched_yield();
         pthread_mutex_lock(&p->mu);
         while (p->qlen == 0 && !atomic_load(&p->closing))
             pthread_cond_wait(&p->cv, &p->mu);
@@ -854,7 +872,9 @@ static void *lane_main(void *arg)
         int k = pop_group(p, group);
         pthread_mutex_unlock(&p->mu);
         pthread_mutex_lock(&L->busy);
+        L->io.spin = k == 1 && group[0].len <= SMALL_READ;    /* a lone small request */
         lane_run_group(L, group, k);
+        L->io.spin = 0;
         pthread_mutex_unlock(&L->busy);
     }
     return NULL;
