@@ -19,7 +19,7 @@ from typing import Iterable
 import numpy as np
 
 from . import errors as E
-from .batch import Batch, Notification, Op, TransferRequest
+from .batch import Batch, Notification, Op, TransferRequest, error_for
 from .config import Config
 from .core._regions import Regions, READ as ACC_READ, WRITE as ACC_WRITE
 from .memory import ACCESS, MemoryRegion, cpu_location, intake
@@ -366,11 +366,36 @@ class TransferEngine:
         self._sync(Op.READ, target, source_address, target_address, length, timeout)
 
     def _sync(self, op, target, src, dst, length, timeout):
-        b = self._submit_groups(
-            {(self._target_name(target), int(op)):
-             (None, _u64([src], "source_address"), _u64([dst], "target_address"),
-              _u64([length], "length"))}, 1, None, timeout, run_inline=True, nbytes=length)
-        b.wait()
+        # The one-request fast path: no arrays, no Batch object; the request is carried
+        # on this thread when a lane is idle (same checks and errors as submit()).
+        self._check_open()
+        name = self._target_name(target)
+        for what, v in (("source_address", src), ("target_address", dst), ("length", length)):
+            if not isinstance(v, int) or v < 0:
+                raise E.InvalidArgumentError(f"{what} must be a non-negative int, got {v!r}")
+        if length == 0:
+            raise E.InvalidArgumentError("request 0: length must be positive, got 0")
+        if self._regions.check(src, length, 0) != 0:
+            raise E.AddressNotRegisteredError(
+                f"request 0: local [{src:#x}, +{length}) is not inside a region registered "
+                f"with this engine; register the buffer first (eng.register(...)), or check "
+                f"the address and length")
+        desc = self._resolve(name)
+        _, code = self._transport.transfer_sync(desc, int(op), src, dst, length,
+                                                self._deadline(length, timeout))
+        if code != 0:
+            if code in (-1006, -102):
+                self._peer_restarted(name)     # re-resolve the peer before its next use
+            raise error_for(code, name, 0, int(op), src, dst, length)
+
+    def _resolve(self, name: str):
+        """The descriptor of ``name``, checked against this engine's protocol."""
+        desc = self._cache.get(name, timeout=min(self.timeout, 5.0))
+        if self.protocol == "shm" and self._transport.route(desc) != "shm":
+            raise E.TransportUnavailableError(
+                f"protocol='shm' reaches peers on this host only; {name} is elsewhere (or "
+                f"serves no same-host listener): use protocol='auto'")
+        return desc
 
     def submit(self, requests: Iterable[TransferRequest], notify: bytes | None = None,
                timeout: float | None = None) -> Batch:
@@ -416,8 +441,7 @@ class TransferEngine:
         return self._submit_groups({(self._target_name(target), int(op)): (None, src, dst, lens)},
                                    len(src), notify, timeout, nbytes=nbytes)
 
-    def _submit_groups(self, groups: dict, n: int, notify, timeout, run_inline=False,
-                       nbytes=0) -> Batch:
+    def _submit_groups(self, groups: dict, n: int, notify, timeout, nbytes=0) -> Batch:
         self._check_open()
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise E.InvalidArgumentError(f"notify must be bytes, got {type(notify).__name__}")
@@ -439,12 +463,7 @@ class TransferEngine:
                     f"request {caller(bad)}: local [{int(src[bad]):#x}, +{length}) is not inside "
                     f"a region registered with this engine; register the buffer first "
                     f"(eng.register(...)), or check the address and length")
-            desc = self._cache.get(name, timeout=min(self.timeout, 5.0))
-            if self.protocol == "shm" and tr.route(desc) != "shm":
-                raise E.TransportUnavailableError(
-                    f"protocol='shm' reaches peers on this host only; {name} is elsewhere (or "
-                    f"serves no same-host listener): use protocol='auto'")
-            plan.append((name, op, idx, src, dst, lens, desc))
+            plan.append((name, op, idx, src, dst, lens, self._resolve(name)))
         deadline = self._deadline(nbytes, timeout)
         native = NativeBatch(n, deadline)
         parts = []
@@ -457,7 +476,7 @@ class TransferEngine:
                     # submit(): requests are carried grouped by (target, op); remember where
                     # each one came from so status() and errors use the caller's indices.
                     order[idx] = np.arange(first, first + len(src))
-                routes.add(tr.submit(native, desc, op, src, dst, lens, first, run_inline))
+                routes.add(tr.submit(native, desc, op, src, dst, lens, first, False))
                 parts.append((name, first, src, dst, lens, op))
                 first += len(src)
             if notify is not None:

@@ -39,6 +39,16 @@ cdef class Regions:
             rc = mte_regions_remove(self.t, addr)
         return rc
 
+    def check(self, uint64_t addr, uint64_t length, unsigned need=0):
+        """0 when [addr, addr+length) is inside one region granting ``need``; else
+        -ENOENT, -EACCES or -EINVAL (zero length)."""
+        cdef int why = 0
+        if length == 0:
+            return -EINVAL
+        with nogil:
+            mte_regions_check_many(self.t, &addr, &length, 0, 1, need, &why)
+        return why
+
     def check_many(self, const uint64_t[::1] addrs, const uint64_t[::1] lens, unsigned need=0):
         """Index of the first (addr, len) not inside a region granting ``need``, and why
         (-ENOENT, -EACCES, -EINVAL for a zero length); (-1, 0) when all are inside."""

@@ -96,6 +96,12 @@ class TcpTransport(Transport):
                                 f"(error {rc})", status=rc if rc < 0 else None)
         return "shm" if peer.uds else "tcp"
 
+    def transfer_sync(self, desc, op, local, remote, length, deadline_ns) -> tuple:
+        """One request, waited for on this thread: (route, 0 or error code)."""
+        peer = self._peer(desc)
+        return ("shm" if peer.uds else "tcp",
+                peer.transfer_sync(op, local, remote, length, deadline_ns))
+
     def add_notify(self, batch, desc, message):
         rc = batch.add_notify(self._peer(desc), message)
         if rc != 0:

@@ -133,6 +133,48 @@ cdef class Peer:
     def restarted(self):
         return self.p != NULL and mte_peer_broken(self.p) != 0
 
+    def transfer_sync(self, int op, uint64_t local, uint64_t remote, uint64_t length,
+                      int64_t deadline_ns):
+        """One request, carried on this thread when a lane is idle, waited for here.
+        Returns 0 or the request's error code; the fast path of eng.write/eng.read."""
+        cdef mte_batch_t *b
+        cdef int rc = 0, done = 0
+        cdef int64_t step
+        cdef uint8_t state
+        cdef uint64_t nbytes
+        cdef int32_t err
+        if self.p == NULL:
+            raise RuntimeError("peer is closed")
+        b = mte_batch_new(1, deadline_ns)
+        if b == NULL:
+            raise MemoryError()
+        try:
+            with nogil:
+                rc = mte_batch_submit(b, self.p, op, &local, &remote, &length, 0, 0, 1, 1)
+                mte_batch_seal(b)
+            if rc != 0:
+                return rc
+            while True:
+                step = mte_now_ns() + 100000000          # look at signals every 100 ms
+                if deadline_ns < step:
+                    step = deadline_ns
+                with nogil:
+                    done = mte_batch_wait(b, step)
+                if done:
+                    break
+                PyErr_CheckSignals()
+                if mte_now_ns() >= deadline_ns:
+                    mte_batch_expire(b)
+                    break
+            mte_batch_status(b, &state, &nbytes, &err)
+            if state == 1:
+                return 0
+            return err if err != 0 else (-801 if state == 3 else -800)
+        finally:
+            # Our reference; the in-flight one goes when the batch's slices finish (an
+            # expired batch frees itself then).
+            mte_batch_unref(b)
+
     def shutdown(self):
         if self.p != NULL and self.pid == os.getpid():
             with nogil:
