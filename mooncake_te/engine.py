@@ -280,6 +280,29 @@ class TransferEngine:
     def register(self, obj, location: str = "auto", access: str = "rw") -> MemoryRegion:
         """Register a buffer (buffer protocol, ``__cuda_array_interface__``, ``__dlpack__``)."""
         self._check_open()
+        mr = self._add(self._intake(obj, location, access))
+        if mr.access != "local":
+            self._publish()
+        return mr
+
+    def register_many(self, objs, location: str = "auto", access: str = "rw") -> list:
+        """Register several buffers and publish the descriptor once (with a store
+        backend every ``register`` is a network write; KV caches register one tensor per
+        layer). All or nothing: on an error, the ones already added are removed."""
+        self._check_open()
+        added = []
+        try:
+            for obj in objs:
+                added.append(self._add(self._intake(obj, location, access)))
+        except BaseException:
+            for mr in added:
+                self._remove(mr)
+            raise
+        if any(mr.access != "local" for mr in added):
+            self._publish()
+        return added
+
+    def _intake(self, obj, location, access) -> MemoryRegion:
         it = intake(obj)
         if it.device != "cpu":
             raise E.TransportUnavailableError(
@@ -289,15 +312,16 @@ class TransferEngine:
             raise E.InvalidArgumentError(
                 f"{type(obj).__name__} is read-only, so peers cannot write it; register it with "
                 f"access='r' (peers may read) or 'local'")
-        return self._add(MemoryRegion(it.address, it.length, location, access, it.owner,
-                                      it.readonly))
+        return MemoryRegion(it.address, it.length, location, access, it.owner, it.readonly)
 
     def register_address(self, address: int, length: int, location: str = "auto",
                          access: str = "rw", owner=None) -> MemoryRegion:
         """Register raw memory you own and keep alive (the one door for integer addresses)."""
         self._check_open()
-        mr = MemoryRegion.from_address(address, length, owner, location, access)
-        return self._add(mr)
+        mr = self._add(MemoryRegion.from_address(address, length, owner, location, access))
+        if mr.access != "local":
+            self._publish()
+        return mr
 
     def _add(self, mr: MemoryRegion) -> MemoryRegion:
         if mr.access not in ACCESS:
@@ -319,8 +343,6 @@ class TransferEngine:
         with self._lock:
             self._mrs[mr.address] = mr
         self._transport.register(mr)
-        if mr.access != "local":
-            self._publish()
         return mr
 
     def unregister(self, region) -> None:
@@ -331,12 +353,15 @@ class TransferEngine:
             mr = self._mrs.get(addr)
         if mr is None:
             raise E.AddressNotRegisteredError(f"no region registered at {addr:#x}")
+        self._remove(mr)
+        if mr.access != "local":
+            self._publish()
+
+    def _remove(self, mr: MemoryRegion) -> None:
         self._transport.unregister(mr)
         self._regions.remove(mr.address)
         with self._lock:
-            del self._mrs[addr]
-        if mr.access != "local":
-            self._publish()
+            del self._mrs[mr.address]
 
     # --- transfers ---------------------------------------------------------------------
     def _target_name(self, target) -> str:

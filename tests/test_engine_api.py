@@ -147,3 +147,15 @@ def test_submit_errors_name_the_callers_index(engine_pair):
     reqs[2] = mte.TransferRequest(mte.READ, r.address, b.name, rb.address, 0)
     with pytest.raises(mte.InvalidArgumentError, match="request 2"):
         a.submit(reqs)
+
+
+def test_register_many_is_all_or_nothing(engine_pair):
+    a, b = engine_pair
+    bufs = [np.zeros(4096, np.uint8) for _ in range(8)]
+    regions = a.register_many(bufs)
+    assert [r.address for r in regions] == [x.ctypes.data for x in bufs]
+    assert len(b.open_segment(a.name, refresh=True).buffers) == 8
+    more = [np.zeros(4096, np.uint8), bufs[3][100:200]]      # the second overlaps
+    with pytest.raises(mte.AddressOverlappedError):
+        a.register_many(more)
+    assert len(a.regions) == 8                                # the first was rolled back
