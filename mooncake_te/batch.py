@@ -74,7 +74,11 @@ def error_for(code: int, target: str, index: int, op: int, local: int, remote: i
         return E.TransferError(f"{what}: the connection to {target} failed or was lost (peer "
                                f"dead, restarted or unreachable)", status=-102)
     if code == -1008:
-        return E.TransferError(f"{what}: the engine was closed")
+        return E.TransferError(f"{what}: the connections to {target} were closed (engine "
+                               f"closed, or the peer was dropped after a failure or restart)")
+    if code == -1009:
+        return E.TransferError(f"{what}: {target} could not copy to or from this process's "
+                               f"memory (same-host transport); the local buffer may be gone")
     return E.TransferError(f"{what} failed (status {code})", status=code if code < 0 else None)
 
 

@@ -205,6 +205,10 @@ class TransferEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise E.InvalidArgumentError("the engine is closed")
+        if os.getpid() != self._pid:
+            # The connections (and, same-host, the pid peers copy into) are the parent's.
+            raise E.InvalidArgumentError("this engine belongs to the parent process; create "
+                                         "a new TransferEngine after fork()")
 
     def _choose_protocol(self, protocol: str) -> str:
         known = self.available_transports
@@ -470,6 +474,8 @@ class TransferEngine:
         self._check_open()
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
             raise E.InvalidArgumentError(f"notify must be bytes, got {type(notify).__name__}")
+        if notify is not None and len(notify) > 1 << 20:
+            raise E.InvalidArgumentError(f"notify is {len(notify)} bytes; at most 1 MiB")
         if n == 0 and notify is None:
             raise E.InvalidArgumentError("empty batch: give at least one request")
         tr = self._transport
@@ -508,9 +514,10 @@ class TransferEngine:
                 for name in dict.fromkeys(p[0] for p in plan):
                     tr.add_notify(native, self._cache.get(name, timeout=5.0), bytes(notify))
         except BaseException:
-            # Part of the batch may be queued already: stop what has not started, and let
-            # the batch finish so nothing waits on it forever.
+            # Part of the batch may be queued already: stop what has not started, count
+            # what was never queued, and let the batch finish so nothing waits on it.
             native.cancel()
+            native.abandon(first, n - first)
             native.seal()
             raise
         native.seal()

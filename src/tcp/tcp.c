@@ -160,8 +160,11 @@ static ssize_t recv_some(sockio_t *s, void *dst, size_t n)
     }
     for (;;) {
         ssize_t k = recv(s->fd, dst, n, 0);
-        if (k > 0)
-            return k;
+        if (k > 0) {
+            /* Progress alone must not hide a deadline: a peer can trickle bytes. */
+            int e = s->stop && (size_t)k < n ? s->stop(s->ctx) : 0;
+            return e ? e : k;
+        }
         if (k == 0)
             return MTE_E_SOCKET;     /* the peer closed the connection */
         if (errno == EINTR)
@@ -301,12 +304,15 @@ mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns)
     return b;
 }
 
+static void peer_unref(mte_peer_t *p);
+
 void mte_batch_unref(mte_batch_t *b)
 {
     if (!b || atomic_fetch_sub(&b->refs, 1) != 1)
         return;
     for (notify_ref_t *r = b->notify_peers, *nx; r; r = nx) {
         nx = r->next;
+        peer_unref(r->peer);
         free(r);
     }
     free(b->notify_msg);
@@ -387,6 +393,20 @@ static void item_done(const item_t *it, int err)
         if (atomic_fetch_sub(&b->pending, 1) == 1)
             batch_requests_done(b);
     }
+}
+
+void mte_batch_abandon(mte_batch_t *b, uint32_t first, uint32_t n)
+{
+    if (n == 0 || (uint64_t)first + n > b->n)
+        return;
+    for (uint32_t i = first; i < first + n; i++) {
+        uint8_t pending = MTE_ST_PENDING;
+        if (atomic_compare_exchange_strong(&b->state[i], &pending, MTE_ST_CANCELED))
+            atomic_store(&b->err[i], MTE_E_CANCELED);
+    }
+    atomic_store(&b->any_failed, 1);
+    if (atomic_fetch_sub(&b->pending, n) == n)
+        batch_requests_done(b);
 }
 
 void mte_batch_seal(mte_batch_t *b)
@@ -496,6 +516,7 @@ struct mte_peer {
     int nlanes;
     uint64_t slice;
     lane_t *lanes;
+    atomic_int refs;            /* the owner's, plus one per batch that will notify it */
     pthread_mutex_t mu;         /* guards the queue */
     pthread_cond_t cv;
     item_t *q;
@@ -530,6 +551,12 @@ static int lane_stop(void *ctx)
     lane_t *L = ctx;
     if (atomic_load(&L->peer->closing))
         return MTE_E_CLOSED;
+    /* On a cross-memory-attach lane the server copies into and out of our memory itself:
+     * giving up here would unpin memory that requests already in the server's buffer
+     * may still touch. Such a lane waits for the answers (or the server's death) and
+     * keeps the pins; the caller's Batch.wait still returns at the deadline. */
+    if (L->cma)
+        return 0;
     if (L->group_deadline && mte_now_ns() > L->group_deadline)
         return MTE_E_TIMEOUT;
     return 0;
@@ -631,8 +658,13 @@ static int lane_connect(lane_t *L)
 {
     mte_peer_t *p = L->peer;
     mte_tcp_t *t = p->tcp;
-    int fd = p->uds[0] ? connect_unix(p->uds)
-                       : connect_timeout(p->host, p->port, 5000);   /* Mooncake: 5 s */
+    int timeout_ms = 5000;                                  /* Mooncake: 5 s */
+    if (L->group_deadline) {
+        int64_t left = (L->group_deadline - mte_now_ns()) / 1000000;
+        if (left < timeout_ms)
+            timeout_ms = left > 1 ? (int)left : 1;
+    }
+    int fd = p->uds[0] ? connect_unix(p->uds) : connect_timeout(p->host, p->port, timeout_ms);
     if (fd < 0)
         return MTE_E_SOCKET;
     set_tick(fd, TICK_MS);
@@ -800,7 +832,7 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
         uint64_t len = get64(r + 16);
         int inband = x->op == MTE_OP_READ && !L->cma;     /* READ bytes follow the reply */
         if (get32(r) != MAGIC_RESP || get64(r + 8) != first_seq + (uint64_t)j ||
-            (st == 0 && inband && len != x->len) || (!inband && len != 0)) {
+            (st == 0 && inband && len != x->len) || ((st != 0 || !inband) && len != 0)) {
             err = MTE_E_PROTOCOL;
             break;
         }
@@ -931,6 +963,7 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *u
         return NULL;
     }
     p->tcp = t;
+    atomic_init(&p->refs, 1);
     snprintf(p->host, sizeof(p->host), "%s", host);
     snprintf(p->uds, sizeof(p->uds), "%s", uds ? uds : "");
     p->port = port;
@@ -1013,11 +1046,20 @@ void mte_peer_shutdown(mte_peer_t *p)
     atomic_store(&p->closing, 2);
 }
 
+static void peer_unref(mte_peer_t *p);
+
 void mte_peer_free(mte_peer_t *p)
 {
     if (!p)
         return;
     mte_peer_shutdown(p);
+    peer_unref(p);           /* batches that will notify it keep the memory alive */
+}
+
+static void peer_unref(mte_peer_t *p)
+{
+    if (atomic_fetch_sub(&p->refs, 1) != 1)
+        return;
     for (int i = 0; i < p->nlanes; i++) {
         lane_t *L = &p->lanes[i];
         pthread_mutex_destroy(&L->busy);
@@ -1047,6 +1089,12 @@ int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *loca
             lane_t *L = &p->lanes[i];
             if (pthread_mutex_trylock(&L->busy) == 0) {
                 atomic_store(&b->slices_left[first], 1);
+                if (atomic_load(&p->closing)) {         /* shut down: carry nothing */
+                    pthread_mutex_unlock(&L->busy);
+                    item_t it = {.b = b, .idx = first, .op = (uint32_t)op, .len = lens[0]};
+                    item_done(&it, MTE_E_CLOSED);
+                    return 0;
+                }
                 item_t it = {.b = b, .idx = first, .op = (uint32_t)op, .laddr = local[0],
                              .raddr = remote[0], .len = lens[0]};
                 L->io.spin = 1;             /* the caller waits for this one answer */
@@ -1101,6 +1149,7 @@ int mte_batch_add_notify(mte_batch_t *b, mte_peer_t *p, const void *msg, size_t 
     notify_ref_t *r = malloc(sizeof(*r));
     if (!r)
         return MTE_E_NOMEM;
+    atomic_fetch_add(&p->refs, 1);
     r->peer = p;
     r->next = b->notify_peers;
     b->notify_peers = r;
@@ -1126,14 +1175,11 @@ static int conn_stop(void *ctx)
     conn_t *c = ctx;
     if (atomic_load(&c->tcp->closing))
         return MTE_E_CLOSED;
-    if (c->mid_message) {
-        /* A peer that stops sending mid-message must not pin our regions forever. */
-        int64_t now = mte_now_ns();
-        if (!c->stall_since)
-            c->stall_since = now;
-        else if (now - c->stall_since > (int64_t)c->tcp->stall_ms * 1000000LL)
-            return MTE_E_TIMEOUT;
-    }
+    /* A peer that stops sending mid-message, or trickles it, must not pin our regions
+     * for ever: a message gets stall_ms from its start (checked after every recv). */
+    if (c->mid_message && c->stall_since &&
+        mte_now_ns() - c->stall_since > (int64_t)c->tcp->stall_ms * 1000000LL)
+        return MTE_E_TIMEOUT;
     return 0;
 }
 
@@ -1197,6 +1243,7 @@ static void conn_serve(conn_t *c)
         goto out;
     /* Hello: magic, version, the peer's instance, its name, flags, its nonce. */
     c->mid_message = 1;
+    c->stall_since = mte_now_ns();
     if (fill(&io, HELLO_SIZE))
         goto out;
     uint8_t hello[HELLO_SIZE];
@@ -1272,7 +1319,7 @@ static void conn_serve(conn_t *c)
             io.spin = 0;
         }
         c->mid_message = 1;
-        c->stall_since = 0;
+        c->stall_since = mte_now_ns();
         const uint8_t *q = io.buf + io.pos;
         uint32_t op = get32(q + 4);
         uint64_t seq = get64(q + 8), addr = get64(q + 16), len = get64(q + 24);
@@ -1328,7 +1375,11 @@ static void conn_serve(conn_t *c)
             mte_region_t *r = len ? mte_regions_pin(t->regions, addr, len, pull ?
                                                     MTE_ACC_REMOTE_WRITE : MTE_ACC_REMOTE_READ,
                                                     &why) : NULL;
-            int32_t st = r ? cma_copy(c->peer_pid, addr, peer_addr, len, pull)
+            /* A client that hung up has released its memory: touch nothing of it. */
+            struct pollfd hup = {.fd = c->fd, .events = POLLRDHUP};
+            int gone = poll(&hup, 1, 0) > 0 && (hup.revents & (POLLRDHUP | POLLHUP | POLLERR));
+            int32_t st = gone ? MTE_E_CLOSED
+                       : r ? cma_copy(c->peer_pid, addr, peer_addr, len, pull)
                            : reject_code(why ? why : -ENOENT);
             if (r)
                 mte_region_unpin(r);
@@ -1396,8 +1447,12 @@ static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
         if (is_unix) {
             struct ucred cred;
             socklen_t cl = sizeof(cred);
-            if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0)
-                c->peer_pid = cred.pid;      /* kernel-verified: the client cannot lie */
+            /* Kernel-verified: the client cannot lie. Only a client of our own uid may have
+             * us copy into its memory (a privileged server must not become a way into
+             * other users' processes). */
+            if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0 &&
+                cred.uid == geteuid())
+                c->peer_pid = cred.pid;
         }
         pthread_mutex_lock(&t->mu);
         if (atomic_load(&t->closing)) {

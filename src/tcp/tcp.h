@@ -105,6 +105,9 @@ int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *loca
                      uint32_t first, uint32_t n, int run_inline);
 /* Adds a notification to deliver to p once every request completed successfully. */
 int mte_batch_add_notify(mte_batch_t *b, mte_peer_t *p, const void *msg, size_t len);
+/* Requests [first, first+n) will never be submitted (submission failed part-way):
+ * count them as canceled so the batch can finish. */
+void mte_batch_abandon(mte_batch_t *b, uint32_t first, uint32_t n);
 /* Called after the last submit/add_notify: from now on the batch may finish. */
 void mte_batch_seal(mte_batch_t *b);
 /* 1 when finished, 0 when deadline_ns (monotonic) passed first. */

@@ -231,6 +231,11 @@ cdef class NativeBatch:
         self._keep.append(peer)
         return mte_batch_add_notify(self.b, peer.p, <const char *>msg, len(msg))
 
+    def abandon(self, uint32_t first, uint32_t n):
+        """Requests [first, first+n) will never be submitted: count them canceled."""
+        with nogil:
+            mte_batch_abandon(self.b, first, n)
+
     def seal(self):
         with nogil:
             mte_batch_seal(self.b)

@@ -39,6 +39,7 @@ cdef extern from "tcp/tcp.h" nogil:
                          const uint64_t *remote, const uint64_t *lens, int len_stride,
                          uint32_t first, uint32_t n, int run_inline)
     int mte_batch_add_notify(mte_batch_t *b, mte_peer_t *p, const void *msg, size_t len)
+    void mte_batch_abandon(mte_batch_t *b, uint32_t first, uint32_t n)
     void mte_batch_seal(mte_batch_t *b)
     int mte_batch_wait(mte_batch_t *b, int64_t deadline_ns)
     int mte_batch_done(mte_batch_t *b)
