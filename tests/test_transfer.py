@@ -346,3 +346,34 @@ def test_same_host_peer_uses_cross_memory_attach(local_buf, peer):
         b = eng.submit_arrays(mte.READ, peer.name, [r.address], [peer.address], 4096)
         b.wait()
         assert b.transport == "tcp"
+
+
+def test_same_host_read_that_timed_out_never_lands_after_unregister():
+    """The same-host server copies into our memory itself, so after a timed-out READ the
+    region stays pinned (unregister waits) until the server has answered; once
+    unregister returns, nothing lands in the memory any more."""
+    victim = PeerProcess(1 << 20)
+    eng = mte.TransferEngine(host="127.0.0.1")
+    try:
+        victim.call("fill", victim.address, b"\xaa" * (1 << 20))
+        buf = np.zeros(1 << 20, np.uint8)
+        r = eng.register(buf)
+        eng.read(victim.name, r.address, victim.address, 4096)        # connections up
+        os.kill(victim.pid, signal.SIGSTOP)
+        b = eng.submit_arrays(mte.READ, victim.name, [r.address], [victim.address], 1 << 20,
+                              timeout=0.3)
+        with pytest.raises(mte.TransferTimeoutError):
+            b.wait()
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (eng.unregister(r), done.set()), daemon=True)
+        t.start()
+        assert not done.wait(0.5)          # still pinned: the server may yet copy
+        os.kill(victim.pid, signal.SIGCONT)
+        assert done.wait(20)
+        buf[:] = 0x11                       # the user reuses the memory
+        time.sleep(0.5)
+        assert (buf == 0x11).all()
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+        victim.kill()
+        eng.close()
