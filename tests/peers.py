@@ -122,3 +122,28 @@ class PeerProcess:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def sigstop(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads has stopped.
+
+    kill() only queues the signal: a thread that is running (our receivers poll for a
+    few microseconds before they block) can still serve one more request before it
+    stops, which would make a "hung peer" test race with its own set-up."""
+    import glob
+    import signal
+    import time
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+            try:
+                with open(stat) as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"process {pid} did not stop within {timeout} s")

@@ -20,6 +20,7 @@ import time
 
 import pytest
 
+from peers import sigstop
 from mooncake_te.compat import (P2PHANDSHAKE, Read, TransferEngine, TransferNotify,
                                 TransferOpcode, Write)
 from mooncake_te.compat import engine as compat_engine
@@ -438,7 +439,7 @@ def test_stalled_then_dead_peer(local):
         assert local.transfer_sync_write(t.name, src, t.buf, 4096) == 0
         # Test-only shortcut: MC_TRANSFER_TIMEOUT cannot go below 5 s (as in Mooncake).
         local._timeout = 1.0
-        os.kill(t.proc.pid, signal.SIGSTOP)
+        sigstop(t.proc.pid)
         tid = local.transfer_submit_write(t.name, src, t.buf, 64 * KIB)
         assert tid > 0 and local.transfer_check_status(tid) == 0
         start = time.monotonic()

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mooncake_te as mte
-from peers import PeerProcess
+from peers import PeerProcess, sigstop
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -225,7 +225,7 @@ def test_hung_peer_times_out(engine):
         src = np.ones(1 << 20, np.uint8)
         r = engine.register(src)
         engine.write(victim.name, r.address, victim.address, 4096)     # connections up
-        os.kill(victim.pid, signal.SIGSTOP)
+        sigstop(victim.pid)
         t0 = time.monotonic()
         b = engine.submit_arrays(mte.READ, victim.name,
                                  np.array([r.address], np.uint64),
@@ -359,7 +359,7 @@ def test_same_host_read_that_timed_out_never_lands_after_unregister():
         buf = np.zeros(1 << 20, np.uint8)
         r = eng.register(buf)
         eng.read(victim.name, r.address, victim.address, 4096)        # connections up
-        os.kill(victim.pid, signal.SIGSTOP)
+        sigstop(victim.pid)
         b = eng.submit_arrays(mte.READ, victim.name, [r.address], [victim.address], 1 << 20,
                               timeout=0.3)
         with pytest.raises(mte.TransferTimeoutError):
