@@ -26,6 +26,7 @@ from .memory import ACCESS, MemoryRegion, cpu_location, intake
 from .metadata import BufferInfo, SegmentCache, SegmentDescriptor, open_backend
 from .metadata.rpc import RpcServer
 from .transports import probe as probe_transports
+from .transports.base import TransportContext
 
 log = logging.getLogger("mooncake_te")
 
@@ -138,12 +139,10 @@ class TransferEngine:
         if self._p2p and name and name != own:
             log.warning("metadata='p2p': the segment name is the RPC address %s, not %r", own, name)
         self.name = own if (self._p2p or not name) else name
+        self._transports: dict = {}      # name -> Transport, in order of preference
         try:
-            cls = self.available_transports[self.protocol]
-            self._transport = cls(self._regions, self.host, self.name, self._instance,
-                                  lanes=te["tcp_lanes"], slice_size=te["tcp_slice_size"],
-                                  stall_ms=te["timeout_ms"], token=self._token or b"",
-                                  same_host=protocol != "tcp")   # "tcp" forces TCP
+            self._start_transports(protocol, te)
+            self._transport = self._transports["tcp"]   # server, notifications
             self._backend = open_backend(metadata, local_descriptor=self._describe_bytes,
                                          token=self._token)
             self._cache = SegmentCache(self._backend)
@@ -178,8 +177,7 @@ class TransferEngine:
             except E.MooncakeError as e:
                 log.warning("could not withdraw %s from metadata: %s", self.name, e)
             backend.close()
-        transport = getattr(self, "_transport", None)
-        if transport is not None:
+        for transport in reversed(list(getattr(self, "_transports", {}).values())):
             transport.close()
         self._rpc.close()
 
@@ -224,16 +222,68 @@ class TransferEngine:
                                               f"{t.reason}; use protocol='tcp' or 'auto'")
         return protocol
 
+    # Which transports an engine runs for each protocol, in order of preference. TCP
+    # always runs (it carries notifications and serves peers that have nothing better);
+    # for protocol="rdma" it is not used to move data.
+    _PREFERENCE = ("nvmeof", "cuda_ipc", "rdma", "tcp")
+    _ROUTES = {"auto": _PREFERENCE, "tcp": ("nvmeof", "tcp"),
+               "shm": ("nvmeof", "cuda_ipc", "tcp"), "rdma": ("nvmeof", "rdma")}
+
+    def _start_transports(self, protocol: str, te: dict) -> None:
+        ctx = TransportContext(regions=self._regions, host=self.host, name=self.name,
+                               instance=self._instance, config=te, token=self._token or b"",
+                               protocol=protocol, devices=self.devices,
+                               engine=weakref.proxy(self))
+        routes = self._ROUTES.get(protocol, (protocol, "tcp"))
+        self._routing = []
+        for name in self._PREFERENCE:
+            cls = self.available_transports.get(name)
+            if name != "tcp" and name not in routes:
+                continue
+            if not getattr(cls, "available", False):
+                if name == protocol:       # asked for by name: never fall back silently
+                    raise E.TransportUnavailableError(
+                        f"transport {name!r} is unavailable: {cls.reason}; use "
+                        f"protocol='tcp' or 'auto'")
+                continue
+            try:
+                t = cls(ctx)
+            except E.MooncakeError:
+                if name == protocol or name == "tcp":
+                    raise
+                log.info("transport %s not started", name, exc_info=True)
+                continue
+            self._transports[name] = t
+            if name in routes:
+                self._routing.append(t)
+
+    def _pick(self, desc, op: int, local, remote):
+        """(transport, route) that carries ``op`` requests to ``desc``."""
+        for t in self._routing:
+            r = t.route(desc, op, local, remote)
+            if r:
+                return t, r
+        if self.protocol == "shm":
+            raise E.TransportUnavailableError(
+                f"protocol='shm' reaches peers on this host only; {desc.name} is elsewhere "
+                f"(or serves no same-host listener): use protocol='auto'")
+        names = ", ".join(t.name for t in self._routing)
+        raise E.TransportUnavailableError(
+            f"no transport of this engine ({names}) reaches {desc.name}, which serves "
+            f"{', '.join(desc.protocols) or 'nothing'}; use protocol='auto' on both engines")
+
     # --- metadata ----------------------------------------------------------------------
     def descriptor(self) -> SegmentDescriptor:
         with self._lock:
             buffers = [BufferInfo(r.address, r.length, r.location, r.access)
                        for r in self._mrs.values() if r.access != "local"]
-        extra = self._transport.describe()
+        extra, protocols = {}, []
+        for t in self._transports.values():
+            extra.update(t.describe())
+            protocols += [p for p in t.protocols() if p not in protocols]
         d = SegmentDescriptor(name=self.name, protocol=self.protocol, host=self.host,
                               rpc_port=self._rpc.port, instance_id=f"{self._instance:016x}",
-                              buffers=buffers,
-                              protocols=["tcp", "shm"] if "shm_socket" in extra else ["tcp"],
+                              buffers=buffers, protocols=protocols,
                               devices=[{"name": d} for d in self.devices])
         d.extra.update(extra)
         d.tcp_data_port = d.extra.pop("tcp_data_port", 0)
@@ -260,11 +310,15 @@ class TransferEngine:
 
     def _on_peer_change(self, name: str, instance_id) -> None:
         if self._cache.invalidate(name, instance_id):
-            self._transport.forget_peer(name)
+            self._forget(name)
 
     def _peer_restarted(self, name: str) -> None:
         self._cache.invalidate(name)
-        self._transport.forget_peer(name)
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        for t in self._transports.values():
+            t.forget_peer(name)
 
     def open_segment(self, name, refresh: bool = False) -> Segment:
         """Resolve a peer's segment (cached; ``refresh=True`` asks again)."""
@@ -346,7 +400,12 @@ class TransferEngine:
                                          f"{os.strerror(-rc)}")
         with self._lock:
             self._mrs[mr.address] = mr
-        self._transport.register(mr)
+        try:
+            for t in self._transports.values():
+                t.register(mr)
+        except BaseException:
+            self._remove(mr)
+            raise
         return mr
 
     def unregister(self, region) -> None:
@@ -362,8 +421,11 @@ class TransferEngine:
             self._publish()
 
     def _remove(self, mr: MemoryRegion) -> None:
-        self._transport.unregister(mr)
+        # The table first: remove() waits for I/O in flight on the region and refuses new
+        # I/O, so no transport touches it once its own unregister runs.
         self._regions.remove(mr.address)
+        for t in self._transports.values():
+            t.unregister(mr)
         with self._lock:
             del self._mrs[mr.address]
 
@@ -410,21 +472,22 @@ class TransferEngine:
                 f"with this engine; register the buffer first (eng.register(...)), or check "
                 f"the address and length")
         desc = self._resolve(name)
-        _, code = self._transport.transfer_sync(desc, int(op), src, dst, length,
-                                                self._deadline(length, timeout))
+        t, _ = self._pick(desc, int(op), src, dst)
+        if not hasattr(t, "transfer_sync"):
+            one = lambda v: np.array([v], dtype=np.uint64)     # noqa: E731
+            self._submit_groups({(name, int(op)): (None, one(src), one(dst), one(length))},
+                                1, None, timeout, nbytes=length).wait()
+            return
+        _, code = t.transfer_sync(desc, int(op), src, dst, length,
+                                  self._deadline(length, timeout))
         if code != 0:
             if code in (-1006, -102):
                 self._peer_restarted(name)     # re-resolve the peer before its next use
             raise error_for(code, name, 0, int(op), src, dst, length)
 
     def _resolve(self, name: str):
-        """The descriptor of ``name``, checked against this engine's protocol."""
-        desc = self._cache.get(name, timeout=min(self.timeout, 5.0))
-        if self.protocol == "shm" and self._transport.route(desc) != "shm":
-            raise E.TransportUnavailableError(
-                f"protocol='shm' reaches peers on this host only; {name} is elsewhere (or "
-                f"serves no same-host listener): use protocol='auto'")
-        return desc
+        """The descriptor of ``name``."""
+        return self._cache.get(name, timeout=min(self.timeout, 5.0))
 
     def submit(self, requests: Iterable[TransferRequest], notify: bytes | None = None,
                timeout: float | None = None) -> Batch:
@@ -478,8 +541,8 @@ class TransferEngine:
             raise E.InvalidArgumentError(f"notify is {len(notify)} bytes; at most 1 MiB")
         if n == 0 and notify is None:
             raise E.InvalidArgumentError("empty batch: give at least one request")
-        tr = self._transport
-        from .transports.tcp import NativeBatch  # the only native batch so far
+        tcp = self._transport
+        from .transports.tcp import NativeBatch  # every transport finishes these
         # Validate everything before anything is queued.
         plan = []
         for (name, op), (idx, src, dst, lens) in groups.items():
@@ -494,7 +557,9 @@ class TransferEngine:
                     f"request {caller(bad)}: local [{int(src[bad]):#x}, +{length}) is not inside "
                     f"a region registered with this engine; register the buffer first "
                     f"(eng.register(...)), or check the address and length")
-            plan.append((name, op, idx, src, dst, lens, self._resolve(name)))
+            desc = self._resolve(name)
+            plan.append((name, op, idx, src, dst, lens, desc,
+                         self._pick(desc, op, src, dst)[0]))
         deadline = self._deadline(nbytes, timeout)
         native = NativeBatch(n, deadline)
         parts = []
@@ -502,7 +567,7 @@ class TransferEngine:
         order = np.empty(n, dtype=np.int64) if any(p[2] is not None for p in plan) else None
         first = 0
         try:
-            for name, op, idx, src, dst, lens, desc in plan:
+            for name, op, idx, src, dst, lens, desc, tr in plan:
                 if order is not None:
                     # submit(): requests are carried grouped by (target, op); remember where
                     # each one came from so status() and errors use the caller's indices.
@@ -512,7 +577,7 @@ class TransferEngine:
                 first += len(src)
             if notify is not None:
                 for name in dict.fromkeys(p[0] for p in plan):
-                    tr.add_notify(native, self._cache.get(name, timeout=5.0), bytes(notify))
+                    tcp.add_notify(native, self._cache.get(name, timeout=5.0), bytes(notify))
         except BaseException:
             # Part of the batch may be queued already: stop what has not started, count
             # what was never queued, and let the batch finish so nothing waits on it.
@@ -527,7 +592,7 @@ class TransferEngine:
     def stats(self) -> dict:
         """Counters: refused peers (auth), regions, peers."""
         return {"auth_failures": self._rpc.auth_failures + self._transport.server.auth_failures,
-                "regions": len(self._mrs)}
+                "regions": len(self._mrs), "transports": list(self._transports)}
 
     # --- notifications -----------------------------------------------------------------
     def send_notification(self, target, message: bytes, timeout: float | None = None) -> None:

@@ -2,12 +2,41 @@
 """The one contract every transport implements, and the stand-in for a missing one.
 
 A transport moves bytes between this engine's registered memory and a peer's. The
-engine owns the region table (every transport checks requests against it); a transport
-adds what it needs on top (RDMA: memory registrations and rkeys).
+engine owns the region table (every transport checks requests against it) and the batch
+(one native batch object, ``NativeBatch`` from the TCP module, whose requests any
+transport may finish: ``batch.begin(i, slices)`` / ``batch.finish(i, nbytes, err)`` from
+Python, or the ``mte_batch_ops_t`` table of ``src/tcp/tcp.h`` from C). A transport adds
+what it needs on top (RDMA: memory registrations and rkeys; CUDA IPC: memory handles).
+
+How the engine uses transports
+------------------------------
+* Every available transport is constructed with a :class:`TransportContext` and lives
+  as long as the engine; the TCP transport always runs (it also carries notifications).
+* ``register`` / ``unregister`` are called on every transport for every region.
+* ``describe()`` of every transport is merged into the segment descriptor's ``extra``
+  fields, and ``protocols()`` into its ``protocols`` list.
+* For each (peer, op) group of a batch the engine asks the transports, in its order of
+  preference, ``route(desc, ...)``; the first that answers a route name carries the group
+  with ``submit``; that name is what ``Batch.transport`` reports.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TransportContext:
+    """What an engine hands each of its transports."""
+    regions: object              # the engine's Regions table (mooncake_te.core._regions)
+    host: str                    # address peers reach this engine at
+    name: str                    # this engine's segment name
+    instance: int                # this engine's instance id (a restart changes it)
+    config: dict                 # the [transfer_engine] section of the engine's Config
+    token: bytes = b""           # auth token (b"": none)
+    protocol: str = "auto"       # what the user asked for ("auto", "tcp", "shm", "rdma", ...)
+    devices: list = field(default_factory=list)   # RDMA device allow-list ([]: all)
+    engine: object = None        # weak proxy of the TransferEngine (for what else it needs)
 
 
 class Transport(ABC):
@@ -16,22 +45,34 @@ class Transport(ABC):
     reason = ""
 
     def describe(self) -> dict:
-        """Fields this transport adds to the segment descriptor."""
+        """Fields this transport adds to the segment descriptor (JSON-able)."""
         return {}
 
+    def protocols(self) -> list:
+        """Names this transport adds to the descriptor's ``protocols``."""
+        return [self.name]
+
     def register(self, region) -> None:
-        """Called after a region entered the table."""
+        """Called after a region entered the table (a MemoryRegion)."""
 
     def unregister(self, region) -> None:
-        """Called before a region leaves the table."""
+        """Called before a region leaves the table; in-flight I/O has been waited for."""
 
     @abstractmethod
-    def submit(self, batch, desc, op, local, remote, lens, first: int, run_inline: bool) -> None:
-        """Queue requests [first, first+len(local)) of ``batch`` to the peer ``desc``."""
+    def route(self, desc, op: int, local, remote) -> str | None:
+        """The route this transport would take to peer ``desc`` (a SegmentDescriptor)
+        for a group of ``op`` requests between local addresses ``local`` and the peer's
+        ``remote`` addresses (numpy uint64 arrays; look their regions up to learn where
+        the memory is), or None if it cannot carry them."""
 
     @abstractmethod
+    def submit(self, batch, desc, op, local, remote, lens, first: int, run_inline: bool) -> str:
+        """Queue requests [first, first+len(local)) of ``batch`` (a NativeBatch) to the
+        peer ``desc``; return the route taken. Raise (nothing queued) or queue all."""
+
     def add_notify(self, batch, desc, message: bytes) -> None:
-        """Deliver ``message`` to ``desc`` once the batch's data has landed."""
+        """Deliver ``message`` to ``desc`` once the batch's data has landed (TCP's job)."""
+        raise NotImplementedError
 
     def forget_peer(self, name: str) -> None:
         """Drop connections to a peer (it restarted or went away)."""

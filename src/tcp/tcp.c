@@ -395,6 +395,34 @@ static void item_done(const item_t *it, int err)
     }
 }
 
+void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices)
+{
+    if (idx < b->n)
+        atomic_store(&b->slices_left[idx], slices ? slices : 1);
+}
+
+void mte_batch_slice_done(mte_batch_t *b, uint32_t idx, uint64_t len, int err)
+{
+    if (idx >= b->n)
+        return;
+    item_t it = {.b = b, .idx = idx, .len = len};
+    item_done(&it, err);
+}
+
+int64_t mte_batch_deadline(const mte_batch_t *b) { return b->deadline; }
+
+int mte_batch_stopped(const mte_batch_t *b)
+{
+    return atomic_load(&b->canceled) || atomic_load(&b->expired);
+}
+
+static const mte_batch_ops_t batch_ops = {
+    .version = 1, .begin = mte_batch_begin, .slice_done = mte_batch_slice_done,
+    .deadline = mte_batch_deadline, .stopped = mte_batch_stopped, .now_ns = mte_now_ns,
+};
+
+const mte_batch_ops_t *mte_batch_ops(void) { return &batch_ops; }
+
 void mte_batch_abandon(mte_batch_t *b, uint32_t first, uint32_t n)
 {
     if (n == 0 || (uint64_t)first + n > b->n)

@@ -120,4 +120,31 @@ void mte_batch_status(mte_batch_t *b, uint8_t *states, uint64_t *bytes, int32_t 
 int32_t mte_batch_notify_error(const mte_batch_t *b);
 int64_t mte_now_ns(void);
 
+/* --- completing requests from other transports ------------------------------------- */
+/* Every transport (RDMA, GPU staging, CUDA IPC, NVMe-oF) finishes requests of the same
+ * batch object, so one Batch can span transports and notifications still go out after
+ * the last byte. Per request: call begin(idx, slices) once before any of its slices can
+ * finish, then slice_done once per slice (err 0, or a negative MTE_E_* code). A request
+ * counts as finished when its last slice is done; the batch is finished when every
+ * request is (and it was sealed). Safe from any thread; never blocks. stopped() is 1
+ * once the batch was canceled or expired (skip slices not yet started: report them with
+ * MTE_E_CANCELED / MTE_E_TIMEOUT). Other extension modules reach these through the
+ * table from mte_batch_ops() (exported by the _tcp module as a capsule-free integer
+ * address: mooncake_te.transports.tcp._tcp.batch_ops_address()), because Python loads
+ * extension modules with RTLD_LOCAL and they cannot link to each other's symbols. */
+void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices);
+void mte_batch_slice_done(mte_batch_t *b, uint32_t idx, uint64_t len, int err);
+int64_t mte_batch_deadline(const mte_batch_t *b);
+int mte_batch_stopped(const mte_batch_t *b);
+
+typedef struct mte_batch_ops {
+    uint32_t version;                  /* 1 */
+    void (*begin)(mte_batch_t *b, uint32_t idx, uint32_t slices);
+    void (*slice_done)(mte_batch_t *b, uint32_t idx, uint64_t len, int err);
+    int64_t (*deadline)(const mte_batch_t *b);
+    int (*stopped)(const mte_batch_t *b);
+    int64_t (*now_ns)(void);
+} mte_batch_ops_t;
+const mte_batch_ops_t *mte_batch_ops(void);
+
 #endif

@@ -43,13 +43,15 @@ class TcpTransport(Transport):
 
     name = "tcp"
 
-    def __init__(self, regions, bind_host: str, name: str, instance: int, lanes: int = 4,
-                 slice_size: int = 256 << 10, stall_ms: int = 30000, token: bytes = b"",
-                 same_host: bool = True):
-        self.server = TcpServer(regions, bind_host, 0, name, instance, stall_ms, token or b"")
-        self.same_host = same_host and bool(self.server.uds_name)
-        self.lanes = lanes
-        self.slice_size = slice_size
+    def __init__(self, ctx):
+        te = ctx.config
+        self.server = TcpServer(ctx.regions, ctx.host, 0, ctx.name, ctx.instance,
+                                te["timeout_ms"], ctx.token or b"")
+        # protocol="tcp" forces TCP even to peers on this host.
+        self.same_host = ctx.protocol != "tcp" and bool(self.server.uds_name)
+        self.only_same_host = ctx.protocol == "shm"
+        self.lanes = te["tcp_lanes"]
+        self.slice_size = te["tcp_slice_size"]
         self._peers: dict[str, Peer] = {}
         self._lock = threading.Lock()
 
@@ -59,11 +61,17 @@ class TcpTransport(Transport):
             d.update(host_id=HOST_ID, shm_socket=self.server.uds_name)
         return d
 
-    def route(self, desc) -> str:
-        """"shm" for a peer on this host that offers the same-host listener, else "tcp"."""
+    def protocols(self) -> list:
+        return ["tcp", "shm"] if self.server.uds_name else ["tcp"]
+
+    def route(self, desc, op=None, local=None, remote=None) -> str | None:
+        """"shm" for a peer on this host that offers the same-host listener, "tcp" for
+        another peer with a data port, None for a peer we cannot reach."""
         if (self.same_host and HOST_ID and desc.extra.get("host_id") == HOST_ID
                 and desc.extra.get("shm_socket")):
             return "shm"
+        if self.only_same_host or not desc.tcp_data_port:
+            return None
         return "tcp"
 
     def _peer(self, desc) -> Peer:

@@ -6,7 +6,7 @@ Everything that moves bytes or waits runs with the GIL released; the facade in
 ``mooncake_te.transports.tcp`` and ``mooncake_te.engine`` carries the domain words.
 """
 from cpython.exc cimport PyErr_CheckSignals
-from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_t
 import os
 import numpy as np
 
@@ -280,3 +280,32 @@ cdef class NativeBatch:
     @property
     def notify_error(self):
         return mte_batch_notify_error(self.b)
+
+    @property
+    def address(self):
+        """The ``mte_batch_t *`` for other transports' C code (see tcp.h: completing
+        requests from other transports); valid while this object lives."""
+        return <uintptr_t>self.b
+
+    def keep(self, obj):
+        """Keep ``obj`` (a connection, a staging buffer) alive as long as the batch."""
+        self._keep.append(obj)
+
+    def begin(self, uint32_t idx, uint32_t slices):
+        """Request ``idx`` will finish after ``slices`` calls of :meth:`finish`."""
+        mte_batch_begin(self.b, idx, slices)
+
+    def finish(self, uint32_t idx, uint64_t nbytes, int err=0):
+        """One slice of request ``idx`` is done (``err`` 0 or a negative status code)."""
+        with nogil:
+            mte_batch_slice_done(self.b, idx, nbytes, err)
+
+    @property
+    def stopped(self):
+        """True once the batch was canceled or its deadline passed."""
+        return mte_batch_stopped(self.b) != 0
+
+
+def batch_ops_address():
+    """Address of the ``mte_batch_ops_t`` table (tcp.h) for other extension modules."""
+    return <uintptr_t>mte_batch_ops()

@@ -49,6 +49,12 @@ cdef extern from "tcp/tcp.h" nogil:
     void mte_batch_status(mte_batch_t *b, uint8_t *states, uint64_t *bytes, int32_t *errs)
     int32_t mte_batch_notify_error(const mte_batch_t *b)
     int64_t mte_now_ns()
+    void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices)
+    void mte_batch_slice_done(mte_batch_t *b, uint32_t idx, uint64_t len, int err)
+    int mte_batch_stopped(const mte_batch_t *b)
+    ctypedef struct mte_batch_ops_t:
+        uint32_t version
+    const mte_batch_ops_t *mte_batch_ops()
 
 
 cdef extern from "core/hmac_sha256.h" nogil:
