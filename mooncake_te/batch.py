@@ -79,6 +79,10 @@ def error_for(code: int, target: str, index: int, op: int, local: int, remote: i
     if code == -1009:
         return E.TransferError(f"{what}: {target} could not copy to or from this process's "
                                f"memory (same-host transport); the local buffer may be gone")
+    if code == -1010:
+        return E.TransferError(f"{what}: a CUDA copy of GPU memory failed on one side (its "
+                               f"staging or IPC mapping); check that the GPU buffer is still "
+                               f"allocated and the device healthy (nvidia-smi)", status=code)
     return E.TransferError(f"{what} failed (status {code})", status=code if code < 0 else None)
 
 

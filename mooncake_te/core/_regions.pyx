@@ -27,10 +27,12 @@ cdef class Regions:
             mte_regions_free(self.t)
             self.t = NULL
 
-    def add(self, uint64_t addr, uint64_t length, unsigned access):
+    def add(self, uint64_t addr, uint64_t length, unsigned access, int device=-1):
+        """``device``: the CUDA ordinal of GPU memory (the data paths stage its bytes
+        through pinned host memory), -1 for host memory."""
         cdef int rc
         with nogil:
-            rc = mte_regions_add(self.t, addr, length, access)
+            rc = mte_regions_add_dev(self.t, addr, length, access, device)
         return rc
 
     def remove(self, uint64_t addr):

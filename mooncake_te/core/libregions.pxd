@@ -12,6 +12,8 @@ cdef extern from "core/regions.h" nogil:
     mte_regions_t *mte_regions_new()
     void mte_regions_free(mte_regions_t *t)
     int mte_regions_add(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned access)
+    int mte_regions_add_dev(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned access,
+                            int device)
     int mte_regions_remove(mte_regions_t *t, uint64_t addr)
     int64_t mte_regions_check_many(mte_regions_t *t, const uint64_t *addrs, const uint64_t *lens,
                                    int len_stride, uint64_t n, unsigned need, int *why)

@@ -11,6 +11,7 @@
 struct mte_region {
     uint64_t addr, len;
     unsigned access;
+    int device;                /* CUDA ordinal, -1: host memory */
     atomic_int pins;
     atomic_int removed;
     mte_regions_t *table;
@@ -66,6 +67,14 @@ static ptrdiff_t find_le(const mte_regions_t *t, uint64_t a)
 
 int mte_regions_add(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned access)
 {
+    return mte_regions_add_dev(t, addr, len, access, -1);
+}
+
+int mte_region_device(const mte_region_t *r) { return r->device; }
+
+int mte_regions_add_dev(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned access,
+                        int device)
+{
     if (len == 0 || addr + len < addr)
         return -EINVAL;
     mte_region_t *r = calloc(1, sizeof(*r));
@@ -74,6 +83,7 @@ int mte_regions_add(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned acce
     r->addr = addr;
     r->len = len;
     r->access = access;
+    r->device = device < 0 ? -1 : device;
     r->table = t;
     pthread_rwlock_wrlock(&t->lock);
     ptrdiff_t i = find_le(t, addr);

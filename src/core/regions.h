@@ -23,6 +23,11 @@ void mte_regions_free(mte_regions_t *t);
 
 /* 0, or -EEXIST when [addr, addr+len) overlaps a registered region, -EINVAL for len 0. */
 int mte_regions_add(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned access);
+/* The same for memory of CUDA device `device` (ordinal; -1: host memory). Data paths
+ * that cannot touch device memory with the CPU (recv, writev, process_vm_*) move such
+ * regions' bytes through pinned staging (src/core/gpu.h). */
+int mte_regions_add_dev(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned access,
+                        int device);
 /* Removes the region starting at addr and waits until no I/O pins it. 0 or -ENOENT. */
 int mte_regions_remove(mte_regions_t *t, uint64_t addr);
 
@@ -31,6 +36,8 @@ int mte_regions_remove(mte_regions_t *t, uint64_t addr);
 mte_region_t *mte_regions_pin(mte_regions_t *t, uint64_t addr, uint64_t len,
                               unsigned need, int *why);
 void mte_region_unpin(mte_region_t *r);
+/* The CUDA device ordinal of a region, -1 for host memory. */
+int mte_region_device(const mte_region_t *r);
 
 /* Index of the first [addr_i, addr_i+len_i) not inside a region granting `need`, or -1.
  * len_stride 0 means every request has length lens[0]. *why as for pin. */

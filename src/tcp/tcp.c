@@ -2,6 +2,7 @@
 /* TCP transport data path; see tcp.h for the design and the wire format. */
 #define _GNU_SOURCE
 #include "tcp.h"
+#include "../core/gpu.h"
 #include "../core/hmac_sha256.h"
 
 #include <endian.h>
@@ -238,6 +239,88 @@ static int recv_into(sockio_t *s, uint8_t *dst, uint64_t n)
         }
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------ */
+/* Device memory: recv(2), writev(2) and process_vm_*(2) cannot touch GPU memory, so its */
+/* bytes pass through a ring of pinned slots (src/core/gpu.h), in chunks: the PCIe copy */
+/* of one chunk runs on the GPU's copy engine while the previous chunk is on the wire.  */
+
+typedef int (*sink_fn)(void *ctx, const uint8_t *p, size_t n);
+typedef int (*source_fn)(void *ctx, uint8_t *p, size_t n);
+
+static int sink_sock(void *ctx, const uint8_t *p, size_t n) { return send_all(ctx, p, n); }
+static int source_sock(void *ctx, uint8_t *p, size_t n) { return recv_into(ctx, p, n); }
+
+static mte_stage_t *stage_get(mte_stage_t **sp)
+{
+    if (!*sp)
+        *sp = mte_stage_new();
+    return *sp;
+}
+
+/* Sends n bytes of device `dev` memory at src through `sink`. Any error leaves the
+ * stream short of bytes: the caller must drop the connection. */
+static int device_out(mte_stage_t *s, int dev, const uint8_t *src, uint64_t n, sink_fn sink,
+                      void *ctx)
+{
+    const uint64_t C = MTE_STAGE_CHUNK, chunks = (n + C - 1) / C;
+    uint64_t issued = 0, sent = 0;
+    int err = 0;
+    while (!err && sent < chunks) {
+        /* Keep every slot busy copying ahead of what the socket takes. */
+        while (!err && issued < chunks && issued - sent < MTE_STAGE_SLOTS) {
+            uint64_t off = issued * C;
+            err = mte_stage_d2h(s, (int)(issued % MTE_STAGE_SLOTS), dev, src + off,
+                                (size_t)(n - off < C ? n - off : C));
+            issued++;
+        }
+        if (err)
+            break;
+        int k = (int)(sent % MTE_STAGE_SLOTS);
+        uint64_t off = sent * C;
+        err = mte_stage_wait(s, k);
+        if (!err)
+            err = sink(ctx, mte_stage_slot(s, k), (size_t)(n - off < C ? n - off : C));
+        sent++;
+    }
+    int e = mte_stage_drain(s);
+    return err ? err : e;
+}
+
+/* Takes n bytes from `source` into device `dev` memory at dst; returns once they are in
+ * device memory. The return value is the source's error; a CUDA error goes to *cuda_err,
+ * and then, with `drain`, the rest of the bytes are still taken (and dropped) so a
+ * socket stays in step. */
+static int device_in(mte_stage_t *s, int dev, uint8_t *dst, uint64_t n, source_fn source,
+                     void *ctx, int drain, int *cuda_err)
+{
+    uint64_t off = 0;
+    int k = 0, err = 0;
+    *cuda_err = 0;
+    while (off < n) {
+        size_t len = n - off < MTE_STAGE_CHUNK ? (size_t)(n - off) : MTE_STAGE_CHUNK;
+        uint8_t *slot = NULL;
+        if (!*cuda_err) {
+            slot = mte_stage_slot(s, k);
+            *cuda_err = !slot ? MTE_E_CUDA : mte_stage_wait(s, k);
+            if (*cuda_err)
+                slot = NULL;
+        }
+        if (!slot && !drain)
+            break;
+        err = source(ctx, slot, len);
+        if (err)
+            break;
+        if (slot)
+            *cuda_err = mte_stage_h2d(s, k, dev, dst + off, len);
+        off += len;
+        k = (k + 1) % MTE_STAGE_SLOTS;
+    }
+    int e = mte_stage_drain(s);
+    if (!*cuda_err)
+        *cuda_err = e;
+    return err;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -530,6 +613,7 @@ typedef struct lane {
     struct iovec *iov;
     int cma;                    /* this connection's server copies with process_vm_* */
     uint64_t probe;             /* a value the server reads from us to prove it can */
+    mte_stage_t *stage;         /* pinned staging for device memory, made on first use */
 } lane_t;
 
 struct mte_peer {
@@ -773,6 +857,7 @@ fail:
 static void lane_run_group(lane_t *L, item_t *it, int k)
 {
     mte_region_t *pins[GROUP_MAX];
+    int dev[GROUP_MAX];         /* CUDA ordinal of each item's local memory, -1: host */
     int live[GROUP_MAX];
     int nlive = 0;
     int64_t now = mte_now_ns();
@@ -789,11 +874,14 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
         else if (atomic_load(&L->peer->restarted))
             err = MTE_E_PEER_RESTARTED;
         pins[i] = NULL;
+        dev[i] = -1;
         if (!err && it[i].idx != NOTIFY_IDX) {
             int why = 0;
             pins[i] = mte_regions_pin(regions, it[i].laddr, it[i].len, 0, &why);
             if (!pins[i])
                 err = MTE_E_LOCAL_NOT_REG;
+            else if ((dev[i] = mte_region_device(pins[i])) >= 0 && !stage_get(&L->stage))
+                err = MTE_E_NOMEM;
         }
         if (err) {
             item_done(&it[i], err);
@@ -822,10 +910,13 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
     int niov = 0;
     uint64_t first_seq = L->seq;
     if (!err) {
-        for (int j = 0; j < nlive; j++) {
+        for (int j = 0; !err && j < nlive; j++) {
             item_t *x = &it[live[j]];
+            int d = dev[live[j]];
             uint8_t *h = L->hdrs + (size_t)j * (REQ_SIZE + CMA_EXTRA);
-            int cma = L->cma && x->op != MTE_OP_NOTIFY;
+            /* The server cannot reach our GPU memory with process_vm_*: device memory
+             * goes over the socket, staged. */
+            int cma = L->cma && x->op != MTE_OP_NOTIFY && d < 0;
             put32(h, MAGIC_REQ);
             put32(h + 4, cma ? (x->op == MTE_OP_WRITE ? MTE_OP_WRITE_CMA : MTE_OP_READ_CMA)
                              : x->op);
@@ -838,19 +929,30 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
                 L->iov[niov++] = (struct iovec){h, REQ_SIZE + CMA_EXTRA};
             } else {
                 L->iov[niov++] = (struct iovec){h, REQ_SIZE};
-                if (x->op != MTE_OP_READ)
+                if (x->op != MTE_OP_READ && d < 0) {
                     L->iov[niov++] = (struct iovec){(void *)(uintptr_t)x->laddr, x->len};
+                } else if (x->op != MTE_OP_READ) {
+                    /* What is gathered so far goes first, then this payload, staged. */
+                    err = send_iov(&L->io, L->iov, niov);
+                    niov = 0;
+                    if (!err)
+                        err = device_out(L->stage, d, (const uint8_t *)(uintptr_t)x->laddr,
+                                         x->len, sink_sock, &L->io);
+                }
             }
         }
-        err = send_iov(&L->io, L->iov, niov);
+        if (!err)
+            err = send_iov(&L->io, L->iov, niov);
     }
     /* Then collect the responses, in order. */
     int j = 0;
     for (; !err && j < nlive; j++) {
         item_t *x = &it[live[j]];
+        /* READ bytes follow the reply unless the server copied them itself (same host,
+         * host memory: see the send loop). */
+        int inband = x->op == MTE_OP_READ && !(L->cma && dev[live[j]] < 0);
         /* A big READ reply: read just its header, then its bytes straight into place. */
-        L->io.readahead = (x->op == MTE_OP_READ && !L->cma && x->len >= DIRECT_RECV)
-                          ? 0 : RBUF_SIZE;
+        L->io.readahead = (inband && x->len >= DIRECT_RECV) ? 0 : RBUF_SIZE;
         err = fill(&L->io, RESP_SIZE);
         if (err)
             break;
@@ -858,16 +960,22 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
         L->io.pos += RESP_SIZE;
         int32_t st = (int32_t)get32(r + 4);
         uint64_t len = get64(r + 16);
-        int inband = x->op == MTE_OP_READ && !L->cma;     /* READ bytes follow the reply */
         if (get32(r) != MAGIC_RESP || get64(r + 8) != first_seq + (uint64_t)j ||
             (st == 0 && inband && len != x->len) || ((st != 0 || !inband) && len != 0)) {
             err = MTE_E_PROTOCOL;
             break;
         }
         if (st == 0 && inband) {
-            err = recv_into(&L->io, (uint8_t *)(uintptr_t)x->laddr, len);
+            int d = dev[live[j]], cuda_err = 0;
+            if (d < 0)
+                err = recv_into(&L->io, (uint8_t *)(uintptr_t)x->laddr, len);
+            else
+                err = device_in(L->stage, d, (uint8_t *)(uintptr_t)x->laddr, len, source_sock,
+                                &L->io, 1, &cuda_err);
             if (err)
                 break;
+            if (cuda_err)
+                st = cuda_err;
         }
         if (pins[live[j]])
             mte_region_unpin(pins[live[j]]);
@@ -1094,6 +1202,7 @@ static void peer_unref(mte_peer_t *p)
         free(L->io.buf);
         free(L->hdrs);
         free(L->iov);
+        mte_stage_free(L->stage);
     }
     free(p->lanes);
     free(p->q);
@@ -1261,9 +1370,31 @@ static int32_t cma_copy(pid_t pid, uint64_t ours, uint64_t theirs, uint64_t len,
     return 0;
 }
 
+typedef struct {
+    pid_t pid;
+    uint64_t addr;              /* the client's memory, advanced chunk by chunk */
+} cma_ctx_t;
+
+static int cma_source(void *ctx, uint8_t *p, size_t n)
+{
+    cma_ctx_t *x = ctx;
+    int32_t e = cma_copy(x->pid, (uint64_t)(uintptr_t)p, x->addr, n, 1);
+    x->addr += n;
+    return e;
+}
+
+static int cma_sink(void *ctx, const uint8_t *p, size_t n)
+{
+    cma_ctx_t *x = ctx;
+    int32_t e = cma_copy(x->pid, (uint64_t)(uintptr_t)p, x->addr, n, 0);
+    x->addr += n;
+    return e;
+}
+
 static void conn_serve(conn_t *c)
 {
     mte_tcp_t *t = c->tcp;
+    mte_stage_t *stage = NULL;       /* pinned staging for our GPU regions, on first use */
     sockio_t io = {.fd = c->fd, .buf = malloc(RBUF_SIZE), .cap = RBUF_SIZE,
                    .readahead = RBUF_SIZE, .stop = conn_stop, .ctx = c};
     obuf_t o = {.io = &io, .buf = malloc(OBUF_SIZE), .len = 0};
@@ -1362,13 +1493,25 @@ static void conn_serve(conn_t *c)
         if (op == MTE_OP_WRITE) {
             mte_region_t *r = len ? mte_regions_pin(t->regions, addr, len,
                                                     MTE_ACC_REMOTE_WRITE, &why) : NULL;
-            int e = recv_into(&io, r ? (uint8_t *)(uintptr_t)addr : NULL, len);
+            int32_t st = r ? 0 : reject_code(why ? why : -ENOENT);
+            int d = r ? mte_region_device(r) : -1, e;
+            if (d >= 0 && stage_get(&stage)) {
+                /* Acknowledged below only once the bytes are in device memory. */
+                int cuda_err = 0;
+                e = device_in(stage, d, (uint8_t *)(uintptr_t)addr, len, source_sock, &io, 1,
+                              &cuda_err);
+                st = cuda_err;
+            } else {
+                if (d >= 0)
+                    st = MTE_E_NOMEM;
+                e = recv_into(&io, r && d < 0 ? (uint8_t *)(uintptr_t)addr : NULL, len);
+            }
             if (r)
                 mte_region_unpin(r);
             if (e)
                 break;
             io.readahead = len >= DIRECT_RECV ? 0 : RBUF_SIZE;
-            oresp(&o, r ? 0 : reject_code(why ? why : -ENOENT), seq, 0);
+            oresp(&o, st, seq, 0);
         } else if (op == MTE_OP_READ) {
             mte_region_t *r = len ? mte_regions_pin(t->regions, addr, len,
                                                     MTE_ACC_REMOTE_READ, &why) : NULL;
@@ -1376,8 +1519,19 @@ static void conn_serve(conn_t *c)
                 oresp(&o, reject_code(why ? why : -ENOENT), seq, 0);
                 continue;
             }
-            int e = 0;
-            if (len <= SMALL_READ) {
+            int e = 0, d = mte_region_device(r);
+            if (d >= 0) {
+                if (!stage_get(&stage)) {
+                    mte_region_unpin(r);
+                    oresp(&o, MTE_E_NOMEM, seq, 0);
+                    continue;
+                }
+                oresp(&o, 0, seq, len);
+                e = oflush(&o);
+                if (!e)
+                    e = device_out(stage, d, (const uint8_t *)(uintptr_t)addr, len, sink_sock,
+                                   &io);
+            } else if (len <= SMALL_READ) {
                 if (o.len + RESP_SIZE + len > OBUF_SIZE)
                     e = oflush(&o);
                 if (!e) {
@@ -1406,9 +1560,23 @@ static void conn_serve(conn_t *c)
             /* A client that hung up has released its memory: touch nothing of it. */
             struct pollfd hup = {.fd = c->fd, .events = POLLRDHUP};
             int gone = poll(&hup, 1, 0) > 0 && (hup.revents & (POLLRDHUP | POLLHUP | POLLERR));
-            int32_t st = gone ? MTE_E_CLOSED
-                       : r ? cma_copy(c->peer_pid, addr, peer_addr, len, pull)
-                           : reject_code(why ? why : -ENOENT);
+            int d = r ? mte_region_device(r) : -1;
+            int32_t st = gone ? MTE_E_CLOSED : !r ? reject_code(why ? why : -ENOENT) : 0;
+            if (!st && d < 0) {
+                st = cma_copy(c->peer_pid, addr, peer_addr, len, pull);
+            } else if (!st && !stage_get(&stage)) {
+                st = MTE_E_NOMEM;
+            } else if (!st) {
+                /* Our region is GPU memory: the client's bytes pass through staging. */
+                cma_ctx_t x = {c->peer_pid, peer_addr};
+                int cuda_err = 0;
+                st = pull ? device_in(stage, d, (uint8_t *)(uintptr_t)addr, len, cma_source, &x,
+                                      0, &cuda_err)
+                          : device_out(stage, d, (const uint8_t *)(uintptr_t)addr, len,
+                                       cma_sink, &x);
+                if (!st)
+                    st = cuda_err;
+            }
             if (r)
                 mte_region_unpin(r);
             oresp(&o, st, seq, 0);
@@ -1426,6 +1594,7 @@ static void conn_serve(conn_t *c)
         }
     }
 out:
+    mte_stage_free(stage);
     free(io.buf);
     free(o.buf);
 }

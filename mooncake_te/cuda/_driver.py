@@ -1,0 +1,92 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Declarations of the CUDA driver API calls we use (ctypes over ``libcuda.so.1``).
+
+Only declarations and loading live here; ``mooncake_te.cuda`` holds the logic. Types and
+signatures follow the CUDA Driver API reference (``cuda.h``): handles are opaque
+pointers, ``CUdeviceptr`` is an unsigned 64-bit integer, ``CUresult`` an int. Where
+``cuda.h`` maps a name to a versioned symbol (``cuMemGetAddressRange`` ->
+``cuMemGetAddressRange_v2``), the versioned symbol is bound, as the linker would.
+"""
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, byref, c_char, c_int, c_size_t, c_uint, c_uint64, c_void_p  # noqa: F401
+
+CUresult = c_int
+CUdevice = c_int
+CUdeviceptr = c_uint64
+CUcontext = c_void_p
+CUstream = c_void_p
+CUevent = c_void_p
+
+# cuda.h enums
+CU_POINTER_ATTRIBUTE_CONTEXT = 1
+CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CU_MEMORYTYPE_HOST, CU_MEMORYTYPE_DEVICE, CU_MEMORYTYPE_ARRAY, CU_MEMORYTYPE_UNIFIED = 1, 2, 3, 4
+CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
+CU_STREAM_NON_BLOCKING = 1
+CU_EVENT_DISABLE_TIMING = 2
+CU_MEMHOSTALLOC_PORTABLE = 1
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+CU_IPC_HANDLE_SIZE = 64
+CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+class CUipcMemHandle(ctypes.Structure):
+    _fields_ = [("reserved", c_char * CU_IPC_HANDLE_SIZE)]
+
+
+_SIGNATURES = {
+    "cuInit": (c_uint,),
+    "cuDriverGetVersion": (POINTER(c_int),),
+    "cuDeviceGetCount": (POINTER(c_int),),
+    "cuDeviceGet": (POINTER(CUdevice), c_int),
+    "cuDeviceGetPCIBusId": (ctypes.c_char_p, c_int, CUdevice),
+    "cuDeviceCanAccessPeer": (POINTER(c_int), CUdevice, CUdevice),
+    "cuDevicePrimaryCtxRetain": (POINTER(CUcontext), CUdevice),
+    "cuCtxPushCurrent_v2": (CUcontext,),
+    "cuCtxPopCurrent_v2": (POINTER(CUcontext),),
+    "cuCtxEnablePeerAccess": (CUcontext, c_uint),
+    "cuPointerGetAttribute": (c_void_p, c_int, CUdeviceptr),
+    "cuMemGetAddressRange_v2": (POINTER(CUdeviceptr), POINTER(c_size_t), CUdeviceptr),
+    "cuMemGetHandleForAddressRange": (c_void_p, CUdeviceptr, c_size_t, c_int, ctypes.c_ulonglong),
+    "cuMemHostAlloc": (POINTER(c_void_p), c_size_t, c_uint),
+    "cuMemFreeHost": (c_void_p,),
+    "cuStreamCreate": (POINTER(CUstream), c_uint),
+    "cuStreamDestroy_v2": (CUstream,),
+    "cuStreamSynchronize": (CUstream,),
+    "cuEventCreate": (POINTER(CUevent), c_uint),
+    "cuEventRecord": (CUevent, CUstream),
+    "cuEventSynchronize": (CUevent,),
+    "cuEventQuery": (CUevent,),
+    "cuEventDestroy_v2": (CUevent,),
+    "cuMemcpy": (CUdeviceptr, CUdeviceptr, c_size_t),
+    "cuMemcpyAsync": (CUdeviceptr, CUdeviceptr, c_size_t, CUstream),
+    "cuIpcGetMemHandle": (POINTER(CUipcMemHandle), CUdeviceptr),
+    "cuIpcOpenMemHandle_v2": (POINTER(CUdeviceptr), CUipcMemHandle, c_uint),
+    "cuIpcCloseMemHandle": (CUdeviceptr,),
+    "cuGetErrorName": (c_int, POINTER(ctypes.c_char_p)),
+}
+
+
+def load():
+    """(library, None) with every call declared, or (None, reason)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        return None, f"no CUDA driver (libcuda.so.1 cannot be loaded: {e})"
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name, None)
+        if fn is None:
+            return None, f"the CUDA driver is too old: libcuda.so.1 lacks {name}"
+        fn.argtypes = args
+        fn.restype = CUresult
+    rc = lib.cuInit(0)
+    if rc != 0:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorName(rc, byref(name))
+        return None, (f"cuInit failed with {(name.value or b'?').decode()} ({rc}): no usable "
+                      f"GPU, or the driver and kernel module disagree (see nvidia-smi)")
+    return lib, None
