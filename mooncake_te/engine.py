@@ -338,7 +338,7 @@ class TransferEngine:
     def register(self, obj, location: str = "auto", access: str = "rw") -> MemoryRegion:
         """Register a buffer (buffer protocol, ``__cuda_array_interface__``, ``__dlpack__``)."""
         self._check_open()
-        mr = self._add(self._intake(obj, location, access))
+        mr = self._add(self._intake(obj, location, access), known=True)
         if mr.access != "local":
             self._publish()
         return mr
@@ -351,7 +351,7 @@ class TransferEngine:
         added = []
         try:
             for obj in objs:
-                added.append(self._add(self._intake(obj, location, access)))
+                added.append(self._add(self._intake(obj, location, access), known=True))
         except BaseException:
             for mr in added:
                 self._remove(mr)
@@ -362,14 +362,18 @@ class TransferEngine:
 
     def _intake(self, obj, location, access) -> MemoryRegion:
         it = intake(obj)
-        if it.device != "cpu":
-            raise E.TransportUnavailableError(
-                f"cannot register {it.device} memory: GPU memory is not supported by this "
-                f"version's transports yet; stage it through a registered host buffer")
         if it.readonly and access == "rw":
             raise E.InvalidArgumentError(
                 f"{type(obj).__name__} is read-only, so peers cannot write it; register it with "
                 f"access='r' (peers may read) or 'local'")
+        if it.device != "cpu":
+            # GPU memory: its device is what the driver says (memory.intake); a location
+            # given by the caller must agree.
+            if location not in ("auto", "*", None) and location != it.device:
+                raise E.InvalidArgumentError(
+                    f"location {location!r}, but the driver places this {type(obj).__name__} "
+                    f"on {it.device}; pass location='auto' or {it.device!r}")
+            location = it.device
         return MemoryRegion(it.address, it.length, location, access, it.owner, it.readonly)
 
     def register_address(self, address: int, length: int, location: str = "auto",
@@ -381,16 +385,14 @@ class TransferEngine:
             self._publish()
         return mr
 
-    def _add(self, mr: MemoryRegion) -> MemoryRegion:
+    def _add(self, mr: MemoryRegion, known: bool = False) -> MemoryRegion:
+        # known: the memory came through intake, which already asked the driver where it
+        # lives; raw addresses (register_address) are located here.
         if mr.access not in ACCESS:
             raise E.InvalidArgumentError(f"access must be one of {', '.join(ACCESS)}, "
                                          f"got {mr.access!r}")
-        if mr.location in ("auto", "*", None):
-            mr.location = cpu_location(mr.address)
-        elif not isinstance(mr.location, str) or not mr.location.startswith("cpu"):
-            raise E.InvalidArgumentError(f"location {mr.location!r}: this version moves host "
-                                         f"memory only ('auto' or 'cpu:<numa node>')")
-        rc = self._regions.add(mr.address, mr.length, _ACCESS_BITS[mr.access])
+        mr.location, device = _locate(mr, known)
+        rc = self._regions.add(mr.address, mr.length, _ACCESS_BITS[mr.access], device)
         if rc == -_errno.EEXIST:
             raise E.AddressOverlappedError(
                 f"[{mr.address:#x}, {mr.end:#x}) overlaps a region already registered; "
@@ -607,6 +609,46 @@ class TransferEngine:
         """Notifications received since the last call (drained)."""
         self._check_open()
         return [Notification(s, m) for s, m in self._transport.notifications()]
+
+
+def _locate(mr: MemoryRegion, known: bool = False) -> "tuple[str, int]":
+    """(location, CUDA ordinal or -1) of a region about to be registered. GPU memory is
+    told by the driver's pointer attributes; raw addresses are only asked about when this
+    process already uses CUDA (mooncake_te.cuda.loaded)."""
+    from . import cuda
+    loc = mr.location
+    if known:                 # memory.intake asked the driver already
+        if isinstance(loc, str) and loc.startswith("cuda:"):
+            return loc, int(loc[5:])
+        if loc in ("auto", "*", None):
+            return cpu_location(mr.address), -1
+    if loc in ("auto", "*", None):
+        if cuda.loaded() and cuda.available()[0]:
+            is_dev, ordinal = cuda.pointer_info(mr.address)
+            if is_dev:
+                return f"cuda:{ordinal}", ordinal
+        return cpu_location(mr.address), -1
+    if isinstance(loc, str) and loc.startswith("cpu"):
+        if cuda.loaded() and cuda.available()[0] and cuda.pointer_info(mr.address)[0]:
+            raise E.InvalidArgumentError(
+                f"location {loc!r}, but [{mr.address:#x}, +{mr.length}) is GPU memory of "
+                f"{'cuda:%d' % cuda.pointer_info(mr.address)[1]}; pass location='auto'")
+        return loc, -1
+    if isinstance(loc, str) and loc.startswith("cuda:") and loc[5:].isdigit():
+        ok, reason = cuda.available()
+        if not ok:
+            # Nothing at this address can be memory of a GPU this process cannot see.
+            raise E.InvalidArgumentError(f"cannot register {loc} memory: {reason}; register "
+                                         f"host memory with location='auto' or 'cpu:<node>'")
+        is_dev, ordinal = cuda.pointer_info(mr.address)
+        if not is_dev or ordinal != int(loc[5:]):
+            where = f"cuda:{ordinal}" if is_dev else "host memory"
+            raise E.InvalidArgumentError(
+                f"location {loc!r}, but the driver says [{mr.address:#x}, +{mr.length}) is "
+                f"{where}; pass location='auto'")
+        return loc, ordinal
+    raise E.InvalidArgumentError(f"location {loc!r}: use 'auto', 'cpu:<numa node>' or "
+                                 f"'cuda:<ordinal>'")
 
 
 def _metadata_from_config(md: dict) -> str:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # cython: language_level=3
 """The engine's table of registered regions (src/core/regions.c), one-to-one."""
-from libc.stdint cimport uint64_t, int64_t
+from libc.stdint cimport uint64_t, int64_t, uintptr_t
 from libc.errno cimport EEXIST, ENOENT, EACCES, EINVAL
 from mooncake_te.core.libregions cimport *
 
@@ -65,3 +65,17 @@ cdef class Regions:
             bad = mte_regions_check_many(self.t, &addrs[0], &lens[0], stride,
                                          addrs.shape[0], need, &why)
         return bad, why
+
+    def pin(self, uint64_t addr, uint64_t length, unsigned need=0):
+        """Pin the region holding [addr, +length) for an I/O that finishes later (its
+        ``remove`` then waits for :meth:`unpin`): a handle, or 0 when no region holds it.
+        For transports whose copies complete asynchronously (CUDA IPC)."""
+        cdef int why = 0
+        cdef mte_region_t *r
+        with nogil:
+            r = mte_regions_pin(self.t, addr, length, need, &why)
+        return <uintptr_t>r
+
+    def unpin(self, uintptr_t handle):
+        if handle:
+            mte_region_unpin(<mte_region_t *>handle)

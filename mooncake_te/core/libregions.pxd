@@ -15,5 +15,9 @@ cdef extern from "core/regions.h" nogil:
     int mte_regions_add_dev(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned access,
                             int device)
     int mte_regions_remove(mte_regions_t *t, uint64_t addr)
+    mte_region_t *mte_regions_pin(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned need,
+                                  int *why)
+    void mte_region_unpin(mte_region_t *r)
+    int mte_region_device(const mte_region_t *r)
     int64_t mte_regions_check_many(mte_regions_t *t, const uint64_t *addrs, const uint64_t *lens,
                                    int len_stride, uint64_t n, unsigned need, int *why)

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import threading
 from ctypes import byref
 
 from .. import errors as E
 from . import _driver as D
 
-__all__ = ["available", "device_count", "pci_bus_ids", "pointer_info", "allocation_range",
+__all__ = ["available", "loaded", "device_count", "pci_bus_ids", "pointer_info", "allocation_range",
            "dmabuf_fd", "PinnedBuffer", "Stream", "Event", "memcpy", "memcpy_async",
            "synchronize_stream", "ipc_get_handle", "ipc_open", "ipc_close", "device",
            "can_access_peer", "enable_peer_access", "CudaError", "LEGACY_STREAM",
@@ -71,6 +72,20 @@ def _lib():
         if _state["lib"] is None:
             raise E.TransportUnavailableError(f"CUDA is unavailable: {_state['reason']}")
         return _state["lib"]
+
+
+def loaded() -> bool:
+    """Whether the CUDA driver is already loaded in this process (by us, PyTorch, CuPy...).
+    Only then is it asked about raw addresses: initialising CUDA in a process that never
+    used it would break the CUDA of children it forks later."""
+    if _state.get("lib") is not None or _state.get("seen_loaded"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return False
+    _state["seen_loaded"] = True
+    return True
 
 
 def available() -> "tuple[bool, str]":

@@ -17,6 +17,11 @@ def probe() -> dict:
         out["tcp"] = UnavailableTransport("tcp", f"native module not built: {e}")
     # Same-host peers: the TCP transport's unix-socket + cross-memory-attach mode.
     out["shm"] = out["tcp"]
+    # GPU memory between processes of one host; the driver is loaded only once GPU
+    # memory is registered (cuda_ipc.driver_present explains why).
+    from .cuda_ipc import CudaIpcTransport, driver_present
+    out["cuda_ipc"] = CudaIpcTransport if driver_present() else UnavailableTransport(
+        "cuda_ipc", "no CUDA driver (libcuda.so.1) on this machine")
     out["rdma"] = UnavailableTransport("rdma", "the RDMA transport is not part of this version "
                                                "yet (see docs: fabric lab, issue 4)")
     out["nvmeof"] = UnavailableTransport("nvmeof", "the NVMe-oF transport is not part of this "

@@ -1,0 +1,362 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Same-host transport for GPU memory: CUDA IPC.
+
+The owner publishes, for each GPU region peers may reach, a CUDA IPC handle of the
+allocation holding it (``cuIpcGetMemHandle``; handles name whole allocations, so the
+region's offset in it goes along, which is what makes a slice of a PyTorch caching
+allocator block work) in the segment descriptor's ``cuda_ipc`` field, with the host id
+of the TCP transport (same kernel boot, PID and network namespace). A peer on the same
+host maps the allocation once (``cuIpcOpenMemHandle``, peer access enabled lazily when
+it lives on another GPU) and copies with ``cuMemcpyAsync`` on streams of its own, one per
+device: device to device (peer to peer when the GPUs allow it) with no host memory, no
+socket and no CPU copy. Two engines of one process use each other's pointers directly.
+
+Routing: a (peer, op) group goes here when the peer is on this host and *every* remote
+address lies in a GPU region it published this way; the local side may be GPU or host
+memory (the copy engine reads and writes host memory too). A group that touches the
+peer's host memory goes to the TCP transport's same-host path instead, which stages GPU
+memory through pinned buffers: CUDA IPC cannot map host memory, and splitting one group
+over two transports would buy nothing for the usual case of a KV cache wholly on GPUs.
+
+Safety: a mapping cannot be revoked, so unregister waits for importers through a slot
+table in /dev/shm (``slots.py``) and importers refuse a region whose slot is no longer
+live: peers cannot touch a region after ``unregister`` returns, as on every transport.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import queue
+import threading
+
+import numpy as np
+
+from ... import cuda
+from ...errors import MooncakeError
+from ..base import Transport
+from .slots import SlotTable, SlotView
+
+log = logging.getLogger("mooncake_te")
+
+_WRITE = 1
+_E_REMOTE_NOT_REG, _E_LOCAL_NOT_REG, _E_REMOTE_ACCESS, _E_CUDA = -3, -1003, -1004, -1010
+
+
+def driver_present() -> bool:
+    """Whether a CUDA driver library is installed, without loading it (loading and
+    initialising CUDA in a process that never uses it would break CUDA in children it
+    forks): the dynamic linker's cache or the usual driver directories."""
+    if cuda.loaded():
+        return True
+    try:
+        with open("/etc/ld.so.cache", "rb") as f:
+            if b"libcuda.so.1" in f.read():
+                return True
+    except OSError:
+        pass
+    dirs = os.environ.get("LD_LIBRARY_PATH", "").split(":") + [
+        "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
+        "/usr/local/nvidia/lib64", "/usr/lib/wsl/lib"]
+    return any(d and os.path.exists(os.path.join(d, "libcuda.so.1")) for d in dirs)
+
+
+class _Buffer:
+    __slots__ = ("addr", "end", "access", "handle", "offset", "slot", "epoch", "bus")
+
+    def __init__(self, rec):
+        self.addr, length, self.access, handle, self.offset, self.slot, self.epoch, \
+            self.bus = rec
+        self.end = self.addr + length
+        self.handle = bytes.fromhex(handle)
+
+
+class _PeerView:
+    """A peer's published GPU regions, parsed once per descriptor."""
+
+    def __init__(self, desc, info: dict):
+        self.desc = desc
+        self.name = desc.name
+        self.instance = desc.instance_id
+        self.same_process = info.get("pid") == os.getpid()
+        self.buffers = sorted((_Buffer(r) for r in info.get("buffers", [])), key=lambda b: b.addr)
+        self.starts = np.array([b.addr for b in self.buffers], dtype=np.uint64)
+        self.ends = np.array([b.end for b in self.buffers], dtype=np.uint64)
+        self.slots_path = info.get("slots", "")
+        self.slots = None
+
+    def covers(self, remote) -> bool:
+        """Every address lies in a published GPU region."""
+        if not len(self.buffers):
+            return False
+        k = np.searchsorted(self.starts, remote, side="right").astype(np.int64) - 1
+        return bool((k >= 0).all() and (remote < self.ends[np.maximum(k, 0)]).all())
+
+    def find(self, address: int, length: int):
+        k = int(np.searchsorted(self.starts, np.uint64(address), side="right")) - 1
+        if k < 0:
+            return None
+        b = self.buffers[k]
+        return b if address + length <= b.end else None
+
+
+class CudaIpcTransport(Transport):
+    """Moves bytes between GPU memory of processes on one host (see the module doc)."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, ctx):
+        # Nothing here touches CUDA: an engine that never registers GPU memory never
+        # loads the driver (see driver_present).
+        self._regions = ctx.regions
+        self._timeout = max(ctx.config.get("timeout_ms", 30000), 1000) / 1000
+        self._tag = f"{ctx.instance:016x}"
+        self._mu = threading.Lock()
+        self._exports: dict = {}        # region address -> published record
+        self._dev_starts: list = []     # local GPU regions, sorted: starts, (end, ordinal)
+        self._dev_info: dict = {}
+        self._table = None
+        self._views: dict = {}          # peer name -> _PeerView
+        self._slotviews: dict = {}      # a peer's slot table path -> SlotView
+        self._opened: dict = {}         # (peer, instance, handle) -> (base, ordinal)
+        self._streams: dict = {}
+        self._peer_access: set = set()
+        self._bus = None
+        self._q = queue.SimpleQueue()
+        self._thread = None
+
+    # --- our regions ---------------------------------------------------------------
+    def register(self, region) -> None:
+        loc = region.location or ""
+        if not loc.startswith("cuda:"):
+            return
+        ordinal = int(loc[5:])
+        with self._mu:
+            bisect.insort(self._dev_starts, region.address)
+            self._dev_info[region.address] = (region.end, ordinal)
+        if region.access == "local":
+            return
+        try:
+            handle, offset, _, _ = cuda.ipc_get_handle(region.address)
+        except cuda.CudaError as e:
+            # cudaMallocAsync pools and cuMemCreate allocations have no legacy IPC handle;
+            # peers still reach the region through the TCP transport's staging.
+            log.info("GPU region %#x is not shared by CUDA IPC: %s", region.address, e)
+            return
+        with self._mu:
+            if self._table is None:
+                self._table = SlotTable(self._tag)
+            slot, epoch = self._table.add()
+            self._exports[region.address] = [region.address, region.length, region.access,
+                                              handle.hex(), offset, slot, epoch,
+                                              self._bus_id(ordinal)]
+
+    def unregister(self, region) -> None:
+        with self._mu:
+            rec = self._exports.pop(region.address, None)
+            if region.address in self._dev_info:
+                del self._dev_info[region.address]
+                self._dev_starts.remove(region.address)
+        if rec is not None:
+            self._table.retire(rec[5], self._timeout)
+
+    def _bus_id(self, ordinal: int) -> str:
+        if self._bus is None:
+            self._bus = cuda.pci_bus_ids()
+        return self._bus[ordinal] if ordinal < len(self._bus) else ""
+
+    def _local_device(self, address: int) -> int:
+        """CUDA ordinal of a local registered address, -1 for host memory."""
+        k = bisect.bisect_right(self._dev_starts, address) - 1
+        if k >= 0:
+            end, ordinal = self._dev_info[self._dev_starts[k]]
+            if address < end:
+                return ordinal
+        return -1
+
+    def describe(self) -> dict:
+        if not self._exports:
+            return {}
+        from ..tcp import HOST_ID
+        with self._mu:
+            bufs = list(self._exports.values())
+        return {"cuda_ipc": {"host_id": HOST_ID, "pid": os.getpid(),
+                             "slots": self._table.path, "buffers": bufs}}
+
+    def protocols(self) -> list:
+        return ["cuda_ipc"] if self._exports else []
+
+    # --- peers ---------------------------------------------------------------------
+    def _view(self, desc):
+        v = self._views.get(desc.name)
+        if v is None or v.desc is not desc:
+            info = desc.extra.get("cuda_ipc")
+            v = _PeerView(desc, info)
+            self._views[desc.name] = v
+        return v
+
+    def route(self, desc, op, local, remote):
+        info = desc.extra.get("cuda_ipc")
+        if not info:
+            return None
+        from ..tcp import HOST_ID
+        if not HOST_ID or info.get("host_id") != HOST_ID:
+            return None
+        remote = np.atleast_1d(np.asarray(remote, dtype=np.uint64))
+        return "cuda_ipc" if self._view(desc).covers(remote) else None
+
+    def _open(self, view, b) -> int:
+        """Base address here of the peer allocation holding buffer ``b``."""
+        if view.same_process:
+            return b.addr - b.offset
+        key = (view.name, view.instance, b.handle)
+        hit = self._opened.get(key)
+        if hit is None:
+            with self._mu:
+                hit = self._opened.get(key)
+                if hit is None:
+                    # Open in the context of our ordinal for the peer's GPU (PCI bus ids
+                    # match devices across processes whatever CUDA_VISIBLE_DEVICES says).
+                    if self._bus is None:
+                        self._bus = cuda.pci_bus_ids()
+                    ordinal = self._bus.index(b.bus) if b.bus in self._bus else 0
+                    hit = (cuda.ipc_open(b.handle, ordinal), ordinal)
+                    self._opened[key] = hit
+        return hit[0]
+
+    def _stream(self, ordinal: int):
+        s = self._streams.get(ordinal)
+        if s is None:
+            with self._mu:
+                s = self._streams.get(ordinal)
+                if s is None:
+                    s = self._streams[ordinal] = cuda.Stream(ordinal)
+        return s
+
+    def _enable_peer(self, a: int, b: int) -> None:
+        # Same-process copies between two GPUs (IPC mappings enable it lazily themselves).
+        if a != b and b >= 0 and (a, b) not in self._peer_access:
+            cuda.enable_peer_access(a, b)
+            self._peer_access.add((a, b))
+
+    def submit(self, batch, desc, op, local, remote, lens, first, run_inline):
+        view = self._view(desc)
+        if view.slots is None:
+            # One view of a peer's slot table per path, shared by its descriptors.
+            with self._mu:
+                sv = self._slotviews.get(view.slots_path)
+                if sv is None:
+                    sv = self._slotviews[view.slots_path] = SlotView(view.slots_path)
+            view.slots = sv
+        n = len(local)
+        lens = lens if len(lens) == n else np.full(n, lens[0], dtype=np.uint64)
+        plan: dict = {}                 # ordinal -> [(idx, dst, src, len, pin, slot)]
+        for k in range(n):
+            i = first + k
+            la, ra, ln = int(local[k]), int(remote[k]), int(lens[k])
+            batch.begin(i, 1)
+            b = view.find(ra, ln)
+            if b is None:
+                batch.finish(i, 0, _E_REMOTE_NOT_REG)
+                continue
+            if op == _WRITE and b.access != "rw":
+                batch.finish(i, 0, _E_REMOTE_ACCESS)
+                continue
+            if not view.slots.acquire(b.slot, b.epoch):
+                batch.finish(i, 0, _E_REMOTE_NOT_REG)      # unregistered by its owner
+                continue
+            pin = self._regions.pin(la, ln)
+            if not pin:
+                view.slots.release(b.slot)
+                batch.finish(i, 0, _E_LOCAL_NOT_REG)
+                continue
+            try:
+                rptr = self._open(view, b) + b.offset + (ra - b.addr)
+                ordinal = self._local_device(la)
+                other = cuda.pointer_info(rptr)[1]
+                if ordinal < 0:
+                    ordinal = other
+                elif view.same_process:
+                    self._enable_peer(ordinal, other)
+            except MooncakeError as e:
+                log.warning("CUDA IPC to %s: %s", view.name, e)
+                self._regions.unpin(pin)
+                view.slots.release(b.slot)
+                batch.finish(i, 0, _E_CUDA)
+                continue
+            dst, src = (rptr, la) if op == _WRITE else (la, rptr)
+            plan.setdefault(ordinal, []).append((i, dst, src, ln, pin, b.slot))
+        for ordinal, items in plan.items():
+            stream = self._stream(ordinal)
+            event, err, done = None, 0, 0
+            try:
+                with cuda.device(ordinal):
+                    for _, dst, src, ln, _, _ in items:
+                        cuda.memcpy_async(dst, src, ln, stream)
+                        done += 1
+                    event = cuda.Event(ordinal)
+                    event.record(stream)
+            except MooncakeError as e:
+                log.warning("CUDA IPC copy to %s failed: %s", view.name, e)
+                err = _E_CUDA
+                if event is None:
+                    stream.synchronize()           # what was queued must end before unpin
+            self._completions().put((event, err, items, view.slots, batch))
+        return "cuda_ipc"
+
+    # --- completion ----------------------------------------------------------------
+    def _completions(self):
+        if self._thread is None:
+            with self._mu:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._complete, daemon=True,
+                                                    name="mte-cuda-ipc")
+                    self._thread.start()
+        return self._q
+
+    def _complete(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            event, err, items, slots, batch = job
+            if event is not None:
+                try:
+                    event.synchronize()            # ctypes releases the GIL meanwhile
+                except MooncakeError:
+                    err = _E_CUDA
+                event.close()
+            for i, _, _, ln, pin, slot in items:
+                self._regions.unpin(pin)
+                slots.release(slot)
+                batch.finish(i, 0 if err else ln, err)
+
+    def forget_peer(self, name: str) -> None:
+        # Mappings stay open until close(): copies may still be in flight through them.
+        self._views.pop(name, None)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=self._timeout)
+            self._thread = None
+        with self._mu:
+            exports, self._exports = list(self._exports.values()), {}
+        for rec in exports:
+            self._table.retire(rec[5], self._timeout)
+        for (_, _, _), (base, ordinal) in list(self._opened.items()):
+            try:
+                cuda.ipc_close(base, ordinal)
+            except MooncakeError:
+                pass
+        self._opened.clear()
+        for sv in self._slotviews.values():
+            sv.close()
+        self._slotviews.clear()
+        self._views.clear()
+        for s in self._streams.values():
+            s.close()
+        self._streams.clear()
+        if self._table is not None:
+            self._table.close()
+            self._table = None
