@@ -160,8 +160,8 @@ def _from_cai(obj, cai) -> Intake:
         except cuda.CudaError as e:
             raise InvalidArgumentError(
                 f"wrong stream usage: {what}.__cuda_array_interface__ names stream "
-                f"{stream:#x}, which cannot be synchronized ({e}); it was probably destroyed "
-                f"or belongs to another device; export the array on a live stream") from None
+                f"{stream:#x}, which cannot be synchronized ({e}); export the array on a "
+                f"live stream of its device") from None
     return Intake(address, length, f"cuda:{ordinal}", readonly, obj)
 
 

@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 # Never NVLink multicast on shared hosts (the device machines' rule), and unbuffered logs.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi -L 2>&1 | tee "$OUT/machine.log"
 "$PY" -c 'import sys, cupy, numpy; print(sys.version.split()[0], "cupy", cupy.__version__,
           "numpy", numpy.__version__)' 2>&1 | tee -a "$OUT/machine.log"

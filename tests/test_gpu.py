@@ -227,12 +227,10 @@ def test_wrong_stream_usage_caught(engine):
     x = cp.zeros(1 << 20, cp.uint8)
     with pytest.raises(mte.InvalidArgumentError, match="wrong stream usage.*stream 0"):
         engine.register(Exported(x, 0))
-    s = cp.cuda.Stream(non_blocking=True)
-    dead = s.ptr
-    del s
-    gc.collect()
-    with pytest.raises(mte.InvalidArgumentError, match="wrong stream usage"):
-        engine.register(Exported(x, dead))
+    with pytest.raises(mte.InvalidArgumentError, match="wrong stream usage.*stream 0"):
+        engine.register_many([x, Exported(x[1024:], 0)])      # all or nothing
+    # (A destroyed stream handle cannot be told from a live one: the driver's behaviour
+    # on one is undefined, a crash here. Only the exporter can keep that promise.)
     assert engine.regions == []
     # A live stream is honoured: registration waits for the work queued on it, so the
     # engine's own streams see the finished data.

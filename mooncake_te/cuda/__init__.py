@@ -179,9 +179,17 @@ def pointer_info(address: int) -> "tuple[bool, int]":
 def allocation_range(address: int) -> "tuple[int, int]":
     """(base, size) of the device allocation holding ``address``."""
     base, size = D.CUdeviceptr(0), ctypes.c_size_t(0)
-    _check(_lib().cuMemGetAddressRange_v2(byref(base), byref(size), address),
-           f"cuMemGetAddressRange({address:#x})")
+    with device(_ordinal_of(address)):
+        _check(_lib().cuMemGetAddressRange_v2(byref(base), byref(size), address),
+               f"cuMemGetAddressRange({address:#x})")
     return base.value, size.value
+
+
+def _ordinal_of(address: int) -> int:
+    ok, ordinal = pointer_info(address)
+    if not ok:
+        raise E.InvalidArgumentError(f"{address:#x} is not GPU memory")
+    return ordinal
 
 
 def dmabuf_fd(address: int, length: int) -> int:
@@ -210,12 +218,14 @@ class PinnedBuffer:
     side of host<->device copies. ``address``, ``nbytes``, ``array`` (a numpy uint8
     view); ``close()`` frees it (idempotent; also a context manager)."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, ordinal: int = 0):
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise E.InvalidArgumentError(f"nbytes must be a positive int, got {nbytes!r}")
         p = ctypes.c_void_p()
-        _check(_lib().cuMemHostAlloc(byref(p), nbytes, D.CU_MEMHOSTALLOC_PORTABLE),
-               f"cuMemHostAlloc({nbytes})")
+        self.device = int(ordinal)        # whose context allocates it (one is needed)
+        with device(self.device):
+            _check(_lib().cuMemHostAlloc(byref(p), nbytes, D.CU_MEMHOSTALLOC_PORTABLE),
+                   f"cuMemHostAlloc({nbytes})")
         self.address, self.nbytes = p.value, nbytes
 
     @property
@@ -227,7 +237,8 @@ class PinnedBuffer:
 
     def close(self) -> None:
         if self.address:
-            _lib().cuMemFreeHost(ctypes.c_void_p(self.address))
+            with device(self.device):
+                _lib().cuMemFreeHost(ctypes.c_void_p(self.address))
             self.address = 0
 
     def __enter__(self):
@@ -321,10 +332,13 @@ def ipc_get_handle(address: int) -> "tuple[bytes, int, int, int]":
     ``address`` (IPC handles name whole allocations; ``offset`` = address - base)."""
     base, size = allocation_range(address)
     h = D.CUipcMemHandle()
-    _check(_lib().cuIpcGetMemHandle(byref(h), base),
+    with device(_ordinal_of(base)):
+        rc = _lib().cuIpcGetMemHandle(byref(h), base)
+    _check(rc,
            f"cuIpcGetMemHandle({base:#x}) (memory from cudaMallocAsync pools or cuMemCreate "
            f"has no legacy IPC handle)")
-    return bytes(h.reserved), address - base, base, size
+    # (h.reserved as an attribute would be cut at the first NUL: read the raw bytes.)
+    return ctypes.string_at(ctypes.addressof(h), D.CU_IPC_HANDLE_SIZE), address - base, base, size
 
 
 def ipc_open(handle: bytes, ordinal: int) -> int:
@@ -336,7 +350,7 @@ def ipc_open(handle: bytes, ordinal: int) -> int:
         raise E.InvalidArgumentError(f"a CUDA IPC handle is {D.CU_IPC_HANDLE_SIZE} bytes, got "
                                      f"{len(handle)}")
     h = D.CUipcMemHandle()
-    ctypes.memmove(h.reserved, handle, D.CU_IPC_HANDLE_SIZE)
+    ctypes.memmove(ctypes.addressof(h), handle, D.CU_IPC_HANDLE_SIZE)
     p = D.CUdeviceptr(0)
     with device(ordinal):
         _check(_lib().cuIpcOpenMemHandle_v2(byref(p), h, D.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),

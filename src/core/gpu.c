@@ -42,6 +42,23 @@ static struct {
 } cu;
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
+static char last_err[256];
+
+/* Remembers the first failed CUDA call (mte_gpu_error says it); with MTE_DEBUG_CUDA set,
+ * every failure is also printed to stderr. */
+static CUresult failed(const char *what, CUresult rc)
+{
+    if (rc != 0) {
+        const char *s = NULL;
+        if (cu.GetErrorString)
+            cu.GetErrorString(rc, &s);
+        if (!last_err[0])
+            snprintf(last_err, sizeof(last_err), "%s failed: %s (%d)", what, s ? s : "?", rc);
+        if (getenv("MTE_DEBUG_CUDA"))
+            fprintf(stderr, "mooncake_te: %s failed: %s (%d)\n", what, s ? s : "?", rc);
+    }
+    return rc;
+}
 static int init_rc = MTE_E_CUDA;
 static char init_err[256] = "not loaded";
 static pthread_mutex_t ctx_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -94,7 +111,7 @@ int mte_gpu_init(void)
     return init_rc;
 }
 
-const char *mte_gpu_error(void) { return init_err; }
+const char *mte_gpu_error(void) { return init_err[0] ? init_err : last_err; }
 
 /* The primary context of `device`, retained once for the life of the process (the same
  * context cudart-based libraries use). NULL on failure. */
@@ -106,7 +123,8 @@ static CUcontext ctx_of(int device)
     CUcontext c = primary[device];
     if (!c) {
         CUdevice d;
-        if (cu.DeviceGet(&d, device) == 0 && cu.PrimaryCtxRetain(&c, d) == 0)
+        if (failed("cuDeviceGet", cu.DeviceGet(&d, device)) == 0 &&
+            failed("cuDevicePrimaryCtxRetain", cu.PrimaryCtxRetain(&c, d)) == 0)
             primary[device] = c;
         else
             c = NULL;
@@ -123,6 +141,7 @@ typedef struct {
 struct mte_stage {
     uint8_t *slot[MTE_STAGE_SLOTS];
     int slot_dev[MTE_STAGE_SLOTS];        /* device of the copy in flight, -1: none */
+    int ring_dev;                         /* device whose context allocated the ring */
     per_device_t *dev[MTE_GPU_MAX_DEVICES];
 };
 
@@ -155,21 +174,33 @@ void mte_stage_free(mte_stage_t *s)
         }
         free(p);
     }
-    if (s->slot[0])
-        cu.FreeHost(s->slot[0]);          /* slot 0 owns the ring; the rest are views */
+    if (s->slot[0]) {                     /* slot 0 owns the ring; the rest are views */
+        CUcontext c = ctx_of(s->ring_dev), old;
+        if (c && cu.CtxPush(c) == 0) {
+            cu.FreeHost(s->slot[0]);
+            cu.CtxPop(&old);
+        }
+    }
     free(s);
 }
 
-uint8_t *mte_stage_slot(mte_stage_t *s, int k)
+uint8_t *mte_stage_slot(mte_stage_t *s, int k, int device)
 {
     if (!s->slot[0]) {
-        if (mte_gpu_init())
+        /* cuMemHostAlloc needs a current context: the device's primary one. */
+        CUcontext c = ctx_of(device), old;
+        if (!c || failed("cuCtxPushCurrent", cu.CtxPush(c)) != 0)
             return NULL;
-        /* One allocation for the ring: pinned memory is costly to set up and is kept. */
+        /* One allocation for the ring: pinned memory is costly to set up and is kept.
+         * Portable: usable by the streams of every device's context. */
         void *p = NULL;
-        if (cu.HostAlloc(&p, (size_t)MTE_STAGE_SLOTS * MTE_STAGE_CHUNK,
-                         CU_MEMHOSTALLOC_PORTABLE) != 0)
+        CUresult rc = failed("cuMemHostAlloc",
+                             cu.HostAlloc(&p, (size_t)MTE_STAGE_SLOTS * MTE_STAGE_CHUNK,
+                                          CU_MEMHOSTALLOC_PORTABLE));
+        cu.CtxPop(&old);
+        if (rc != 0)
             return NULL;
+        s->ring_dev = device;
         for (int j = 0; j < MTE_STAGE_SLOTS; j++)
             s->slot[j] = (uint8_t *)p + (size_t)j * MTE_STAGE_CHUNK;
     }
@@ -181,14 +212,15 @@ uint8_t *mte_stage_slot(mte_stage_t *s, int k)
 static per_device_t *enter(mte_stage_t *s, int device)
 {
     CUcontext c = ctx_of(device), old;
-    if (!c || cu.CtxPush(c) != 0)
+    if (!c || failed("cuCtxPushCurrent", cu.CtxPush(c)) != 0)
         return NULL;
     per_device_t *p = s->dev[device];
     if (!p) {
         p = calloc(1, sizeof(*p));
-        int ok = p && cu.StreamCreate(&p->stream, CU_STREAM_NON_BLOCKING) == 0;
+        int ok = p && failed("cuStreamCreate",
+                             cu.StreamCreate(&p->stream, CU_STREAM_NON_BLOCKING)) == 0;
         for (int k = 0; ok && k < MTE_STAGE_SLOTS; k++)
-            ok = cu.EventCreate(&p->ev[k], CU_EVENT_DISABLE_TIMING) == 0;
+            ok = failed("cuEventCreate", cu.EventCreate(&p->ev[k], CU_EVENT_DISABLE_TIMING)) == 0;
         if (!ok) {
             if (p) {
                 for (int k = 0; k < MTE_STAGE_SLOTS; k++)
@@ -208,16 +240,18 @@ static per_device_t *enter(mte_stage_t *s, int device)
 
 static int copy(mte_stage_t *s, int k, int device, void *dev_ptr, size_t n, int to_device)
 {
-    if (n > MTE_STAGE_CHUNK || !mte_stage_slot(s, k) || mte_stage_wait(s, k))
+    if (n > MTE_STAGE_CHUNK || !mte_stage_slot(s, k, device) || mte_stage_wait(s, k))
         return MTE_E_CUDA;
     per_device_t *p = enter(s, device);
     if (!p)
         return MTE_E_CUDA;
     CUresult rc = to_device
-        ? cu.HtoDAsync((uint64_t)(uintptr_t)dev_ptr, s->slot[k], n, p->stream)
-        : cu.DtoHAsync(s->slot[k], (uint64_t)(uintptr_t)dev_ptr, n, p->stream);
+        ? failed("cuMemcpyHtoDAsync", cu.HtoDAsync((uint64_t)(uintptr_t)dev_ptr, s->slot[k], n,
+                                                   p->stream))
+        : failed("cuMemcpyDtoHAsync", cu.DtoHAsync(s->slot[k], (uint64_t)(uintptr_t)dev_ptr, n,
+                                                   p->stream));
     if (rc == 0)
-        rc = cu.EventRecord(p->ev[k], p->stream);
+        rc = failed("cuEventRecord", cu.EventRecord(p->ev[k], p->stream));
     CUcontext old;
     cu.CtxPop(&old);
     if (rc != 0)
@@ -243,7 +277,8 @@ int mte_stage_wait(mte_stage_t *s, int k)
         return 0;
     s->slot_dev[k] = -1;
     /* Events need no current context to be waited for. */
-    return cu.EventSynchronize(s->dev[d]->ev[k]) == 0 ? 0 : MTE_E_CUDA;
+    return failed("cuEventSynchronize", cu.EventSynchronize(s->dev[d]->ev[k])) == 0 ? 0
+                                                                                : MTE_E_CUDA;
 }
 
 int mte_stage_drain(mte_stage_t *s)

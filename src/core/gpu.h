@@ -35,9 +35,9 @@ typedef struct mte_stage mte_stage_t;
 /* A staging ring; its pinned slots are allocated on first use. NULL on ENOMEM. */
 mte_stage_t *mte_stage_new(void);
 void mte_stage_free(mte_stage_t *s);
-/* Pinned slot k (0 <= k < MTE_STAGE_SLOTS), allocating the ring if needed; NULL when
- * CUDA cannot be loaded or pinned memory cannot be had. */
-uint8_t *mte_stage_slot(mte_stage_t *s, int k);
+/* Pinned slot k (0 <= k < MTE_STAGE_SLOTS), allocating the ring (in `device`'s context)
+ * if needed; NULL when CUDA cannot be loaded or pinned memory cannot be had. */
+uint8_t *mte_stage_slot(mte_stage_t *s, int k, int device);
 /* Queue a copy between slot k and device memory of `device` on the stage's stream for
  * that device; the slot is busy until mte_stage_wait(s, k). 0 or MTE_E_CUDA. */
 int mte_stage_d2h(mte_stage_t *s, int k, int device, const void *src, size_t n);

@@ -281,7 +281,7 @@ static int device_out(mte_stage_t *s, int dev, const uint8_t *src, uint64_t n, s
         uint64_t off = sent * C;
         err = mte_stage_wait(s, k);
         if (!err)
-            err = sink(ctx, mte_stage_slot(s, k), (size_t)(n - off < C ? n - off : C));
+            err = sink(ctx, mte_stage_slot(s, k, dev), (size_t)(n - off < C ? n - off : C));
         sent++;
     }
     int e = mte_stage_drain(s);
@@ -302,7 +302,7 @@ static int device_in(mte_stage_t *s, int dev, uint8_t *dst, uint64_t n, source_f
         size_t len = n - off < MTE_STAGE_CHUNK ? (size_t)(n - off) : MTE_STAGE_CHUNK;
         uint8_t *slot = NULL;
         if (!*cuda_err) {
-            slot = mte_stage_slot(s, k);
+            slot = mte_stage_slot(s, k, dev);
             *cuda_err = !slot ? MTE_E_CUDA : mte_stage_wait(s, k);
             if (*cuda_err)
                 slot = NULL;
