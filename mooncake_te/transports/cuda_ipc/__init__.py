@@ -119,6 +119,7 @@ class CudaIpcTransport(Transport):
         self._views: dict = {}          # peer name -> _PeerView
         self._slotviews: dict = {}      # a peer's slot table path -> SlotView
         self._opened: dict = {}         # (peer, instance, handle) -> (base, ordinal)
+        self._same: dict = {}           # same-process peers: (peer, instance, addr) -> same
         self._streams: dict = {}
         self._peer_access: set = set()
         self._bus = None
@@ -205,10 +206,15 @@ class CudaIpcTransport(Transport):
         remote = np.atleast_1d(np.asarray(remote, dtype=np.uint64))
         return "cuda_ipc" if self._view(desc).covers(remote) else None
 
-    def _open(self, view, b) -> int:
-        """Base address here of the peer allocation holding buffer ``b``."""
+    def _open(self, view, b) -> "tuple[int, int]":
+        """(base address here, our ordinal of its GPU) of the peer allocation holding
+        buffer ``b``."""
         if view.same_process:
-            return b.addr - b.offset
+            key = (view.name, view.instance, b.addr)
+            hit = self._same.get(key)
+            if hit is None:
+                hit = self._same[key] = (b.addr - b.offset, cuda.pointer_info(b.addr)[1])
+            return hit
         key = (view.name, view.instance, b.handle)
         hit = self._opened.get(key)
         if hit is None:
@@ -222,7 +228,7 @@ class CudaIpcTransport(Transport):
                     ordinal = self._bus.index(b.bus) if b.bus in self._bus else 0
                     hit = (cuda.ipc_open(b.handle, ordinal), ordinal)
                     self._opened[key] = hit
-        return hit[0]
+        return hit
 
     def _stream(self, ordinal: int):
         s = self._streams.get(ordinal)
@@ -271,9 +277,9 @@ class CudaIpcTransport(Transport):
                 batch.finish(i, 0, _E_LOCAL_NOT_REG)
                 continue
             try:
-                rptr = self._open(view, b) + b.offset + (ra - b.addr)
+                base, other = self._open(view, b)
+                rptr = base + b.offset + (ra - b.addr)
                 ordinal = self._local_device(la)
-                other = cuda.pointer_info(rptr)[1]
                 if ordinal < 0:
                     ordinal = other
                 elif view.same_process:
@@ -350,6 +356,7 @@ class CudaIpcTransport(Transport):
             except MooncakeError:
                 pass
         self._opened.clear()
+        self._same.clear()
         for sv in self._slotviews.values():
             sv.close()
         self._slotviews.clear()
