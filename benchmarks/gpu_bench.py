@@ -2,7 +2,8 @@
 """GPU figures beside the machine's own references, measured in one run.
 
 Two processes on one host (this one initiates, a spawned one is the target), each with
-a 256 MiB buffer of the kind under test. Prints GB/s (1e9 bytes/s) of:
+1 GiB buffers of the kinds under test; each timed batch moves the whole GiB as 1 MiB or
+64 MiB requests. Prints GB/s (1e9 bytes/s) of:
 
 * references: pinned host->device and device->host copies, a device-to-device copy (all
   64 MiB, CUDA events), and our CPU->CPU TCP figure (protocol="tcp");
@@ -22,7 +23,7 @@ import multiprocessing as mp
 import sys
 import time
 
-BUF = 256 << 20
+BUF = 1 << 30          # per batch: 1,024 requests of 1 MiB or 16 of 64 MiB
 SIZES = (1 << 20, 64 << 20)
 
 

@@ -33,7 +33,7 @@ from . import _driver as D
 __all__ = ["available", "loaded", "device_count", "pci_bus_ids", "pointer_info", "allocation_range",
            "dmabuf_fd", "PinnedBuffer", "Stream", "Event", "memcpy", "memcpy_async",
            "synchronize_stream", "ipc_get_handle", "ipc_open", "ipc_close", "device",
-           "can_access_peer", "enable_peer_access", "CudaError", "LEGACY_STREAM",
+           "can_access_peer", "enable_peer_access", "push_device", "pop_device", "CudaError", "LEGACY_STREAM",
            "PER_THREAD_STREAM"]
 
 # Stream handles with a fixed meaning (cuda.h CU_STREAM_LEGACY, CU_STREAM_PER_THREAD).
@@ -159,6 +159,16 @@ def device(ordinal: int):
         yield
     finally:
         lib.cuCtxPopCurrent_v2(byref(D.CUcontext()))
+
+
+def push_device(ordinal: int) -> None:
+    """Make device ``ordinal``'s primary context current until :func:`pop_device` (for
+    loops that issue many calls; ``with device(n)`` for a block)."""
+    _check(_lib().cuCtxPushCurrent_v2(_primary(int(ordinal))), f"make cuda:{ordinal} current")
+
+
+def pop_device() -> None:
+    _lib().cuCtxPopCurrent_v2(byref(D.CUcontext()))
 
 
 def pointer_info(address: int) -> "tuple[bool, int]":

@@ -22,7 +22,11 @@
 #define MTE_E_CUDA (-1010)          /* a CUDA call failed while moving device memory */
 
 #define MTE_STAGE_SLOTS 4
-#define MTE_STAGE_CHUNK (128u << 10)
+#define MTE_STAGE_CHUNK (256u << 10)
+/* Requests from GPU memory are cut into slices of at least this size: every slice costs
+ * a few copy launches and waits on each side, so fewer, bigger ones keep the sockets
+ * busy (each is still pipelined chunk by chunk). */
+#define MTE_GPU_SLICE (1u << 20)
 #define MTE_GPU_MAX_DEVICES 64
 
 /* 0 once libcuda is loaded and initialised (idempotent, thread-safe), else MTE_E_CUDA;

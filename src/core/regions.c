@@ -23,6 +23,7 @@ struct mte_regions {
     size_t n, cap;
     pthread_mutex_t wait_mu;   /* remove() waits here for pins to drain */
     pthread_cond_t wait_cv;
+    atomic_int device_regions;     /* GPU regions ever added (never decreases) */
 };
 
 mte_regions_t *mte_regions_new(void)
@@ -84,6 +85,8 @@ int mte_regions_add_dev(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned 
     r->len = len;
     r->access = access;
     r->device = device < 0 ? -1 : device;
+    if (device >= 0)
+        atomic_fetch_add(&t->device_regions, 1);
     r->table = t;
     pthread_rwlock_wrlock(&t->lock);
     ptrdiff_t i = find_le(t, addr);
@@ -184,4 +187,15 @@ int64_t mte_regions_check_many(mte_regions_t *t, const uint64_t *addrs, const ui
     }
     pthread_rwlock_unlock(&t->lock);
     return bad;
+}
+
+int mte_regions_device_at(mte_regions_t *t, uint64_t addr)
+{
+    if (atomic_load(&t->device_regions) == 0)
+        return -1;
+    pthread_rwlock_rdlock(&t->lock);
+    ptrdiff_t i = find_le(t, addr);
+    int dev = i >= 0 && addr < t->v[i]->addr + t->v[i]->len ? t->v[i]->device : -1;
+    pthread_rwlock_unlock(&t->lock);
+    return dev;
 }

@@ -38,6 +38,9 @@ mte_region_t *mte_regions_pin(mte_regions_t *t, uint64_t addr, uint64_t len,
 void mte_region_unpin(mte_region_t *r);
 /* The CUDA device ordinal of a region, -1 for host memory. */
 int mte_region_device(const mte_region_t *r);
+/* The device ordinal of the region holding addr (-1: host memory or none); cheap when
+ * no GPU region was ever added. */
+int mte_regions_device_at(mte_regions_t *t, uint64_t addr);
 
 /* Index of the first [addr_i, addr_i+len_i) not inside a region granting `need`, or -1.
  * len_stride 0 means every request has length lens[0]. *why as for pin. */

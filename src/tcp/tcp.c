@@ -1242,10 +1242,17 @@ int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *loca
             }
         }
     }
+    /* GPU memory on our side: bigger slices (MTE_GPU_SLICE). */
+    uint64_t gpu_slice = slice < MTE_GPU_SLICE ? MTE_GPU_SLICE : slice;
+    int any_gpu = 0;
+    for (uint32_t k = 0; k < n && !any_gpu; k++)
+        any_gpu = mte_regions_device_at(p->tcp->regions, local[k]) >= 0;
     size_t nitems = 0;
     for (uint32_t k = 0; k < n; k++) {
         uint64_t len = lens[len_stride ? k : 0];
-        nitems += len ? (size_t)((len + slice - 1) / slice) : 1;
+        uint64_t sl = any_gpu && mte_regions_device_at(p->tcp->regions, local[k]) >= 0
+                      ? gpu_slice : slice;
+        nitems += len ? (size_t)((len + sl - 1) / sl) : 1;
     }
     item_t *items = malloc(nitems * sizeof(*items));
     if (!items)
@@ -1255,10 +1262,12 @@ int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *loca
         uint64_t len = lens[len_stride ? k : 0];
         uint32_t idx = first + k;
         uint64_t off = 0;
-        uint32_t count = len ? (uint32_t)((len + slice - 1) / slice) : 1;
+        uint64_t sl = any_gpu && mte_regions_device_at(p->tcp->regions, local[k]) >= 0
+                      ? gpu_slice : slice;
+        uint32_t count = len ? (uint32_t)((len + sl - 1) / sl) : 1;
         atomic_store(&b->slices_left[idx], count);
         do {
-            uint64_t l = len - off < slice ? len - off : slice;
+            uint64_t l = len - off < sl ? len - off : sl;
             items[m++] = (item_t){.b = b, .idx = idx, .op = (uint32_t)op,
                                   .laddr = local[k] + off, .raddr = remote[k] + off, .len = l};
             off += l;

@@ -256,57 +256,70 @@ class CudaIpcTransport(Transport):
             view.slots = sv
         n = len(local)
         lens = lens if len(lens) == n else np.full(n, lens[0], dtype=np.uint64)
-        plan: dict = {}                 # ordinal -> [(idx, dst, src, len, pin, slot)]
-        for k in range(n):
-            i = first + k
-            la, ra, ln = int(local[k]), int(remote[k]), int(lens[k])
-            batch.begin(i, 1)
-            b = view.find(ra, ln)
-            if b is None:
-                batch.finish(i, 0, _E_REMOTE_NOT_REG)
-                continue
-            if op == _WRITE and b.access != "rw":
-                batch.finish(i, 0, _E_REMOTE_ACCESS)
-                continue
-            if not view.slots.acquire(b.slot, b.epoch):
-                batch.finish(i, 0, _E_REMOTE_NOT_REG)      # unregistered by its owner
-                continue
-            pin = self._regions.pin(la, ln)
-            if not pin:
-                view.slots.release(b.slot)
-                batch.finish(i, 0, _E_LOCAL_NOT_REG)
-                continue
-            try:
-                base, other = self._open(view, b)
-                rptr = base + b.offset + (ra - b.addr)
-                ordinal = self._local_device(la)
-                if ordinal < 0:
-                    ordinal = other
-                elif view.same_process:
-                    self._enable_peer(ordinal, other)
-            except MooncakeError as e:
-                log.warning("CUDA IPC to %s: %s", view.name, e)
-                self._regions.unpin(pin)
-                view.slots.release(b.slot)
-                batch.finish(i, 0, _E_CUDA)
-                continue
-            dst, src = (rptr, la) if op == _WRITE else (la, rptr)
-            plan.setdefault(ordinal, []).append((i, dst, src, ln, pin, b.slot))
-        for ordinal, items in plan.items():
+        # Each copy is queued as soon as it is checked, so the GPU copies while the next
+        # request is prepared; one event per device then marks the group's end.
+        issued: dict = {}               # ordinal -> [(idx, dst, src, len, pin, slot)]
+        cur = None                      # ordinal whose context is pushed on this thread
+        try:
+            for k in range(n):
+                i = first + k
+                la, ra, ln = int(local[k]), int(remote[k]), int(lens[k])
+                batch.begin(i, 1)
+                b = view.find(ra, ln)
+                if b is None:
+                    batch.finish(i, 0, _E_REMOTE_NOT_REG)
+                    continue
+                if op == _WRITE and b.access != "rw":
+                    batch.finish(i, 0, _E_REMOTE_ACCESS)
+                    continue
+                if not view.slots.acquire(b.slot, b.epoch):
+                    batch.finish(i, 0, _E_REMOTE_NOT_REG)      # unregistered by its owner
+                    continue
+                pin = self._regions.pin(la, ln)
+                if not pin:
+                    view.slots.release(b.slot)
+                    batch.finish(i, 0, _E_LOCAL_NOT_REG)
+                    continue
+                try:
+                    base, other = self._open(view, b)
+                    rptr = base + b.offset + (ra - b.addr)
+                    ordinal = self._local_device(la)
+                    if ordinal < 0:
+                        ordinal = other
+                    elif view.same_process:
+                        self._enable_peer(ordinal, other)
+                    stream = self._stream(ordinal)
+                    if ordinal != cur:
+                        if cur is not None:
+                            cuda.pop_device()
+                            cur = None
+                        cuda.push_device(ordinal)
+                        cur = ordinal
+                    dst, src = (rptr, la) if op == _WRITE else (la, rptr)
+                    cuda.memcpy_async(dst, src, ln, stream)
+                except MooncakeError as e:
+                    log.warning("CUDA IPC to %s: %s", view.name, e)
+                    self._regions.unpin(pin)
+                    view.slots.release(b.slot)
+                    batch.finish(i, 0, _E_CUDA)
+                    continue
+                issued.setdefault(ordinal, []).append((i, dst, src, ln, pin, b.slot))
+        finally:
+            if cur is not None:
+                cuda.pop_device()
+        for ordinal, items in issued.items():
             stream = self._stream(ordinal)
-            event, err, done = None, 0, 0
+            event, err = None, 0
             try:
-                with cuda.device(ordinal):
-                    for _, dst, src, ln, _, _ in items:
-                        cuda.memcpy_async(dst, src, ln, stream)
-                        done += 1
-                    event = cuda.Event(ordinal)
-                    event.record(stream)
+                event = cuda.Event(ordinal)
+                event.record(stream)
             except MooncakeError as e:
                 log.warning("CUDA IPC copy to %s failed: %s", view.name, e)
                 err = _E_CUDA
-                if event is None:
-                    stream.synchronize()           # what was queued must end before unpin
+                if event is not None:
+                    event.close()
+                    event = None
+                stream.synchronize()               # what was queued must end before unpin
             self._completions().put((event, err, items, view.slots, batch))
         return "cuda_ipc"
 
