@@ -13,13 +13,19 @@ Two processes on one host (this one initiates, a spawned one is the target), eac
 with the issue's aims: IPC >= 80 % of the device-to-device copy at 64 MiB, GPU over TCP
 >= 80 % of our CPU TCP figure. Needs CuPy and a CUDA GPU.
 
-    python benchmarks/gpu_bench.py [--seconds 1.5] [--json out.json]
+Then, each in a fresh pair of processes, GPU and CPU over TCP at 64 MiB with other
+settings (8 lanes; other staging chunk and GPU slice sizes than the 512 KiB and 4 MiB
+defaults), to show what limits the staged path.
+
+    python benchmarks/gpu_bench.py [--seconds 1.5] [--json out.json] [--no-sweep]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import multiprocessing as mp
+import os
+import subprocess
 import sys
 import time
 
@@ -80,7 +86,7 @@ def references(seconds: float) -> dict:
     }
 
 
-def transfers(protocol: str, seconds: float, kinds) -> dict:
+def transfers(protocol: str, seconds: float, kinds, sizes=SIZES) -> dict:
     """GB/s of WRITE (and READ) for each (local kind, remote kind) at each size."""
     import cupy as cp
     import numpy as np
@@ -99,7 +105,7 @@ def transfers(protocol: str, seconds: float, kinds) -> dict:
             local = {"gpu": eng.register(g).address, "cpu": eng.register(c).address}
             remote = {"gpu": remote_gpu, "cpu": remote_cpu}
             for kind, op in kinds:
-                for size in SIZES:
+                for size in sizes:
                     offs = np.arange(0, BUF, size, dtype=np.uint64)
                     src, dst = local[kind] + offs, remote[kind] + offs
                     route = []
@@ -119,16 +125,40 @@ def transfers(protocol: str, seconds: float, kinds) -> dict:
     return out
 
 
+SWEEP = (("8 lanes", {"MC_TCP_LANES_PER_PEER": "8"}),
+         ("256 KiB chunks, 1 MiB slices", {"MC_GPU_STAGE_CHUNK": str(256 << 10),
+                                           "MC_GPU_SLICE": str(1 << 20)}),
+         ("1 MiB chunks, 16 MiB slices", {"MC_GPU_STAGE_CHUNK": str(1 << 20),
+                                          "MC_GPU_SLICE": str(16 << 20)}))
+
+
+def sweep(seconds: float) -> dict:
+    out = {}
+    for label, env in SWEEP:
+        r = subprocess.run([sys.executable, __file__, "--tcp-only", "--seconds", str(seconds)],
+                           env=dict(os.environ, **env), capture_output=True, text=True,
+                           timeout=300)
+        out[label] = json.loads(r.stdout) if r.returncode == 0 else {"error": r.stderr[-500:]}
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=1.5, help="seconds per figure")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the settings sweep")
+    ap.add_argument("--tcp-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     import mooncake_te as mte
     from mooncake_te import cuda
     ok, why = cuda.available()
     if not ok:
         sys.exit(f"gpu_bench needs a CUDA GPU: {why}")
+    if args.tcp_only:         # one point of the sweep, in its own processes
+        W, R = mte.WRITE, mte.READ
+        print(json.dumps(transfers("tcp", args.seconds, [("cpu", W), ("gpu", W), ("gpu", R)],
+                                   sizes=(64 << 20,))))
+        return 0
     ref = references(args.seconds)
     W, R = mte.WRITE, mte.READ
     tcp = transfers("tcp", args.seconds, [("cpu", W), ("gpu", W), ("cpu", R), ("gpu", R)])
@@ -150,6 +180,12 @@ def main() -> int:
             print(f"{label:17} {k:16} {v['gbps']:8.2f} GB/s  via {v['transport']}")
     for k, v in res["aims"].items():
         print(f"aim {k}: {v:.0%} (aim 80%)")
+    if not args.no_sweep:
+        res["sweep"] = sweep(args.seconds)
+        for label, table in res["sweep"].items():
+            print(f"TCP, {label}: " + ", ".join(
+                f"{k} {v['gbps']:.2f}" for k, v in table.items() if isinstance(v, dict))
+                + (f" ERROR {table['error']}" if "error" in table else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

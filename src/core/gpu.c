@@ -105,6 +105,29 @@ static void load(void)
     init_rc = 0;
 }
 
+static size_t env_size(const char *name, size_t dflt, size_t lo, size_t hi)
+{
+    const char *v = getenv(name);
+    long long x = v && *v ? atoll(v) : 0;
+    return x <= 0 ? dflt : (size_t)x < lo ? lo : (size_t)x > hi ? hi : (size_t)x;
+}
+
+size_t mte_stage_chunk(void)
+{
+    static size_t cached;
+    if (!cached)
+        cached = env_size("MC_GPU_STAGE_CHUNK", 512u << 10, 64u << 10, 16u << 20);
+    return cached;
+}
+
+uint64_t mte_gpu_slice(void)
+{
+    static uint64_t cached;
+    if (!cached)
+        cached = env_size("MC_GPU_SLICE", 4u << 20, 64u << 10, 1u << 30);
+    return cached;
+}
+
 int mte_gpu_init(void)
 {
     pthread_once(&once, load);
@@ -195,14 +218,14 @@ uint8_t *mte_stage_slot(mte_stage_t *s, int k, int device)
          * Portable: usable by the streams of every device's context. */
         void *p = NULL;
         CUresult rc = failed("cuMemHostAlloc",
-                             cu.HostAlloc(&p, (size_t)MTE_STAGE_SLOTS * MTE_STAGE_CHUNK,
+                             cu.HostAlloc(&p, (size_t)MTE_STAGE_SLOTS * mte_stage_chunk(),
                                           CU_MEMHOSTALLOC_PORTABLE));
         cu.CtxPop(&old);
         if (rc != 0)
             return NULL;
         s->ring_dev = device;
         for (int j = 0; j < MTE_STAGE_SLOTS; j++)
-            s->slot[j] = (uint8_t *)p + (size_t)j * MTE_STAGE_CHUNK;
+            s->slot[j] = (uint8_t *)p + (size_t)j * mte_stage_chunk();
     }
     return s->slot[k];
 }
@@ -240,7 +263,7 @@ static per_device_t *enter(mte_stage_t *s, int device)
 
 static int copy(mte_stage_t *s, int k, int device, void *dev_ptr, size_t n, int to_device)
 {
-    if (n > MTE_STAGE_CHUNK || !mte_stage_slot(s, k, device) || mte_stage_wait(s, k))
+    if (n > mte_stage_chunk() || !mte_stage_slot(s, k, device) || mte_stage_wait(s, k))
         return MTE_E_CUDA;
     per_device_t *p = enter(s, device);
     if (!p)

@@ -22,11 +22,13 @@
 #define MTE_E_CUDA (-1010)          /* a CUDA call failed while moving device memory */
 
 #define MTE_STAGE_SLOTS 4
-#define MTE_STAGE_CHUNK (256u << 10)
-/* Requests from GPU memory are cut into slices of at least this size: every slice costs
- * a few copy launches and waits on each side, so fewer, bigger ones keep the sockets
- * busy (each is still pipelined chunk by chunk). */
-#define MTE_GPU_SLICE (1u << 20)
+/* Bytes per staging slot: MC_GPU_STAGE_CHUNK (64 KiB to 16 MiB), default 512 KiB. */
+size_t mte_stage_chunk(void);
+/* Requests from GPU memory are cut into slices of at least this size: each slice waits
+ * once on each side for a copy's round trip (its first device-to-host chunk, its last
+ * host-to-device one), so fewer, bigger ones keep the sockets busy; within a slice the
+ * chunks are pipelined. MC_GPU_SLICE, default 4 MiB. */
+uint64_t mte_gpu_slice(void);
 #define MTE_GPU_MAX_DEVICES 64
 
 /* 0 once libcuda is loaded and initialised (idempotent, thread-safe), else MTE_E_CUDA;

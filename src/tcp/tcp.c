@@ -264,7 +264,7 @@ static mte_stage_t *stage_get(mte_stage_t **sp)
 static int device_out(mte_stage_t *s, int dev, const uint8_t *src, uint64_t n, sink_fn sink,
                       void *ctx)
 {
-    const uint64_t C = MTE_STAGE_CHUNK, chunks = (n + C - 1) / C;
+    const uint64_t C = mte_stage_chunk(), chunks = (n + C - 1) / C;
     uint64_t issued = 0, sent = 0;
     int err = 0;
     while (!err && sent < chunks) {
@@ -299,7 +299,7 @@ static int device_in(mte_stage_t *s, int dev, uint8_t *dst, uint64_t n, source_f
     int k = 0, err = 0;
     *cuda_err = 0;
     while (off < n) {
-        size_t len = n - off < MTE_STAGE_CHUNK ? (size_t)(n - off) : MTE_STAGE_CHUNK;
+        size_t C = mte_stage_chunk(), len = n - off < C ? (size_t)(n - off) : C;
         uint8_t *slot = NULL;
         if (!*cuda_err) {
             slot = mte_stage_slot(s, k, dev);
@@ -1242,8 +1242,8 @@ int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *loca
             }
         }
     }
-    /* GPU memory on our side: bigger slices (MTE_GPU_SLICE). */
-    uint64_t gpu_slice = slice < MTE_GPU_SLICE ? MTE_GPU_SLICE : slice;
+    /* GPU memory on our side: bigger slices (mte_gpu_slice). */
+    uint64_t gpu_slice = slice < mte_gpu_slice() ? mte_gpu_slice() : slice;
     int any_gpu = 0;
     for (uint32_t k = 0; k < n && !any_gpu; k++)
         any_gpu = mte_regions_device_at(p->tcp->regions, local[k]) >= 0;
