@@ -67,7 +67,7 @@ class MooncakeTEConnector(KVConnectorBase_V1):
             self._scheduler = SchedulerSide(
                 block_size=self.block_size, is_producer=self.is_producer,
                 is_consumer=self.is_consumer, engine_name=f"{self.host}:{self.port}",
-                host=self.host, port=self.port)
+                host=self.host, port=self.port, lease_s=self.settings.lease_s)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):

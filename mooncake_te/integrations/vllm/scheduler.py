@@ -13,6 +13,7 @@ Protocol (pull: the consumer READs from the producer), as in vLLM's NIXL connect
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 # Request states vLLM frees normally; only a prefill that ran to its (1-token) length
@@ -29,6 +30,7 @@ class LoadSpec:
     remote_block_ids: list
     remote_engine: str
     remote_request_id: str
+    lease_deadline: "float | None" = None    # producer's wall clock (time.time())
 
 
 @dataclass
@@ -49,12 +51,15 @@ class SchedulerSide:
     ``request_id``, ``prompt_token_ids``, ``kv_transfer_params``, ``status``)."""
 
     def __init__(self, *, block_size: int, is_producer: bool, is_consumer: bool,
-                 engine_name: str, host: str, port: int):
+                 engine_name: str, host: str, port: int, lease_s: float = 120.0,
+                 clock=time.time):
         self.block_size = int(block_size)
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.engine_name = engine_name
         self.host, self.port = host, int(port)
+        self.lease_s = float(lease_s)
+        self._clock = clock
         self._work = Work()
 
     # -- consumer -----------------------------------------------------------------------
@@ -84,8 +89,10 @@ class SchedulerSide:
             blocks, "get_unhashed_block_ids") else all_ids
         skip = len(all_ids) - len(fresh)        # blocks already cached locally
         remote = list(p.get("remote_block_ids") or ())[skip:skip + len(fresh)]
+        deadline = p.get("remote_lease_deadline")
         self._work.loads.append(LoadSpec(request.request_id, fresh[:len(remote)], remote,
-                                         engine, rid))
+                                         engine, rid,
+                                         float(deadline) if deadline is not None else None))
 
     # -- producer -----------------------------------------------------------------------
     def request_finished(self, request, block_ids):
@@ -111,6 +118,8 @@ class SchedulerSide:
                       "remote_engine": self.engine_name,
                       "remote_request_id": request.request_id,
                       "remote_block_ids": ids, "remote_num_tokens": n_prompt,
+                      # The worker's lease starts a step later, so this is conservative.
+                      "remote_lease_deadline": self._clock() + self.lease_s,
                       "remote_host": self.host, "remote_port": self.port}
 
     def take_work(self) -> Work:

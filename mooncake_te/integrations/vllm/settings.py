@@ -93,9 +93,9 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
         different values, a value of the wrong type, or a bad ``config.toml``.
     """
     env = os.environ if env is None else env
-    extra = dict(extra or {})
-    if not isinstance(extra, dict):
+    if extra is not None and not isinstance(extra, dict):
         raise ConfigError(f"kv_connector_extra_config must be a mapping, got {extra!r}")
+    extra = dict(extra or {})
     vals: dict = {}
     for k, v in extra.items():
         key = _KNOWN.get(k)

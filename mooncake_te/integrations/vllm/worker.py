@@ -28,6 +28,7 @@ from .scheduler import LoadSpec, Work
 log = logging.getLogger("mooncake_te.integrations.vllm")
 
 READ_DONE = b"mte-vllm/read-done "       # + request id: the producer may free its blocks
+LEASE_MARGIN_S = 1.0
 
 
 class _Peer:
@@ -161,6 +162,7 @@ class WorkerSide:
             peer = self._peer(name, rec)
             if isinstance(peer, str):
                 raise _Refused(peer)
+            self._check_lease(spec, "before reading")
             local, remote, lens, before = plan(self.layout, peer.layout,
                                                spec.local_block_ids, spec.remote_block_ids)
             rec.update(descriptors_before=before, descriptors_after=len(local),
@@ -173,6 +175,8 @@ class WorkerSide:
             batch.wait()
             rec["transfer_s"] = time.perf_counter() - t0
             rec["transport"] = batch.transport
+            # Blocks freed by the producer while we read may have been reused already.
+            self._check_lease(spec, "while reading")
         except (MooncakeError, ValueError, KeyError, OSError, _Refused) as e:
             msg = str(e)
             log.warning("mooncake_te connector: loading KV for request %s from %s failed: "
@@ -197,6 +201,13 @@ class WorkerSide:
         self._record(rec)
         with self._done_lock:
             self._recv_ok.add(spec.request_id)
+
+    def _check_lease(self, spec: LoadSpec, when: str) -> None:
+        # LEASE_MARGIN_S: clock skew between the hosts and the producer's step latency.
+        if spec.lease_deadline is not None and time.time() > spec.lease_deadline - LEASE_MARGIN_S:
+            raise _Refused(f"the producer's lease on these blocks ran out {when} (raise "
+                           f"lease_s in kv_connector_extra_config on the producer, or decode "
+                           f"sooner)")
 
     def _record(self, rec: dict) -> None:
         reqs = self.stats["requests"]
