@@ -279,3 +279,42 @@ def test_scheduler_protocol_producer_to_consumer():
     d3 = Req("d3", 75, dict(params))
     assert cons.request_finished(d3, []) == (False, None)
     assert cons.take_work().releases == [("10.0.0.1:14579", "p1")]
+
+
+def _doctor(tmp_path, kv, **top):
+    import json
+    from mooncake_te.doctor import Context, run_checks
+    f = tmp_path / "vllm.json"
+    f.write_text(json.dumps(dict(top, kv_transfer_config=kv)))
+    ctx = Context(vllm_config_path=str(f), env={})
+    return [(x.code, str(x.severity), x.message)
+            for x in run_checks(ctx, only=["vllm_connector"])]
+
+
+OURS = {"kv_connector": "MooncakeTEConnector",
+        "kv_connector_module_path": "mooncake_te.integrations.vllm"}
+
+
+def test_doctor_accepts_the_deployment_skeleton(tmp_path):
+    (tmp_path / "config.toml").write_text('[transfer_engine]\nprotocol = "tcp"\n')
+    kv = dict(OURS, kv_role="kv_consumer", kv_load_failure_policy="recompute",
+              kv_connector_extra_config={"mooncake_config_path": "config.toml",
+                                         "transfer_engine_protocol": "tcp",
+                                         "device_names": ["mlx5_0"]})
+    assert [(c, s) for c, s, _ in _doctor(tmp_path, kv)] == [("MTE505", "ok")]
+
+
+def test_doctor_reports_connector_mistakes(tmp_path):
+    kv = dict(OURS, kv_role="kv_consumer",
+              kv_connector_extra_config={"mooncake_config_path": "missing.toml",
+                                         "protocl": "tcp"})
+    found = _doctor(tmp_path, kv)
+    msgs = [m for c, s, m in found if c == "MTE505" and s == "error"]
+    assert any("missing.toml" in m and "does not exist" in m for m in msgs)
+    assert any("'protocl'" in m and "did you mean 'protocol'" in m for m in msgs)
+    assert any(c == "MTE506" and s == "warning" for c, s, _ in found)   # policy "fail"
+    no_path = {"kv_connector": "MooncakeTEConnector", "kv_role": "kv_producer"}
+    (c, s, m), = _doctor(tmp_path, no_path)
+    assert (c, s) == ("MTE505", "error") and "kv_connector_module_path" in m
+    other = {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
+    assert [(c, s) for c, s, _ in _doctor(tmp_path, other)] == [("MTE505", "skip")]
