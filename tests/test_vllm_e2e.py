@@ -210,6 +210,7 @@ def test_counters_show_blocks_moved_and_coalesced(scenario):
           f"handshake {s['handshake_s'] * 1e3:.1f} ms once")
     for r in s["requests"]:
         print(f"  {r['request_id']}: {r['blocks']} blocks, {r.get('bytes', 0)} B, "
+              f"descriptors built in {r.get('plan_s', 0) * 1e3:.3f} ms, "
               f"transfer {r['transfer_s'] * 1e3:.2f} ms, descriptors "
               f"{r.get('descriptors_before')} -> {r.get('descriptors_after')}"
               + (f", FAILED: {r['error'][:80]}" if "error" in r else ""))

@@ -163,10 +163,11 @@ class WorkerSide:
             if isinstance(peer, str):
                 raise _Refused(peer)
             self._check_lease(spec, "before reading")
+            t0 = time.perf_counter()
             local, remote, lens, before = plan(self.layout, peer.layout,
                                                spec.local_block_ids, spec.remote_block_ids)
             rec.update(descriptors_before=before, descriptors_after=len(local),
-                       bytes=int(lens.sum()))
+                       bytes=int(lens.sum()), plan_s=time.perf_counter() - t0)
             t0 = time.perf_counter()
             batch = self.engine.submit_arrays(
                 READ, name, local, remote, lens,
