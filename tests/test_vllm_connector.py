@@ -271,6 +271,14 @@ def test_scheduler_protocol_producer_to_consumer():
     assert spec.remote_engine == "10.0.0.1:14579" and spec.remote_request_id == "p1"
     assert d.kv_transfer_params["do_remote_prefill"] is False
     assert cons.get_num_new_matched_tokens(d, 0) == (0, False)      # loads once
+    # The producer had fewer blocks than we allocated: the worker must refuse, not
+    # leave blocks unfilled.
+    d4 = Req("d4", 75, dict(params, remote_block_ids=[7, 8]))
+    cons.update_state_after_alloc(d4, Blocks([50, 51, 52]), 75)
+    (spec,) = cons.take_work().loads
+    with pytest.raises(ValueError, match="3 local blocks but 2 remote blocks"):
+        plan(cpu_layout(), cpu_layout(base0=1 << 40), spec.local_block_ids,
+             spec.remote_block_ids)
     # Full local hit: nothing to read, but the producer is told to free.
     d2 = Req("d2", 75, dict(params))
     cons.update_state_after_alloc(d2, Blocks([1, 2, 3], cached=3), 0)

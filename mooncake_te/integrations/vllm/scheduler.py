@@ -88,9 +88,12 @@ class SchedulerSide:
         fresh = list(blocks.get_unhashed_block_ids()) if hasattr(
             blocks, "get_unhashed_block_ids") else all_ids
         skip = len(all_ids) - len(fresh)        # blocks already cached locally
+        # Fewer remote blocks than local ones (a different prompt reached the two
+        # instances) must not leave blocks unfilled but counted as computed: the worker's
+        # plan() refuses unequal counts and the load is reported failed.
         remote = list(p.get("remote_block_ids") or ())[skip:skip + len(fresh)]
         deadline = p.get("remote_lease_deadline")
-        self._work.loads.append(LoadSpec(request.request_id, fresh[:len(remote)], remote,
+        self._work.loads.append(LoadSpec(request.request_id, fresh, remote,
                                          engine, rid,
                                          float(deadline) if deadline is not None else None))
 
