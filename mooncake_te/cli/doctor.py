@@ -16,7 +16,9 @@ def add_parser(subparsers) -> None:
         description="Run every check and print problems with fixes (codes are explained "
                     "in docs/troubleshooting.md). Exit status 0: fine, 1: warnings, "
                     "2: errors.")
-    p.add_argument("--config", metavar="FILE", help="config.toml to check")
+    p.add_argument("--config", metavar="FILE",
+                   help="config.toml to check (default: the vLLM config's "
+                        "kv_connector_extra_config.mooncake_config_path, if any)")
     p.add_argument("--vllm-config", metavar="FILE",
                    help="vLLM config (JSON/YAML engine args, or a kv_transfer_config JSON)")
     p.add_argument("--metadata", metavar="URL",
@@ -34,7 +36,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--check", action="append", metavar="NAME",
                    help="run only this check (repeatable); names: config, custom_topology, "
                         "rdma_devices, gpu_nic_affinity, gpudirect, metadata, cache_dir, "
-                        "memlock, vllm_config, block_size, kv_role")
+                        "memlock, vllm_config, block_size, kv_role, vllm_connector")
     p.add_argument("-v", "--verbose", action="store_true", help="also list passes and skips")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run)
@@ -42,7 +44,16 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..doctor import Context, exit_code, report, run_checks
-    ctx = Context(config_path=args.config, vllm_config_path=args.vllm_config,
+    config = args.config
+    if config is None and args.vllm_config:
+        # The file vLLM's connector will load: check that one.
+        from ..doctor.vllm import load_vllm_config
+        from ..errors import ConfigError
+        try:
+            config = load_vllm_config(args.vllm_config).mooncake_config_path
+        except ConfigError:
+            pass                     # reported by the vllm_config check
+    ctx = Context(config_path=config, vllm_config_path=args.vllm_config,
                   sysfs_root=args.sysfs_root, proc_root=args.proc_root,
                   env=dict(os.environ), role=args.role, timeout_s=args.timeout,
                   metadata=args.metadata)

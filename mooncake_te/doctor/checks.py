@@ -565,3 +565,49 @@ def check_kv_role(ctx):
                               f"says kv_role = {role_kv!r}, the {expected} side: the "
                               f"{'prefill would wait for KV it should send' if role == 'prefill' else 'decode would try to send KV it should receive'}",
                     f"set kv_role = {want!r} (or fix the role)", role=role, kv_role=role_kv)
+
+
+@check("vllm_connector", "MooncakeTEConnector's kv_transfer_config is complete and valid",
+       ("MTE505", "MTE506"))
+def check_vllm_connector(ctx):
+    if not ctx.vllm_config_path:
+        yield skip("MTE505", "no --vllm-config given")
+        return
+    v, _ = _load_vllm(ctx)
+    if v is None:
+        return
+    if not v.uses_mooncake_te:
+        yield skip("MTE505", f"{v.path} does not select mooncake_te's connector")
+        return
+    from ..integrations.vllm.settings import parse_extra_config
+    from .vllm import OUR_CLASS, OUR_MODULE
+    kv = v.kv_transfer
+    module = kv.get("kv_connector_module_path")
+    if module != OUR_MODULE:
+        yield error("MTE505", f"{v.path}: kv_connector = {kv.get('kv_connector')!r} but "
+                              f"kv_connector_module_path = {module!r}; vLLM then looks the "
+                              f"class up in its own registry (or the wrong module)",
+                    f'set "kv_connector_module_path": "{OUR_MODULE}"')
+    elif kv.get("kv_connector") not in (OUR_CLASS, "MooncakeConnector"):
+        yield error("MTE505", f"{v.path}: {OUR_MODULE} has no class "
+                              f"{kv.get('kv_connector')!r}; vLLM fails with AttributeError",
+                    f'set "kv_connector": "{OUR_CLASS}"')
+    extra = dict(v.extra_config)
+    path = extra.pop("mooncake_config_path", None)
+    if path is not None and not os.path.exists(v.mooncake_config_path or path):
+        yield error("MTE505", f"{v.path}: kv_connector_extra_config.mooncake_config_path = "
+                              f"{path!r} does not exist",
+                    "point it at mooncake_te's config.toml (relative paths are taken from "
+                    "the directory vllm serve runs in)")
+    try:
+        parse_extra_config(extra, env={})
+    except ConfigError as e:
+        yield error("MTE505", f"{v.path}: {e}", "fix kv_connector_extra_config; every key "
+                                                "is listed in docs/vllm.md")
+    if v.kv_role in ("kv_consumer", "kv_both") and \
+            kv.get("kv_load_failure_policy", "fail") != "recompute":
+        yield warning("MTE506", f"{v.path}: kv_load_failure_policy is "
+                                f"{kv.get('kv_load_failure_policy', 'fail')!r}: a KV load "
+                                f"that fails (producer died, lease ran out, incompatible "
+                                f"peer) fails the request instead of recomputing it",
+                      'set "kv_load_failure_policy": "recompute" in kv_transfer_config')

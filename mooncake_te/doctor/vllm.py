@@ -46,6 +46,8 @@ ENGINE_KEYS = (
     "disaggregation_mode", "enable_prefix_caching", "gpu_memory_utilization",
 )
 DISAGG_ROLES = ("prefill", "decode")
+OUR_MODULE = "mooncake_te.integrations.vllm"
+OUR_CLASS = "MooncakeTEConnector"
 
 
 @dataclass
@@ -64,6 +66,30 @@ class VllmSettings:
     @property
     def kv_role(self) -> "str | None":
         return (self.kv_transfer or {}).get("kv_role")
+
+    @property
+    def extra_config(self) -> dict:
+        extra = (self.kv_transfer or {}).get("kv_connector_extra_config")
+        return extra if isinstance(extra, dict) else {}
+
+    @property
+    def uses_mooncake_te(self) -> bool:
+        """The file selects our connector (mooncake_te.integrations.vllm)."""
+        kv = self.kv_transfer or {}
+        return (str(kv.get("kv_connector_module_path") or "").startswith(OUR_MODULE)
+                or kv.get("kv_connector") == OUR_CLASS)
+
+    @property
+    def mooncake_config_path(self) -> "str | None":
+        """``kv_connector_extra_config.mooncake_config_path``, as given, or resolved next
+        to the vLLM file when it does not exist relative to the working directory."""
+        p = self.extra_config.get("mooncake_config_path")
+        if not isinstance(p, str) or not p:
+            return None
+        if os.path.isabs(p) or os.path.exists(p):
+            return p
+        beside = os.path.join(os.path.dirname(os.path.abspath(self.path)), p)
+        return beside if os.path.exists(beside) else p
 
 
 def _norm(d: dict) -> dict:

