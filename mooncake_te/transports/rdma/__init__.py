@@ -113,6 +113,23 @@ def gid_text(raw: bytes) -> str:
     return ":".join(h[i:i + 4] for i in range(0, 32, 4))
 
 
+def _covers(desc, remote, lens) -> bool:
+    """Every [remote_i, +len_i) lies in one buffer of ``desc`` (vectorized)."""
+    if len(remote) == 0:
+        return True
+    bufs = sorted((b.address, b.address + b.length) for b in desc.buffers)
+    if not bufs:
+        return False
+    starts = np.array([b[0] for b in bufs], dtype=np.uint64)
+    ends = np.array([b[1] for b in bufs], dtype=np.uint64)
+    r = np.asarray(remote, dtype=np.uint64)
+    ln = np.asarray(lens, dtype=np.uint64)
+    i = np.searchsorted(starts, r, side="right").astype(np.int64) - 1
+    ok = i >= 0
+    ic = np.where(ok, i, 0)
+    return bool((ok & (r + (ln if len(ln) == len(r) else ln[0]) <= ends[ic])).all())
+
+
 # --------------------------------------------------------------------------- devices
 
 @dataclass
@@ -159,7 +176,8 @@ class RdmaTransport(Transport):
         self.pause_s = float(te.get("rdma_rail_pause_s", 30))
         self.use_gpu_direct = bool(te.get("use_gpu_direct", True))
         self._closed = False
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()            # passive queue pairs
+        self._connect_lock = threading.RLock()    # peers we initiate to
         self._peers: dict = {}          # name -> _PeerState (we initiate)
         self._passive: dict = {}        # (peer name, peer instance, ldev, pdev) -> [QP]
         self._mrs: dict = {}            # address -> [MR per device]
@@ -369,6 +387,15 @@ class RdmaTransport(Transport):
         return ROUTE if devs else None
 
     def submit(self, batch, desc, op, local, remote, lens, first, run_inline):
+        if not _covers(desc, remote, lens):
+            # A buffer the peer registered after we fetched its descriptor: ask again
+            # once (Mooncake re-fetches a descriptor that lacks the target, too).
+            eng = self.ctx.engine
+            if eng is not None:
+                try:
+                    desc = eng._cache.get(desc.name, timeout=5.0, refresh=True)
+                except (E.MooncakeError, ReferenceError):
+                    pass
         st = self._peer(desc)
         rc = st.peer.submit(batch.address, op, local, remote, lens, first)
         if rc != 0:
@@ -379,7 +406,9 @@ class RdmaTransport(Transport):
 
     # --- peers and connections ----------------------------------------------------------
     def _peer(self, desc) -> "_PeerState":
-        with self._lock:
+        # Not self._lock: the handshake below may be answered by this very engine
+        # (a transfer to itself), whose handler takes self._lock.
+        with self._connect_lock:
             if self._closed:
                 raise E.TransferError("the RDMA transport is closed", status=-1008)
             st = self._peers.get(desc.name)
@@ -398,10 +427,22 @@ class RdmaTransport(Transport):
         st = self._peers.pop(name, None)
         if st is not None:
             st.close()
+            self._goodbye(st.desc)
+
+    def _goodbye(self, desc, timeout: float = 1.0) -> None:
+        """Tell the peer to release the queue pairs it keeps for us (best effort)."""
+        body = json.dumps({"name": self.ctx.name, "instance": f"{self.ctx.instance:016x}",
+                           "disconnect": True, "endpoints": []}).encode()
+        try:
+            framing.request(desc.host, desc.rpc_port, framing.RDMA_CONNECT, body,
+                            timeout=timeout, token=self.ctx.token or None)
+        except E.MooncakeError:
+            pass
 
     def forget_peer(self, name: str) -> None:
-        with self._lock:
+        with self._connect_lock:
             self._drop_peer(name)
+        with self._lock:
             for key in [k for k in self._passive if k[0] == name]:
                 for q in self._passive.pop(key):
                     q.close()
@@ -430,6 +471,14 @@ class RdmaTransport(Transport):
         req = json.loads(payload)
         out = []
         with self._lock:
+            # Queue pairs of an older incarnation of this peer, or of one saying goodbye.
+            stale = [k for k in self._passive if k[0] == req["name"] and
+                     (k[1] != req["instance"] or req.get("disconnect"))]
+            for key in stale:
+                for q in self._passive.pop(key):
+                    q.close()
+            if req.get("disconnect"):
+                return json.dumps({"endpoints": []}).encode()
             if self._closed:
                 raise E.TransferError("engine closing")
             for ep in req["endpoints"]:
@@ -501,7 +550,7 @@ class RdmaTransport(Transport):
         return st.rail_info() if st else []
 
     def close(self) -> None:
-        with self._lock:
+        with self._connect_lock, self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -514,6 +563,7 @@ class RdmaTransport(Transport):
         self.dp.stop(2000)
         for st in peers:
             st.close()
+            self._goodbye(st.desc)
         for qps in passive:
             for q in qps:
                 q.close()
