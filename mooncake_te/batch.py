@@ -113,6 +113,10 @@ def _rdma_error(code, what, target, op, remote, length) -> E.MooncakeError:
     if code == -1152:
         return E.AddressNotRegisteredError(f"{what}: the local buffer is not registered with "
                                            f"the RDMA NICs", status=code)
+    if code == -1153:
+        return E.TransferError(f"{what}: the port of the local RDMA NIC went down (link or "
+                               f"netdev down; ibv_devinfo shows the port state) and no other "
+                               f"rail could take over", status=code)
     st = -1100 - code
     text = _WC_STATUS.get(st, f"status {st}")
     if st == 10:       # IBV_WC_REM_ACCESS_ERR
@@ -121,7 +125,7 @@ def _rdma_error(code, what, target, op, remote, length) -> E.MooncakeError:
             f"[{remote:#x}, {remote + length:#x}) is outside the memory region it registered "
             f"(stale address or rkey?) or the region forbids remote "
             f"{'writes' if op == Op.WRITE else 'reads'}", status=code)
-    if st in (12, 13, 20):
+    if st in (2, 12, 13, 20):
         hint = ("the peer's NIC did not answer: link down, peer gone, or an MTU/GID mismatch "
                 "on the path (docs/rdma.md, troubleshooting)")
     elif st == 5:

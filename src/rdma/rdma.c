@@ -370,22 +370,26 @@ static void enqueue(mte_rdma_rail_t *rl, slice_t *s)
     pthread_mutex_unlock(&rl->mu);
 }
 
-/* The rail's queue pair `c` failed: mark it (and, when none is left, the rail) dead.
- * Returns the slices still queued on a rail that died, for redispatch. Under rl->mu. */
+/* The rail's queue pair `c` failed (NULL: the rail's port went down): the whole rail
+ * is dead. Its queue pairs share one path, and one that has not failed yet may hold work
+ * that will never complete (rxe stops a queue pair's requester when its netdev goes down),
+ * so every one goes to ERR, which flushes what it holds. Returns the slices still queued
+ * on the rail, for redispatch. Under rl->mu. */
 static slice_t *qp_failed_locked(mte_rdma_rail_t *rl, cqp_t *c, int err)
 {
-    if (!c->dead) {
-        c->dead = 1;
-        struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
-        ibv_modify_qp(c->qp, &a, IBV_QP_STATE);     /* flush what is still posted */
-    }
+    (void)c;
     int zero = 0;
     if (err && err != MTE_E_RDMA_WC - IBV_WC_WR_FLUSH_ERR)
         atomic_compare_exchange_strong(&rl->first_err, &zero, err);
-    int alive = 0;
-    for (int i = 0; i < rl->nqp; i++)
-        alive += !rl->qps[i]->dead;
-    if (alive || atomic_load(&rl->dead))
+    for (int i = 0; i < rl->nqp; i++) {
+        cqp_t *x = rl->qps[i];
+        if (!x->dead) {
+            x->dead = 1;
+            struct ibv_qp_attr a = {.qp_state = IBV_QPS_ERR};
+            ibv_modify_qp(x->qp, &a, IBV_QP_STATE);     /* flush what is still posted */
+        }
+    }
+    if (atomic_load(&rl->dead))
         return NULL;
     atomic_store(&rl->dead, 1);
     rl->fails_in_row++;
@@ -597,15 +601,48 @@ static void on_completion(dev_t_ *d, const struct ibv_wc *wc)
     peer_unref(p);
 }
 
+/* The port of device d went down: every rail leaving from it is dead (its queue
+ * pairs flushed, its queued slices sent elsewhere). */
+static void port_down(dev_t_ *d)
+{
+    mte_rdma_t *r = d->r;
+    mte_rdma_peer_t *list[256];
+    int np = 0;
+    pthread_mutex_lock(&r->peers_mu);
+    for (mte_rdma_peer_t *p = r->peers; p && np < 256; p = p->next) {
+        atomic_fetch_add(&p->refs, 1);
+        list[np++] = p;
+    }
+    pthread_mutex_unlock(&r->peers_mu);
+    for (int i = 0; i < np; i++) {
+        mte_rdma_peer_t *p = list[i];
+        int n = atomic_load(&p->nrails);
+        for (int k = 0; k < n; k++) {
+            mte_rdma_rail_t *rl = p->rails[k];
+            if (rl->ldev != d->idx)
+                continue;
+            pthread_mutex_lock(&rl->mu);
+            slice_t *orphans = qp_failed_locked(rl, NULL, MTE_E_RDMA_PORT_DOWN);
+            pthread_mutex_unlock(&rl->mu);
+            if (orphans)
+                redispatch_list(p, orphans, rl);
+        }
+        peer_unref(p);
+    }
+}
+
 static void on_async(dev_t_ *d)
 {
     struct ibv_async_event ev;
     while (ibv_get_async_event(d->ctx, &ev) == 0) {
-        if (ev.event_type == IBV_EVENT_PORT_ERR || ev.event_type == IBV_EVENT_DEVICE_FATAL)
-            atomic_store(&d->port_down, 1);
-        else if (ev.event_type == IBV_EVENT_PORT_ACTIVE)
-            atomic_store(&d->port_down, 0);
+        enum ibv_event_type t = ev.event_type;
         ibv_ack_async_event(&ev);
+        if (t == IBV_EVENT_PORT_ERR || t == IBV_EVENT_DEVICE_FATAL) {
+            atomic_store(&d->port_down, 1);
+            port_down(d);
+        } else if (t == IBV_EVENT_PORT_ACTIVE) {
+            atomic_store(&d->port_down, 0);
+        }
     }
 }
 
@@ -901,6 +938,30 @@ int mte_rdma_qp_forget(mte_rdma_peer_t *p, struct ibv_qp *qp)
 }
 
 int mte_rdma_peer_nrails(mte_rdma_peer_t *p) { return atomic_load(&p->nrails); }
+
+int mte_rdma_rail_debug(mte_rdma_peer_t *p, int rail, int *queued, int *outstanding,
+                        int *dead, int max)
+{
+    if (rail < 0 || rail >= atomic_load(&p->nrails))
+        return -EINVAL;
+    mte_rdma_rail_t *rl = p->rails[rail];
+    pthread_mutex_lock(&rl->mu);
+    int q = 0;
+    for (slice_t *s = rl->qhead; s; s = s->next)
+        q++;
+    *queued = q;
+    int n = 0;
+    for (int i = 0; i < rl->nqp && n < max; i++, n++) {
+        outstanding[n] = rl->qps[i]->outstanding;
+        dead[n] = rl->qps[i]->dead;
+    }
+    for (cqp_t *o = rl->old; o && n < max; o = o->next_old, n++) {
+        outstanding[n] = o->outstanding;
+        dead[n] = 2;
+    }
+    pthread_mutex_unlock(&rl->mu);
+    return n;
+}
 int mte_rdma_peer_outstanding(mte_rdma_peer_t *p) { return atomic_load(&p->outstanding); }
 
 void mte_rdma_peer_shutdown(mte_rdma_peer_t *p)

@@ -39,6 +39,7 @@
 #define MTE_E_RDMA_NO_RAIL   (-1150)  /* no rail to the peer can carry the request */
 #define MTE_E_RDMA_POST      (-1151)  /* ibv_post_send refused the work request */
 #define MTE_E_RDMA_LOCAL_KEY (-1152)  /* the local region is not registered with the NICs */
+#define MTE_E_RDMA_PORT_DOWN (-1153)  /* the local NIC's port went down (async event) */
 
 typedef struct mte_rdma mte_rdma_t;
 typedef struct mte_rdma_peer mte_rdma_peer_t;
@@ -100,6 +101,10 @@ int mte_rdma_qp_outstanding(mte_rdma_peer_t *p, struct ibv_qp *qp);
 /* Forget a queue pair that has no outstanding work (after reconnecting). 0 or -EBUSY. */
 int mte_rdma_qp_forget(mte_rdma_peer_t *p, struct ibv_qp *qp);
 int mte_rdma_peer_nrails(mte_rdma_peer_t *p);
+/* Diagnostics: slices queued on the rail; outstanding work and dead flag (2: retired)
+ * of each of its queue pairs, up to max; returns how many were written. */
+int mte_rdma_rail_debug(mte_rdma_peer_t *p, int rail, int *queued, int *outstanding,
+                        int *dead, int max);
 /* Fails queued slices, flushes the peer's queue pairs; the peer stays valid (slices in
  * flight hold it) until mte_rdma_peer_free. */
 void mte_rdma_peer_shutdown(mte_rdma_peer_t *p);

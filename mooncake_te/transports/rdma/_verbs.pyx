@@ -757,6 +757,18 @@ cdef class Peer(_Node):
     def outstanding(self):
         return mte_rdma_peer_outstanding(self.p) if self.p != NULL else 0
 
+    def debug(self):
+        """Per rail: (slices queued, [(work outstanding, dead: 0/1, 2 = retired)] per QP)."""
+        cdef int q = 0, n, i, k
+        cdef int outs[64]
+        cdef int dead[64]
+        cdef mte_rdma_peer_t *p = self._get()
+        res = []
+        for i in range(mte_rdma_peer_nrails(p)):
+            n = mte_rdma_rail_debug(p, i, &q, outs, dead, 64)
+            res.append((q, [(outs[k], dead[k]) for k in range(max(n, 0))]))
+        return res
+
     def submit(self, uintptr_t batch, int op, const uint64_t[::1] local,
                const uint64_t[::1] remote, const uint64_t[::1] lens, uint32_t first):
         cdef uint32_t n = local.shape[0]

@@ -49,6 +49,8 @@ cdef extern from "rdma/rdma.h" nogil:
     int mte_rdma_qp_outstanding(mte_rdma_peer_t *p, ibv_qp *qp)
     int mte_rdma_qp_forget(mte_rdma_peer_t *p, ibv_qp *qp)
     int mte_rdma_peer_nrails(mte_rdma_peer_t *p)
+    int mte_rdma_rail_debug(mte_rdma_peer_t *p, int rail, int *queued, int *outstanding,
+                            int *dead, int max)
     void mte_rdma_peer_shutdown(mte_rdma_peer_t *p)
     void mte_rdma_peer_free(mte_rdma_peer_t *p, int wait_ms)
     int mte_rdma_peer_outstanding(mte_rdma_peer_t *p)
