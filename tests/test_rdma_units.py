@@ -172,3 +172,36 @@ def test_descriptor_carries_rkeys_devices_and_matrix_mooncake_style():
     back = SegmentDescriptor.decode(d.encode())
     assert back.buffers[0].rkey == (5, 6) and back.devices[0]["name"] == "mlx5_0"
     assert back.priority_matrix == {"cpu:0": [["mlx5_0"], []]}
+
+
+class _FakeTransport:
+    use_gpu_direct = True
+    devices = []
+
+
+def test_gpu_registration_says_which_path_failed_and_how_to_fix_it(monkeypatch):
+    """No dma-buf (the CUDA helper is missing or raises) and no nvidia-peermem: a
+    TransportUnavailableError naming both and the fixes."""
+    import types
+    from mooncake_te.memory import MemoryRegion
+    region = MemoryRegion(0x7000_0000_0000, 1 << 20, "cuda:0", "rw")
+    fake_cuda = types.ModuleType("mooncake_te.cuda")
+
+    def dmabuf_fd(address, length):
+        raise RuntimeError("cuMemGetHandleForAddressRange: CUDA_ERROR_NOT_SUPPORTED")
+
+    fake_cuda.dmabuf_fd = dmabuf_fd
+    monkeypatch.setitem(sys.modules, "mooncake_te.cuda", fake_cuda)
+    monkeypatch.setattr(mte, "cuda", fake_cuda, raising=False)
+    real_exists = os.path.exists
+    monkeypatch.setattr(rdma.os.path, "exists",
+                        lambda p: False if p == "/sys/module/nvidia_peermem" else real_exists(p))
+    with pytest.raises(E.TransportUnavailableError) as ei:
+        rdma.RdmaTransport._register_gpu(_FakeTransport(), region, 0)
+    msg = str(ei.value)
+    assert "CUDA_ERROR_NOT_SUPPORTED" in msg and "nvidia-peermem is not loaded" in msg
+    assert "modprobe nvidia-peermem" in msg and "dma-buf" in msg
+    off = _FakeTransport()
+    off.use_gpu_direct = False
+    with pytest.raises(E.TransportUnavailableError, match="use_gpu_direct"):
+        rdma.RdmaTransport._register_gpu(off, region, 0)
