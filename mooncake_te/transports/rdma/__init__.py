@@ -181,6 +181,7 @@ class RdmaTransport(Transport):
         self._peers: dict = {}          # name -> _PeerState (we initiate)
         self._passive: dict = {}        # (peer name, peer instance, ldev, pdev) -> [QP]
         self._mrs: dict = {}            # address -> [MR per device]
+        self._nomr: dict = {}           # address -> end of regions the NICs could not take
         self.devices: list[_Device] = []
         found = _verbs.device_names()
         names = list(ctx.devices) if ctx.devices else list(found)
@@ -310,7 +311,15 @@ class RdmaTransport(Transport):
         mrs = []
         try:
             if loc.startswith("cuda:"):
-                mrs = self._register_gpu(region, access)
+                try:
+                    mrs = self._register_gpu(region, access)
+                except E.TransportUnavailableError as e:
+                    if self.ctx.protocol == "rdma":
+                        raise
+                    # auto: the other transports (TCP staging, CUDA IPC) carry it.
+                    log.warning("%s; RDMA will not carry this region", e)
+                    self._nomr[region.address] = region.end
+                    return
             else:
                 for d in self.devices:
                     mrs.append(_verbs.MR(d.pd, region.address, region.length, access))
@@ -341,8 +350,13 @@ class RdmaTransport(Transport):
         fd, offset = -1, 0
         try:
             from ... import cuda as _cuda
-            got = _cuda.dmabuf_fd(region.address, region.length)
+            # The driver exports page-aligned ranges; the MR starts `offset` bytes in.
+            page = os.sysconf("SC_PAGE_SIZE")
+            start = region.address & ~(page - 1)
+            end = (region.address + region.length + page - 1) & ~(page - 1)
+            got = _cuda.dmabuf_fd(start, end - start)
             fd, offset = (got if isinstance(got, tuple) else (got, 0))
+            offset += region.address - start
         except Exception as e:        # module missing, no driver, old driver, no dma-buf
             dmabuf_err = f"{type(e).__name__}: {e}"
         mrs = []
@@ -371,6 +385,7 @@ class RdmaTransport(Transport):
             f"dma-buf, or 'modprobe nvidia-peermem'")
 
     def unregister(self, region) -> None:
+        self._nomr.pop(region.address, None)
         mrs = self._mrs.pop(region.address, None)
         if mrs is None:
             return
@@ -384,7 +399,22 @@ class RdmaTransport(Transport):
         if ROUTE not in (desc.protocols or [desc.protocol]):
             return None
         devs = [d for d in desc.devices if isinstance(d, dict) and (d.get("gid") or d.get("lid"))]
-        return ROUTE if devs else None
+        if not devs:
+            return None
+        if self._nomr and local is not None:
+            # A local region the NICs could not register (GPU memory without dma-buf or
+            # peermem, protocol="auto"): another transport carries it.
+            addrs = np.atleast_1d(np.asarray(local, dtype=np.uint64))
+            for start, end in list(self._nomr.items()):
+                if ((addrs >= start) & (addrs < end)).any():
+                    return None
+        if remote is not None and any(not b.rkey for b in desc.buffers):
+            # The peer has buffers without NIC keys: requests into them go elsewhere.
+            r = np.atleast_1d(np.asarray(remote, dtype=np.uint64))
+            for b in desc.buffers:
+                if not b.rkey and ((r >= b.address) & (r < b.address + b.length)).any():
+                    return None
+        return ROUTE
 
     def submit(self, batch, desc, op, local, remote, lens, first, run_inline):
         if not _covers(desc, remote, lens):
