@@ -83,7 +83,57 @@ def error_for(code: int, target: str, index: int, op: int, local: int, remote: i
         return E.TransferError(f"{what}: a CUDA copy of GPU memory failed on one side (its "
                                f"staging or IPC mapping); check that the GPU buffer is still "
                                f"allocated and the device healthy (nvidia-smi)", status=code)
+    if -1199 <= code <= -1100:
+        return _rdma_error(code, what, target, op, remote, length)
     return E.TransferError(f"{what} failed (status {code})", status=code if code < 0 else None)
+
+
+# ibv_wc_status (infiniband/verbs.h) and libibverbs' text for each.
+_WC_STATUS = {
+    1: "local length error", 2: "local QP operation error", 3: "local EE context operation "
+    "error", 4: "local protection error", 5: "Work Request Flushed Error", 6: "memory "
+    "management operation error", 7: "bad response error", 8: "local access error",
+    9: "remote invalid request error", 10: "remote access error", 11: "remote operation "
+    "error", 12: "transport retry counter exceeded", 13: "RNR retry counter exceeded",
+    14: "local RDD violation error", 15: "remote invalid RD request", 16: "aborted error",
+    17: "invalid EE context number", 18: "invalid EE context state", 19: "fatal error",
+    20: "response timeout error", 21: "general error",
+}
+
+
+def _rdma_error(code, what, target, op, remote, length) -> E.MooncakeError:
+    """The RDMA data path's codes (src/rdma/rdma.h): -1100 - ibv_wc_status, and -115x."""
+    if code == -1150:
+        return E.TransferError(f"{what}: no RDMA rail to {target} can carry it (every rail is "
+                               f"down or paused, or no NIC pair has keys for both buffers)",
+                               status=code)
+    if code == -1151:
+        return E.TransferError(f"{what}: the RDMA NIC refused the work request "
+                               f"(ibv_post_send failed; the queue pair is in error)", status=code)
+    if code == -1152:
+        return E.AddressNotRegisteredError(f"{what}: the local buffer is not registered with "
+                                           f"the RDMA NICs", status=code)
+    if code == -1153:
+        return E.TransferError(f"{what}: the port of the local RDMA NIC went down (link or "
+                               f"netdev down; ibv_devinfo shows the port state) and no other "
+                               f"rail could take over", status=code)
+    st = -1100 - code
+    text = _WC_STATUS.get(st, f"status {st}")
+    if st == 10:       # IBV_WC_REM_ACCESS_ERR
+        return E.AddressNotRegisteredError(
+            f"{what} was refused by the NIC of {target}: {text} (IBV_WC_REM_ACCESS_ERR): "
+            f"[{remote:#x}, {remote + length:#x}) is outside the memory region it registered "
+            f"(stale address or rkey?) or the region forbids remote "
+            f"{'writes' if op == Op.WRITE else 'reads'}", status=code)
+    if st in (2, 12, 13, 20):
+        hint = ("the peer's NIC did not answer: link down, peer gone, or an MTU/GID mismatch "
+                "on the path (docs/rdma.md, troubleshooting)")
+    elif st == 5:
+        hint = "flushed after an earlier error on the same queue pair"
+    else:
+        hint = "see docs/rdma.md, troubleshooting"
+    return E.TransferError(f"{what} failed over RDMA: {text} (ibv_wc_status {st}); {hint}",
+                           status=code)
 
 
 class Batch:

@@ -26,7 +26,7 @@ from .memory import ACCESS, MemoryRegion, cpu_location, intake
 from .metadata import BufferInfo, SegmentCache, SegmentDescriptor, open_backend
 from .metadata.rpc import RpcServer
 from .transports import probe as probe_transports
-from .transports.base import TransportContext
+from .transports.base import Transport, TransportContext
 
 log = logging.getLogger("mooncake_te")
 
@@ -142,6 +142,8 @@ class TransferEngine:
         self._transports: dict = {}      # name -> Transport, in order of preference
         try:
             self._start_transports(protocol, te)
+            if self.protocol not in self._transports and protocol == "auto":
+                self.protocol = "tcp"      # the best one could not start here
             self._transport = self._transports["tcp"]   # server, notifications
             self._backend = open_backend(metadata, local_descriptor=self._describe_bytes,
                                          token=self._token)
@@ -233,7 +235,7 @@ class TransferEngine:
         ctx = TransportContext(regions=self._regions, host=self.host, name=self.name,
                                instance=self._instance, config=te, token=self._token or b"",
                                protocol=protocol, devices=self.devices,
-                               engine=weakref.proxy(self))
+                               engine=weakref.proxy(self), rpc=self._rpc)
         routes = self._ROUTES.get(protocol, (protocol, "tcp"))
         self._routing = []
         for name in self._PREFERENCE:
@@ -274,9 +276,17 @@ class TransferEngine:
 
     # --- metadata ----------------------------------------------------------------------
     def descriptor(self) -> SegmentDescriptor:
+        keyed = [t for t in self._transports.values()
+                 if type(t).buffer_keys is not Transport.buffer_keys]
         with self._lock:
-            buffers = [BufferInfo(r.address, r.length, r.location, r.access)
-                       for r in self._mrs.values() if r.access != "local"]
+            mrs = [r for r in self._mrs.values() if r.access != "local"]
+        buffers = []
+        for r in mrs:
+            rkeys, lkeys = (), ()
+            for t in keyed:
+                rkeys, lkeys = t.buffer_keys(r)
+            buffers.append(BufferInfo(r.address, r.length, r.location, r.access,
+                                      tuple(rkeys), tuple(lkeys)))
         extra, protocols = {}, []
         for t in self._transports.values():
             extra.update(t.describe())
@@ -287,6 +297,10 @@ class TransferEngine:
                               devices=[{"name": d} for d in self.devices])
         d.extra.update(extra)
         d.tcp_data_port = d.extra.pop("tcp_data_port", 0)
+        # The RDMA transport publishes its NICs (name, GID, LID, MTU) and the NIC
+        # priority matrix in Mooncake's own fields.
+        d.devices = d.extra.pop("devices", d.devices)
+        d.priority_matrix = d.extra.pop("priority_matrix", d.priority_matrix)
         return d
 
     @property

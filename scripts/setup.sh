@@ -14,6 +14,8 @@ PKGS=(python3 python3-venv python3-dev gcc libc6-dev redis-server etcd-server ip
       openssl iproute2
       # the fabric lab (docs/fabric-lab.md): a qemu guest with Soft-RoCE and NVMe-oF
       qemu-system-x86 busybox-static kmod rdma-core ibverbs-providers ibverbs-utils perftest
+      # the RDMA transport is built against infiniband/verbs.h (docs/rdma.md)
+      libibverbs-dev
       nvme-cli)
 missing=()
 for p in "${PKGS[@]}"; do

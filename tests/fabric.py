@@ -142,7 +142,7 @@ class FabricTier:
         try:
             with open(self.log_path, "wb") as log:
                 log.write(("$ " + " ".join(argv) + "\n").encode())
-                r = lab.run(argv, rxe=2, nvmeof="nvmeof" in needs, env=env,
+                r = lab.run(argv, rxe=self._rxe(), nvmeof="nvmeof" in needs, env=env,
                             timeout=self.config.getoption("fabric_timeout"),
                             # node ids are relative to the rootdir, wherever pytest
                             # was started from
@@ -162,6 +162,16 @@ class FabricTier:
         report.unlink(missing_ok=True)
         if self.problem:
             self._say(f"fabric: {self.problem.splitlines()[0]}")
+
+    def _rxe(self) -> int:
+        """Soft-RoCE devices to make: 2, or the most any picked test asks for with
+        ``@pytest.mark.rdma(rxe=N)`` (three or more sit on one bridge)."""
+        n = 2
+        for it in self.items:
+            m = it.get_closest_marker("rdma")
+            if m is not None:
+                n = max(n, int(m.kwargs.get("rxe", 2)))
+        return n
 
     def _guest_plugins(self) -> list[str]:
         """Modules of the installed plugins the picked tests need in the guest.

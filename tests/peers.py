@@ -24,10 +24,11 @@ def _serve(conn, size, kwargs):
     buf = np.zeros(size, dtype=np.uint8)
     region = eng.register(buf)
     extra = {}
+    retired = []           # unregistered arrays kept alive (a stale peer may aim at them)
     conn.send(("ready", (eng.name, region.address, os.getpid())))
 
     def view(addr, n):
-        for arr in [buf, *extra.values()]:
+        for arr in [buf, *extra.values(), *retired]:
             base = arr.ctypes.data
             if base <= addr and addr + n <= base + arr.nbytes:
                 return arr[addr - base: addr - base + n]
@@ -58,8 +59,13 @@ def _serve(conn, size, kwargs):
                 out = r.address
             elif cmd == "unregister":     # (addr)
                 eng.unregister(args[0])
-                extra.pop(args[0], None)
+                arr = extra.pop(args[0], None)
+                if arr is not None:
+                    retired.append(arr)
                 out = None
+            elif cmd == "rdma_stats":     # per-device counters of the RDMA transport
+                t = eng._transports.get("rdma")
+                out = t.stats() if t is not None else None
             elif cmd == "notifications":
                 out = [(n.sender, n.message) for n in eng.notifications()]
             elif cmd == "write_pattern":  # (target, remote_addr, n, seed, block) WRITE as initiator

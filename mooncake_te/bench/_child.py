@@ -22,6 +22,7 @@ def main(argv=None) -> int:
     p.add_argument("--buffer-size", type=int, required=True)
     p.add_argument("--metadata", default=None)
     p.add_argument("--protocol", default=None)
+    p.add_argument("--devices", default=None)
     args = p.parse_args(argv)
     # Ctrl-C in the terminal reaches the whole process group; the parent decides when
     # the target stops (by closing our stdin), so a keypress must not kill us mid-batch.
@@ -42,7 +43,7 @@ def main(argv=None) -> int:
     from ..errors import MooncakeError
     try:
         target = BenchTarget(args.buffer_size, host=args.host, metadata=args.metadata,
-                             protocol=args.protocol)
+                             protocol=args.protocol, devices=args.devices)
     except MooncakeError as e:       # one line for the user, not a traceback
         print(f"mooncake-te bench target: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

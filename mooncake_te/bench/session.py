@@ -25,11 +25,15 @@ class BenchSession:
         Bytes to register on each side (the initiator uses at most what the target has).
     metadata, protocol : str, optional
         Passed to the engines.
+    devices, target_devices : str, optional
+        RDMA device lists ("rxe0" or "mlx5_0,mlx5_1") of the initiator and of the
+        loopback target.
     """
 
     def __init__(self, mode: str, host: str | None = None, segment: str | None = None,
                  buffer_size: int = 128 << 20, metadata: str | None = None,
-                 protocol: str | None = None):
+                 protocol: str | None = None, devices: str | None = None,
+                 target_devices: str | None = None):
         from ..batch import READ
         from ..engine import TransferEngine
         from ..errors import InvalidArgumentError
@@ -39,7 +43,7 @@ class BenchSession:
         try:
             if mode == "loopback":
                 self.child = LoopbackTarget(host or "127.0.0.1", buffer_size, metadata,
-                                            protocol)
+                                            protocol, devices=target_devices)
                 segment = self.child.segment
                 host = host or "127.0.0.1"
             elif mode == "initiator":
@@ -51,7 +55,8 @@ class BenchSession:
                 raise InvalidArgumentError(f"mode must be 'loopback' or 'initiator', "
                                            f"got {mode!r}")
             self.segment = segment
-            self.engine = TransferEngine(host=host, metadata=metadata, protocol=protocol)
+            self.engine = TransferEngine(host=host, metadata=metadata, protocol=protocol,
+                                         devices=devices)
             seg = self.engine.open_segment(segment)
             if not seg.buffers:
                 raise InvalidArgumentError(f"segment {segment} published no buffers; is it a "

@@ -174,13 +174,16 @@ class LoopbackTarget:
     """
 
     def __init__(self, host: str, buffer_size: int, metadata: str | None = None,
-                 protocol: str | None = None, start_timeout: float = 60.0):
+                 protocol: str | None = None, start_timeout: float = 60.0,
+                 devices: str | None = None):
         cmd = [sys.executable, "-m", "mooncake_te.bench._child", "--host", host,
                "--buffer-size", str(buffer_size)]
         if metadata:
             cmd += ["--metadata", metadata]
         if protocol:
             cmd += ["--protocol", protocol]
+        if devices:
+            cmd += ["--devices", devices]
         env = dict(os.environ)
         # The child must import this same mooncake_te, installed or not.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -39,6 +39,10 @@ def add_parser(subparsers) -> None:
                    help="metadata backend: p2p (no server), etcd://h:2379, redis://h:6379, "
                         "http://h:8080/metadata (default: config / p2p)")
     g.add_argument("--protocol", default=None, help="auto | tcp | shm | rdma (default auto)")
+    g.add_argument("--device", default=None, metavar="NIC[,NIC]",
+                   help="RDMA devices of this engine (default: all; also MC_TE_FILTERS)")
+    g.add_argument("--target-device", default=None, metavar="NIC[,NIC]",
+                   help="RDMA devices of the loopback target (default: as --device)")
     g.add_argument("--buffer-size", default="128M",
                    help="bytes registered on each side")
     g = p.add_argument_group("what")
@@ -124,7 +128,8 @@ def _measure(args, cfg, buffer_size: int, report) -> int:
     progress = report.RichProgress(enabled=not args.no_progress)
     with BenchSession(args.mode, host=args.host, segment=args.segment,
                       buffer_size=buffer_size, metadata=args.metadata,
-                      protocol=args.protocol) as s:
+                      protocol=args.protocol, devices=args.device,
+                      target_devices=args.target_device or args.device) as s:
         results = s.run(cfg, progress)
     if args.json:
         print(report.to_json(results))
@@ -144,7 +149,7 @@ def _serve(args, buffer_size: int) -> int:
     from ..bench.target import BenchTarget
     from ..bench.stats import format_size
     t = BenchTarget(buffer_size, host=args.host, port=args.port, metadata=args.metadata,
-                    protocol=args.protocol)
+                    protocol=args.protocol, devices=args.device)
     stop = threading.Event()
     try:
         info = t.info()

@@ -23,6 +23,8 @@ CONNECTION, METADATA, NOTIFY, PROBE = 0, 1, 2, 3
 # Ours, outside Mooncake's range: the challenge-response before a request when the
 # engines share an auth token, and the reply that refuses a peer.
 AUTH, AUTH_FAILED = 10, 11
+# Transports' own exchanges (RpcServer.add_handler): the RDMA queue-pair handshake.
+RDMA_CONNECT = 20
 MAX_FRAME = int(os.environ.get("MC_HANDSHAKE_MAX_LENGTH", 1 << 20))
 _HDR = struct.Struct("<QB")
 

@@ -41,6 +41,7 @@ class RpcServer:
         # it could never warn and clean up in __del__).
         self._describe = _weak(describe)
         self._on_notify = _weak(on_notify)
+        self._handlers: dict = {}        # frame type -> weak handler(payload) -> bytes
         family = socket.AF_INET6 if ":" in (bind_host or host) else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -88,11 +89,34 @@ class RpcServer:
                     on_notify(str(msg.get("name", "")),
                               str(msg.get("notify_msg", "")).encode("utf-8", "surrogateescape"))
                     reply = b'{"status":"success"}'
+                elif kind in self._handlers:
+                    fn = self._handlers[kind]()
+                    if fn is None:
+                        return
+                    try:
+                        reply = fn(payload)
+                    except Exception as e:        # the handler's failure is the reply
+                        log.debug("RPC handler for type %d failed: %r", kind, e)
+                        reply = json.dumps({"reply_msg": f"{type(e).__name__}: {e}"}).encode()
                 else:
                     reply = json.dumps({"reply_msg": f"unsupported request type {kind}"}).encode()
                 framing.send_frame(conn, kind, reply)
             except Exception as e:  # a bad peer must not take the server down
                 log.debug("RPC request failed: %r", e)
+
+    def add_handler(self, kind: int, fn: Callable[[bytes], bytes]) -> None:
+        """Serve requests of frame type ``kind`` (a transport's own handshake, e.g. the
+        RDMA queue-pair exchange) with ``fn(payload) -> reply``, after the same
+        authentication as every request. ``fn`` is held weakly when it is a bound method.
+        An exception in ``fn`` is answered as ``{"reply_msg": "..."}``; clients call
+        :func:`framing.request` with the same type."""
+        if kind in (framing.CONNECTION, framing.METADATA, framing.NOTIFY, framing.PROBE,
+                    framing.AUTH, framing.AUTH_FAILED):
+            raise ValueError(f"frame type {kind} is the engine's own")
+        self._handlers[kind] = _weak(fn)
+
+    def remove_handler(self, kind: int) -> None:
+        self._handlers.pop(kind, None)
 
     def _refuse(self, conn, who: str, why: str) -> bool:
         self.auth_failures += 1

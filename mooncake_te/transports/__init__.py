@@ -22,8 +22,13 @@ def probe() -> dict:
     from .cuda_ipc import CudaIpcTransport, driver_present
     out["cuda_ipc"] = CudaIpcTransport if driver_present() else UnavailableTransport(
         "cuda_ipc", "no CUDA driver (libcuda.so.1) on this machine")
-    out["rdma"] = UnavailableTransport("rdma", "the RDMA transport is not part of this version "
-                                               "yet (see docs: fabric lab, issue 4)")
+    from .rdma import unavailable_reason
+    why = unavailable_reason()
+    if why is None:
+        from .rdma import RdmaTransport
+        out["rdma"] = RdmaTransport
+    else:
+        out["rdma"] = UnavailableTransport("rdma", why)
     out["nvmeof"] = UnavailableTransport("nvmeof", "the NVMe-oF transport is not part of this "
                                                    "version yet")
     return out

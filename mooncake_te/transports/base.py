@@ -14,7 +14,9 @@ How the engine uses transports
   as long as the engine; the TCP transport always runs (it also carries notifications).
 * ``register`` / ``unregister`` are called on every transport for every region.
 * ``describe()`` of every transport is merged into the segment descriptor's ``extra``
-  fields, and ``protocols()`` into its ``protocols`` list.
+  fields (``devices`` and ``priority_matrix`` go to the descriptor's own fields), and
+  ``protocols()`` into its ``protocols`` list; ``buffer_keys(region)`` gives each
+  published buffer its ``rkey``/``lkey`` lists (RDMA).
 * For each (peer, op) group of a batch the engine asks the transports, in its order of
   preference, ``route(desc, ...)``; the first that answers a route name carries the group
   with ``submit``; that name is what ``Batch.transport`` reports.
@@ -37,6 +39,7 @@ class TransportContext:
     protocol: str = "auto"       # what the user asked for ("auto", "tcp", "shm", "rdma", ...)
     devices: list = field(default_factory=list)   # RDMA device allow-list ([]: all)
     engine: object = None        # weak proxy of the TransferEngine (for what else it needs)
+    rpc: object = None           # the engine's RpcServer (add_handler: a transport's handshake)
 
 
 class Transport(ABC):
@@ -51,6 +54,10 @@ class Transport(ABC):
     def protocols(self) -> list:
         """Names this transport adds to the descriptor's ``protocols``."""
         return [self.name]
+
+    def buffer_keys(self, region) -> tuple:
+        """(rkeys, lkeys) to publish for a region (one per device, RDMA), or ((), ())."""
+        return (), ()
 
     def register(self, region) -> None:
         """Called after a region entered the table (a MemoryRegion)."""
