@@ -272,10 +272,12 @@ class _Refused(Exception):
 
 
 def _byte_view(tensor) -> np.ndarray:
-    """The whole storage under ``tensor`` as a numpy uint8 array (any dtype, no copy); the
-    array keeps the storage alive while it is registered."""
+    """The whole storage under ``tensor`` as one flat uint8 buffer (any dtype, no copy):
+    a numpy array for host memory, a uint8 tensor for GPU memory (the engine registers it
+    through ``__cuda_array_interface__`` / DLPack). Either keeps the storage alive while it
+    is registered."""
     import torch
 
     u8 = torch.empty(0, dtype=torch.uint8, device=tensor.device)
     u8.set_(tensor.untyped_storage())
-    return u8.numpy()
+    return u8 if u8.device.type != "cpu" else u8.numpy()
