@@ -37,7 +37,10 @@ HOST_ID = "6d6f6f6e-6361-6b65-2d74-652d6c616221"
 HOST_NQN = "nqn.2014-08.org.nvmexpress:uuid:" + HOST_ID
 
 RXE_MODULES = ("crc32_generic", "veth", "ib_core", "ib_uverbs", "rdma_ucm", "rdma_rxe")
-NVMEOF_MODULES = ("nvmet", "nvmet_tcp", "nvme_tcp")
+#: loop: block devices (over files) to back namespaces in tests.
+NVMEOF_MODULES = ("nvmet", "nvmet_tcp", "nvme_tcp", "loop")
+#: With Soft-RoCE devices too: NVMe-oF over RDMA.
+NVMEOF_RDMA_MODULES = ("nvmet_rdma", "nvme_rdma")
 
 
 class SetupError(Exception):
@@ -353,6 +356,8 @@ def main(rundir: str) -> None:
             modules += RXE_MODULES + (("bridge",) if spec["rxe"] > 2 else ())
         if spec.get("nvmeof"):
             modules += NVMEOF_MODULES
+            if spec["rxe"] > 0:
+                modules += NVMEOF_RDMA_MODULES
         t = time.monotonic()
         modprobe(spec["modules_root"], modules)
         sh(["mount", "-t", "configfs", "configfs", "/sys/kernel/config"], "mounting configfs")
