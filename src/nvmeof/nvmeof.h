@@ -29,7 +29,7 @@
 #include "tcp/tcp.h"
 
 /* Storage status codes: an errno from the device comes back as MTE_E_STORAGE - errno. */
-#define MTE_E_STORAGE        (-1100)
+#define MTE_E_STORAGE        (-1400)   /* -1100..-1199 are RDMA's (src/rdma/rdma.h) */
 #define MTE_E_OUT_OF_RANGE   (-1021)
 
 typedef struct mte_nvf mte_nvf_t;
