@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -127,6 +128,7 @@ class NvmeofTransport(Transport):
         self._published: dict[str, dict] = {}     # storage name -> descriptor entry
         self._devices: dict[str, Device] = {}     # opened path -> Device
         self._gpu: list = []                      # registered GPU regions
+        self._paths: dict = {}                    # segment -> (path, valid until, entry)
         self._lock = threading.Lock()
         self._closed = False
         try:
@@ -182,10 +184,23 @@ class NvmeofTransport(Transport):
     # --- routing ---------------------------------------------------------------------
     def device_path(self, desc) -> str | None:
         """What this host opens for storage segment ``desc``: the connected namespace's
-        block device, else (on the publishing host) the backing path; None if neither."""
+        block device, else (on the publishing host) the backing path; None if neither.
+        Looked up in sysfs at most once a second per segment (a scan costs more than a
+        small I/O); a controller that stops being live is noticed within that second."""
         entry = desc.extra.get("nvmeof")
         if not entry:
             return None
+        now = time.monotonic()
+        hit = self._paths.get(desc.name)
+        if hit is not None and hit[1] > now and hit[2] == entry:
+            return hit[0]
+        path = self._find_path(entry)
+        if path is not None and path.startswith("/dev/nvme"):
+            self._check_live(entry["nqn"], desc.name)
+        self._paths[desc.name] = (path, now + 1.0, entry)
+        return path
+
+    def _find_path(self, entry) -> str | None:
         if entry.get("nqn"):
             from ...nvmeof.host import find_namespace
             dev = find_namespace(entry["nqn"], int(entry.get("nsid", 1)))
@@ -214,8 +229,6 @@ class NvmeofTransport(Transport):
         entry = desc.extra["nvmeof"]
         if path is None:
             self.route(desc, 0)          # raises the explanation
-        if path.startswith("/dev/nvme"):
-            self._check_live(entry["nqn"], desc.name)
         dev = self._devices.get(path)
         if dev is None:
             with self._lock:
