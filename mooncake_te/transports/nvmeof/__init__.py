@@ -208,7 +208,12 @@ class NvmeofTransport(Transport):
                 return dev
         if entry.get("host_id") and entry.get("host_id") == HOST_ID and \
                 os.path.exists(entry.get("path", "")):
-            return entry["path"]
+            # The publishing host uses the backing path itself; for a namespace published
+            # by NQN only while this host still exports it (a deleted target must fail
+            # here as it fails everywhere else).
+            from ...nvmeof.target import NVMET
+            if not entry.get("nqn") or os.path.isdir(f"{NVMET}/subsystems/{entry['nqn']}"):
+                return entry["path"]
         return None
 
     def route(self, desc, op, local=None, remote=None) -> str | None:
@@ -218,7 +223,8 @@ class NvmeofTransport(Transport):
         if self.device_path(desc) is None:
             raise E.TransportUnavailableError(
                 f"storage segment {desc.name} (subsystem {entry.get('nqn')!r}) is not "
-                f"connected on this host; connect first: mooncake-te nvmeof connect "
+                f"connected on this host (or its target was deleted and the connection "
+                f"timed out); connect first: mooncake-te nvmeof connect "
                 f"--transport {entry.get('transport', 'tcp')} --address "
                 f"{entry.get('address')} --service-id {entry.get('service_id')} "
                 f"{entry.get('nqn')}")
