@@ -235,12 +235,23 @@ class NvmeofTransport(Transport):
         entry = desc.extra["nvmeof"]
         if path is None:
             self.route(desc, 0)          # raises the explanation
+        try:
+            st = os.stat(path)
+            ident = (st.st_dev, st.st_ino, st.st_rdev)
+        except OSError:
+            ident = None
         dev = self._devices.get(path)
-        if dev is None:
+        if dev is None or dev.ident != ident:
             with self._lock:
                 if self._closed:
                     raise E.TransferError("the engine is closed")
                 dev = self._devices.get(path)
+                if dev is not None and dev.ident != ident:
+                    # Another namespace now has this name (disconnect, connect again):
+                    # the old descriptor points at a device that is gone.
+                    self._devices.pop(path)
+                    threading.Thread(target=dev.close, daemon=True).start()
+                    dev = None
                 if dev is None:
                     try:
                         dev = Device(path, self._regions, 0, self.depth, SLICE_SIZE)
@@ -253,6 +264,7 @@ class NvmeofTransport(Transport):
                         raise E.TransferError(f"cannot open {path} for storage segment "
                                               f"{desc.name}: {e.strerror}",
                                               errno=e.errno) from None
+                    dev.ident = ident
                     self._devices[path] = dev
         if dev.size < int(entry["size"]):
             raise E.TransferError(

@@ -21,6 +21,7 @@ cdef class Device:
     cdef readonly str path
     cdef readonly Regions regions
     cdef int _pid
+    cdef public object ident          # (st_dev, st_ino, st_rdev) of the path when opened
 
     def __cinit__(self, str path, Regions regions, uint64_t size=0, int threads=16,
                   uint64_t slice_size=1 << 20):
