@@ -341,8 +341,10 @@ class TransferEngine:
             name = name.name
         if not isinstance(name, str) or not name:
             raise E.InvalidArgumentError(f"segment name must be a non-empty str, got {name!r}")
-        if "/" in name and not refresh:
-            return Segment(self._resolve(name))     # maybe a storage segment
+        if "/" in name:                              # maybe a storage segment
+            if refresh:
+                self._cache.invalidate(name.rpartition("/")[0])
+            return Segment(self._resolve(name))
         return Segment(self._cache.get(name, timeout=min(self.timeout, 5.0), refresh=refresh))
 
     # --- storage segments (NVMe-oF) ----------------------------------------------------
@@ -386,6 +388,7 @@ class TransferEngine:
         entry = storage_entry(name, path, nqn, nsid, size, transport, address, service_id)
         entry["host_id"] = HOST_ID
         seg = t.add_storage(entry)
+        self._cache.invalidate(self.name)          # our own storage resolves afresh
         self._publish()
         return seg
 
@@ -397,6 +400,7 @@ class TransferEngine:
         if t is None:
             raise E.SegmentNotFoundError(f"no storage named {name!r} registered")
         t.remove_storage(name)
+        self._cache.invalidate(self.name)
         self._publish()
 
     @property

@@ -149,6 +149,36 @@ def test_file_storage_on_the_publishing_host(tmp_path):
             assert hashlib.sha256(back[:700000]).hexdigest() == sha
 
 
+@pytest.mark.parametrize("kind", ["etcd", "redis", "http"])
+def test_storage_segment_through_metadata_stores(kind, tmp_path):
+    """With etcd, redis or the HTTP metadata server, the storage list travels in the
+    owner's descriptor under mooncake/ram/<owner>; a peer in another process resolves
+    '<owner>/<storage>' through it."""
+    import hashlib
+    from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve
+    cls = {"etcd": EtcdServer, "redis": RedisServer, "http": HttpMetadataServer}[kind]
+    gen = _serve(cls)
+    server = next(gen)
+    try:
+        img = tmp_path / "img"
+        with open(img, "wb") as f:
+            f.truncate(2 << 20)
+        with mte.TransferEngine(name=f"nvmeof-owner-{kind}", metadata=server.url,
+                                host="127.0.0.1") as owner:
+            seg = owner.register_storage("disk", path=str(img))
+            assert seg.name == f"nvmeof-owner-{kind}/disk"
+            with PeerProcess(1 << 20, metadata=server.url, name=f"nvmeof-peer-{kind}") as peer:
+                sha = peer.call("write_pattern", seg.name, 777, 300000, 3, 65536)
+            back = np.zeros(300000, np.uint8)
+            owner.read(seg.name, owner.register(back).address, 777, 300000)
+            assert hashlib.sha256(back).hexdigest() == sha
+            owner.unregister_storage(seg)
+            with pytest.raises(E.SegmentNotFoundError, match="publishes no storage segment"):
+                owner.open_segment(seg.name)
+    finally:
+        gen.close()
+
+
 # --------------------------------------------------------------------------- fabric tier
 
 def _losetup(path: str) -> str:
