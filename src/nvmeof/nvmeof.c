@@ -27,7 +27,8 @@ typedef struct {
 struct mte_nvf {
     int fd;
     int direct;
-    uint32_t block;             /* O_DIRECT alignment of offsets, lengths and memory */
+    uint32_t block;             /* O_DIRECT alignment of offsets and lengths */
+    atomic_ulong memmask;       /* ... and of memory addresses (mask), learned: see io_slice */
     uint64_t size;
     uint64_t slice;
     const mte_batch_ops_t *ops;
@@ -42,6 +43,7 @@ struct mte_nvf {
     int nthreads;
     pthread_t *threads;
     atomic_int refs;            /* the owner's + one per running worker */
+    char *_Atomic spare;        /* a bounce buffer kept for mte_nvf_transfer */
     pthread_mutex_t stripe[STRIPES];   /* edge blocks of unaligned writes */
 };
 
@@ -50,6 +52,7 @@ static void nvf_unref(mte_nvf_t *f)
     if (atomic_fetch_sub(&f->refs, 1) != 1)
         return;
     close(f->fd);
+    free(atomic_load(&f->spare));
     free(f->q);
     free(f->threads);
     pthread_mutex_destroy(&f->mu);
@@ -80,10 +83,9 @@ static int io_full(int fd, int op, char *buf, uint64_t len, uint64_t off)
     return 0;
 }
 
-static int aligned(const mte_nvf_t *f, uint64_t laddr, uint64_t off, uint64_t len)
+static int aligned(mte_nvf_t *f, uint64_t laddr, uint64_t off, uint64_t len)
 {
-    uint64_t m = f->block - 1;
-    return !((laddr | off | len) & m);
+    return !((off | len) & (f->block - 1)) && !(laddr & atomic_load(&f->memmask));
 }
 
 /* One slice: straight between memory and the device when aligned, else through
@@ -92,8 +94,17 @@ static int io_slice(mte_nvf_t *f, int op, uint64_t laddr, uint64_t off, uint64_t
                     char *bounce)
 {
     char *mem = (char *)(uintptr_t)laddr;
-    if (!f->direct || aligned(f, laddr, off, len))
+    if (!f->direct)
         return io_full(f->fd, op, mem, len, off);
+    if (aligned(f, laddr, off, len)) {
+        int rc = io_full(f->fd, op, mem, len, off);
+        if (rc != MTE_E_STORAGE - EINVAL || !(laddr & (f->block - 1)))
+            return rc;
+        /* Offset and length were whole blocks, so the device wants memory aligned more
+         * strictly than we assumed (block/fops.c checks the queue's dma_alignment):
+         * from now on such memory goes through the bounce buffer. */
+        atomic_store(&f->memmask, f->block - 1);
+    }
     uint64_t bs = f->block;
     uint64_t a0 = off & ~(bs - 1);
     uint64_t a1 = (off + len + bs - 1) & ~(bs - 1);
@@ -106,11 +117,14 @@ static int io_slice(mte_nvf_t *f, int op, uint64_t laddr, uint64_t off, uint64_t
     }
     /* Read-modify-write of the partial edge blocks, under their stripe locks (taken
      * in index order, so two writers never wait on each other crosswise). */
+    int edges = off != a0 || off + len != a1;      /* only memory unaligned: no merge */
     unsigned s0 = (unsigned)((a0 / bs) % STRIPES), s1 = (unsigned)(((a1 - bs) / bs) % STRIPES);
     if (s0 > s1) { unsigned t = s0; s0 = s1; s1 = t; }
-    pthread_mutex_lock(&f->stripe[s0]);
-    if (s1 != s0)
-        pthread_mutex_lock(&f->stripe[s1]);
+    if (edges) {
+        pthread_mutex_lock(&f->stripe[s0]);
+        if (s1 != s0)
+            pthread_mutex_lock(&f->stripe[s1]);
+    }
     int rc = 0;
     if (off != a0)
         rc = io_full(f->fd, MTE_OP_READ, bounce, bs, a0);
@@ -120,9 +134,11 @@ static int io_slice(mte_nvf_t *f, int op, uint64_t laddr, uint64_t off, uint64_t
         memcpy(bounce + (off - a0), mem, len);
         rc = io_full(f->fd, MTE_OP_WRITE, bounce, span, a0);
     }
-    if (s1 != s0)
-        pthread_mutex_unlock(&f->stripe[s1]);
-    pthread_mutex_unlock(&f->stripe[s0]);
+    if (edges) {
+        if (s1 != s0)
+            pthread_mutex_unlock(&f->stripe[s1]);
+        pthread_mutex_unlock(&f->stripe[s0]);
+    }
     return rc;
 }
 
@@ -245,6 +261,10 @@ mte_nvf_t *mte_nvf_open(const char *path, uint64_t size, int threads, uint64_t s
     f->fd = fd;
     f->direct = direct;
     f->block = direct ? block : 1;
+    /* Memory alignment: block devices are first tried at 4 bytes (NVMe asks only dword
+     * alignment of user buffers, drivers/nvme/host/core.c; a stricter device answers
+     * EINVAL and we learn), files at the block size (file systems differ). */
+    atomic_init(&f->memmask, !direct ? 0 : S_ISBLK(st.st_mode) ? 3 : block - 1);
     f->size = size;
     f->slice = slice;
     f->ops = ops;
@@ -374,13 +394,17 @@ int mte_nvf_transfer(mte_nvf_t *f, int op, uint64_t local, uint64_t off, uint64_
         if (end > off + len)
             end = off + len;
         slice_t s = {.op = op, .laddr = local + (o - off), .off = o, .len = end - o};
-        if (f->direct && !aligned(f, s.laddr, s.off, s.len) && !bounce &&
-            !(bounce = bounce_new(f)))
+        /* The bounce buffer may be needed even when aligned() holds (the device can
+         * turn out to want stricter memory alignment), so test the strict rule. */
+        if (f->direct && ((s.laddr | s.off | s.len) & (f->block - 1)) && !bounce &&
+            !(bounce = atomic_exchange(&f->spare, NULL)) && !(bounce = bounce_new(f)))
             return MTE_E_NOMEM;
         rc = run_slice(f, &s, bounce);
         o = end;
     }
-    free(bounce);
+    char *none = NULL;
+    if (bounce && !atomic_compare_exchange_strong(&f->spare, &none, bounce))
+        free(bounce);
     return rc;
 }
 
