@@ -428,3 +428,45 @@ def test_over_rdma_soft_roce(workdir):
     finally:
         nvmeof.delete_target(nqn)
         subprocess.run(["losetup", "-d", backing], timeout=60)
+
+
+# --------------------------------------------------------------------------- GPU memory
+
+@pytest.mark.gpu
+def test_gpu_memory_to_and_from_storage(tmp_path):
+    """GPU memory moves to and from a storage segment through pinned staging buffers:
+    unaligned offsets, a request larger than the staging buffer, batches and single
+    calls; the bytes in the file are the GPU's."""
+    import cupy as cp
+    size = 8 << 20
+    img = tmp_path / "img"
+    with open(img, "wb") as f:
+        f.truncate(size)
+    n = (3 << 20) + 333
+    src = cp.random.randint(0, 256, n + 5, dtype=cp.uint8)
+    dst = cp.zeros(n + 5, dtype=cp.uint8)
+    host = np.zeros(n, np.uint8)
+    with mte.TransferEngine(host="127.0.0.1") as eng:
+        seg = eng.register_storage("disk", path=str(img))
+        rs, rd, rh = eng.register(src), eng.register(dst), eng.register(host)
+        assert rs.location == "cuda:0"
+        eng.write(seg.name, rs.address + 5, 4097, n)                     # one call
+        with open(img, "rb") as f:
+            f.seek(4097)
+            assert f.read(n) == cp.asnumpy(src[5:]).tobytes()
+        eng.read(seg.name, rd.address + 1, 4097, n)
+        assert bool((dst[1:n + 1] == src[5:]).all())
+        b = eng.submit_arrays(mte.READ, seg.name,                         # a batch
+                              np.array([rd.address, rh.address], np.uint64),
+                              np.array([4097, 4097], np.uint64), n)
+        b.wait(timeout=60)
+        assert b.transport == "nvmeof"
+        assert bool((dst[:n] == src[5:]).all()) and (host == cp.asnumpy(src[5:])).all()
+        b = eng.submit_arrays(mte.WRITE, seg.name, np.array([rs.address], np.uint64),
+                              np.array([size - 100], np.uint64), 100)
+        b.wait(timeout=60)
+        with open(img, "rb") as f:
+            f.seek(size - 100)
+            assert f.read(100) == cp.asnumpy(src[:100]).tobytes()
+        with pytest.raises(E.AddressNotRegisteredError, match="outside storage segment"):
+            eng.write(seg.name, rs.address, size - 10, 11)

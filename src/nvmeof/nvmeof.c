@@ -148,6 +148,12 @@ static int run_slice(mte_nvf_t *f, const slice_t *s, char *bounce)
     mte_region_t *r = mte_regions_pin(f->regions, s->laddr, s->len, 0, &why);
     if (!r)
         return MTE_E_LOCAL_NOT_REG;
+    if (mte_region_device(r) >= 0) {
+        /* GPU memory: the CPU cannot pread/pwrite it; the Python tier stages it through
+         * pinned buffers and never sends it here. */
+        mte_region_unpin(r);
+        return MTE_E_STORAGE - EFAULT;
+    }
     int rc = io_slice(f, s->op, s->laddr, s->off, s->len, bounce);
     mte_region_unpin(r);
     return rc;

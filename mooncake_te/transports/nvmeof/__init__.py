@@ -129,6 +129,7 @@ class NvmeofTransport(Transport):
         self._devices: dict[str, Device] = {}     # opened path -> Device
         self._gpu: list = []                      # registered GPU regions
         self._paths: dict = {}                    # segment -> (path, valid until, entry)
+        self._staging = None                      # _GpuStager, made at the first GPU request
         self._lock = threading.Lock()
         self._closed = False
         try:
@@ -295,18 +296,35 @@ class NvmeofTransport(Transport):
                 f"[{int(remote[k])}, +{int(lens[k])}) is outside storage segment {desc.name} "
                 f"({size} bytes); target_address is a byte offset in the namespace, and "
                 f"offset + length must be at most {size}")
-        if self._gpu:
-            for a in np.asarray(local):
-                g = next((g for g in self._gpu if g[0] <= int(a) < g[1]), None)
-                if g is not None:
-                    raise E.TransportUnavailableError(
-                        f"local {int(a):#x} is {g[2]} memory: moving GPU memory to or from "
-                        f"storage is not part of this version (no GPUDirect Storage, no "
-                        f"staging yet); stage it through a registered host buffer")
+
+    def _ordinals(self, local) -> np.ndarray | None:
+        """CUDA ordinal of each local address (-1: host memory), or None if all are host
+        memory. GPU memory needs the CUDA driver (mooncake_te.cuda) for staging."""
+        if not self._gpu:
+            return None
+        ords = np.full(len(local), -1, np.int64)
+        for lo, hi, loc in list(self._gpu):
+            ords[(local >= lo) & (local < hi)] = int(loc.split(":")[1])
+        if not (ords >= 0).any():
+            return None
+        try:
+            from ... import cuda
+        except ImportError:
+            cuda = None
+        ok, why = cuda.available() if cuda is not None else (False, "mooncake_te.cuda is "
+                                                                     "not in this build")
+        if not ok:
+            raise E.TransportUnavailableError(f"GPU memory to or from storage needs the CUDA "
+                                              f"driver for staging: {why}")
+        return ords
 
     def submit(self, batch, desc, op, local, remote, lens, first, run_inline) -> str:
         self._check(desc, local, remote, lens)
         dev = self._device(desc)
+        ords = self._ordinals(local)
+        if ords is not None:
+            self._stager().put(batch, dev, op, local, remote, lens, first, ords)
+            return "nvmeof"
         rc = dev.submit(batch, op, local, remote, lens, first)
         if rc != 0:
             raise E.TransferError(f"cannot queue {len(local)} requests to {desc.name}: "
@@ -317,6 +335,10 @@ class NvmeofTransport(Transport):
         one = np.array([remote], np.uint64)
         self._check(desc, np.array([local], np.uint64), one, np.array([length], np.uint64))
         dev = self._device(desc)
+        ords = self._ordinals(np.array([local], np.uint64))
+        if ords is not None:
+            return "nvmeof", self._stager().one(dev, op, local, remote, length,
+                                                int(ords[0]), deadline_ns)
         if length <= SLICE_SIZE:
             return "nvmeof", dev.transfer(op, local, remote, length, deadline_ns)
         # Large: in slices on the workers, in parallel.
@@ -335,6 +357,12 @@ class NvmeofTransport(Transport):
         _, _, errs = b.status()
         return "nvmeof", int(errs[0])
 
+    def _stager(self) -> "_GpuStager":
+        with self._lock:
+            if self._staging is None:
+                self._staging = _GpuStager(self._regions)
+            return self._staging
+
     def forget_peer(self, name: str) -> None:
         pass
 
@@ -342,7 +370,103 @@ class NvmeofTransport(Transport):
         with self._lock:
             self._closed = True
             devices, self._devices = list(self._devices.values()), {}
+            staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.close()
         for d in devices:
             if d.close():
                 log.warning("an I/O on %s is still blocked in the kernel (target gone?); "
                             "its worker is left to finish on its own", d.path)
+
+
+class _GpuStager:
+    """GPU memory to and from storage through pinned host buffers (``mooncake_te.cuda``):
+    one thread, one pinned slice buffer per device, copies and storage I/O in turn.
+
+    cuFile / GPUDirect Storage is not used: it could not be verified here (no GDS-capable
+    file system or driver on the machines this was written on), and its compatibility
+    mode was seen failing on a GPU machine without udev (issue 8). The pinned buffers are
+    entered in the region table as ``local`` regions, because the native data path pins
+    the local region of every slice it moves.
+    """
+
+    def __init__(self, regions):
+        import queue
+        self._regions = regions
+        self._q: "queue.Queue" = queue.Queue()
+        self._buffers: dict = {}          # ordinal -> PinnedBuffer
+        self._lock = threading.Lock()     # one staging buffer per device: one user at a time
+        self._thread = threading.Thread(target=self._run, name="mte-nvmeof-gpu", daemon=True)
+        self._thread.start()
+
+    def _buffer(self, ordinal: int):
+        buf = self._buffers.get(ordinal)
+        if buf is None:
+            from ... import cuda
+            buf = cuda.PinnedBuffer(SLICE_SIZE, ordinal)
+            rc = self._regions.add(buf.address, buf.nbytes, 0)
+            if rc != 0:
+                buf.close()
+                raise E.TransferError(f"cannot enter the staging buffer in the region table "
+                                      f"({os.strerror(-rc)})")
+            self._buffers[ordinal] = buf
+        return buf
+
+    def one(self, dev, op, local, remote, length, ordinal, deadline_ns=0) -> int:
+        """One request, staged on this thread: 0 or a status code."""
+        from ... import cuda
+        from ..tcp import READ
+        if ordinal < 0:
+            return dev.transfer(op, local, remote, length, deadline_ns)
+        with self._lock:
+            try:
+                buf = self._buffer(ordinal)
+                for o in range(0, length, SLICE_SIZE):
+                    n = min(SLICE_SIZE, length - o)
+                    if op == READ:
+                        rc = dev.transfer(op, buf.address, remote + o, n, deadline_ns)
+                        if rc:
+                            return rc
+                        cuda.memcpy(local + o, buf.address, n)
+                    else:
+                        cuda.memcpy(buf.address, local + o, n)
+                        rc = dev.transfer(op, buf.address, remote + o, n, deadline_ns)
+                        if rc:
+                            return rc
+            except cuda.CudaError as e:
+                log.warning("GPU staging for storage failed: %s", e)
+                return -1010
+        return 0
+
+    def put(self, batch, dev, op, local, remote, lens, first, ords) -> None:
+        for k in range(len(local)):
+            batch.begin(first + k, 1)
+        batch.keep(dev)
+        self._q.put((batch, dev, op, local, remote, lens, first, ords))
+
+    def _run(self) -> None:
+        while True:
+            job = self._q.get()
+            if job is None:
+                return
+            batch, dev, op, local, remote, lens, first, ords = job
+            for k in range(len(local)):
+                n = int(lens[k] if len(lens) > 1 else lens[0])
+                if batch.stopped:
+                    batch.finish(first + k, 0, -805)
+                    continue
+                try:
+                    rc = self.one(dev, op, int(local[k]), int(remote[k]), n, int(ords[k]))
+                except Exception as e:            # never leave a request unfinished
+                    log.warning("GPU staging for storage failed: %r", e)
+                    rc = -1010
+                batch.finish(first + k, 0 if rc else n, rc)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+        with self._lock:
+            for buf in self._buffers.values():
+                self._regions.remove(buf.address)
+                buf.close()
+            self._buffers.clear()
