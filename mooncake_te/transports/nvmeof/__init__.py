@@ -221,6 +221,12 @@ class NvmeofTransport(Transport):
         entry = desc.extra.get("nvmeof")
         if not entry:
             return None                 # a memory segment: other transports carry it
+        if self.device_path(desc) is None and not entry.get("nqn"):
+            raise E.TransportUnavailableError(
+                f"storage segment {desc.name} is the file or device {entry.get('path')!r} "
+                f"of {desc.host}, published without an NVMe-oF subsystem, so only that host "
+                f"reaches it; export it (mooncake-te nvmeof target create) and register it "
+                f"with nqn= for other hosts")
         if self.device_path(desc) is None:
             raise E.TransportUnavailableError(
                 f"storage segment {desc.name} (subsystem {entry.get('nqn')!r}) is not "
