@@ -82,6 +82,8 @@ def bench(size: int, repeat: int) -> dict:
                 seg = eng.register_storage("bench", nqn=NQN)
                 buf = np.random.default_rng(0).integers(0, 256, 32 << 20, dtype=np.uint8)
                 region = eng.register(buf)
+                buf_mod = region.address % 4096        # numpy's: usually 16-byte aligned
+                memalign = None
                 rng = np.random.default_rng(1)
                 # Warm up: every block of the namespace written once (fio's reads of a
                 # never-written loop file would be faster than real data).
@@ -96,6 +98,8 @@ def bench(size: int, repeat: int) -> dict:
                                "fio_mb_s": statistics.median(f), "ours_all": o, "fio_all": f}
                         row["ratio"] = row["ours_mb_s"] / row["fio_mb_s"]
                         rows.append(row)
+                        d = eng._transports["nvmeof"]._devices.get(dev)
+                        memalign = d.memalign if d is not None else None
                         print(f"  {rw:9s} {bs >> 10:5d} KiB  ours {row['ours_mb_s']:8.1f} MB/s"
                               f"  fio {row['fio_mb_s']:8.1f} MB/s  ratio {row['ratio']:.2f}",
                               file=sys.stderr, flush=True)
@@ -108,6 +112,7 @@ def bench(size: int, repeat: int) -> dict:
             subprocess.run(["losetup", "-d", loop])
             shutil.rmtree(work, ignore_errors=True)
     return {"device": dev, "size": size, "queue_depth": DEPTH, "repeat": repeat,
+            "buffer_address_mod_4096": buf_mod, "memalign": memalign,
             "lab": os.environ.get("MOONCAKE_LAB") == "1", "rows": rows}
 
 
@@ -132,6 +137,9 @@ def main() -> int:
     else:
         print(f"NVMe-oF tcp, {res['device']}, {res['size'] >> 20} MiB, queue depth "
               f"{DEPTH}, median of {args.repeat}{' (lab guest, software emulation)' if res['lab'] else ''}")
+        print(f"engine memory at address % 4096 = {res['buffer_address_mod_4096']}; the "
+              f"device took memory aligned to {res['memalign']} bytes directly "
+              f"(less aligned memory goes through a bounce buffer)")
         print(f"{'pattern':9s} {'block':>9s} {'ours MB/s':>10s} {'fio MB/s':>10s} {'ratio':>6s}")
         for r in res["rows"]:
             print(f"{r['rw']:9s} {r['bs'] >> 10:5d} KiB {r['ours_mb_s']:10.1f} "

@@ -307,6 +307,7 @@ mte_nvf_t *mte_nvf_open(const char *path, uint64_t size, int threads, uint64_t s
 uint64_t mte_nvf_size(const mte_nvf_t *f) { return f->size; }
 uint32_t mte_nvf_block(const mte_nvf_t *f) { return f->block; }
 int mte_nvf_direct(const mte_nvf_t *f) { return f->direct; }
+uint32_t mte_nvf_memalign(mte_nvf_t *f) { return (uint32_t)atomic_load(&f->memmask) + 1; }
 
 static int push(mte_nvf_t *f, const slice_t *s)
 {

@@ -42,6 +42,8 @@ mte_nvf_t *mte_nvf_open(const char *path, uint64_t size, int threads, uint64_t s
 uint64_t mte_nvf_size(const mte_nvf_t *f);
 uint32_t mte_nvf_block(const mte_nvf_t *f);     /* alignment O_DIRECT needs; 1 if buffered */
 int mte_nvf_direct(const mte_nvf_t *f);
+/* Memory alignment direct I/O needs, as learned so far (1: any address). */
+uint32_t mte_nvf_memalign(mte_nvf_t *f);
 /* Queues requests [first, first+n) of batch b: local addresses, device offsets, lengths
  * (len_stride 0: all lens[0]). Checks every range against the size first: -ERANGE and
  * nothing queued if one is out of range; -ESHUTDOWN once closed; else 0. */

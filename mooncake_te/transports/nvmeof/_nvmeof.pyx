@@ -46,6 +46,12 @@ cdef class Device:
         return mte_nvf_block(self.f) if self.f else 0
 
     @property
+    def memalign(self):
+        """Memory alignment direct I/O needs (learned: a device answering EINVAL to
+        less-aligned memory raises it to the block size); 1 when buffered."""
+        return mte_nvf_memalign(self.f) if self.f else 0
+
+    @property
     def direct(self):
         return bool(mte_nvf_direct(self.f)) if self.f else False
 

@@ -17,6 +17,7 @@ cdef extern from "nvmeof/nvmeof.h" nogil:
     uint64_t mte_nvf_size(const mte_nvf_t *f)
     uint32_t mte_nvf_block(const mte_nvf_t *f)
     int mte_nvf_direct(const mte_nvf_t *f)
+    uint32_t mte_nvf_memalign(mte_nvf_t *f)
     int mte_nvf_submit(mte_nvf_t *f, mte_batch_t *b, int op, const uint64_t *local,
                        const uint64_t *offs, const uint64_t *lens, int len_stride,
                        uint32_t first, uint32_t n)
