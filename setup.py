@@ -54,8 +54,11 @@ extensions = [
     ext("mooncake_te.transports.tcp._tcp", "mooncake_te/transports/tcp/_tcp.pyx",
         ["src/tcp/tcp.c", "src/core/regions.c", "src/core/hmac_sha256.c",
          "src/core/gpu.c"]),
+    # NVMe-oF data path: plain POSIX I/O and threads, so it builds wherever tcp does.
+    ext("mooncake_te.transports.nvmeof._nvmeof", "mooncake_te/transports/nvmeof/_nvmeof.pyx",
+        ["src/nvmeof/nvmeof.c", "src/core/regions.c"]),
 ]
-built = ["core", "tcp (GPU staging: libcuda loaded at run time)"]
+built = ["core", "tcp (GPU staging: libcuda loaded at run time)", "nvmeof"]
 skipped = []
 if wanted("rdma", have_header("infiniband/verbs.h")):
     extensions.append(ext("mooncake_te.transports.rdma._verbs",

@@ -85,6 +85,11 @@ def error_for(code: int, target: str, index: int, op: int, local: int, remote: i
                                f"allocated and the device healthy (nvidia-smi)", status=code)
     if -1199 <= code <= -1100:
         return _rdma_error(code, what, target, op, remote, length)
+    if code == -1021 or -1600 < code <= -1400:   # storage segments (src/nvmeof/nvmeof.h)
+        from .transports.nvmeof import error_message
+        msg = error_message(code)
+        if msg:
+            return E.TransferError(f"{what}: {msg}", status=code)
     return E.TransferError(f"{what} failed (status {code})", status=code if code < 0 else None)
 
 

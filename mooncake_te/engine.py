@@ -341,7 +341,73 @@ class TransferEngine:
             name = name.name
         if not isinstance(name, str) or not name:
             raise E.InvalidArgumentError(f"segment name must be a non-empty str, got {name!r}")
+        if "/" in name:                              # maybe a storage segment
+            if refresh:
+                self._cache.invalidate(name.rpartition("/")[0])
+            return Segment(self._resolve(name))
         return Segment(self._cache.get(name, timeout=min(self.timeout, 5.0), refresh=refresh))
+
+    # --- storage segments (NVMe-oF) ----------------------------------------------------
+    def register_storage(self, name: str, path: str | None = None, nqn: str | None = None,
+                         nsid: int = 1, size: int | None = None, transport: str | None = None,
+                         address: str | None = None, service_id=None):
+        """Publish a namespace or file as storage segment ``"<self.name>/<name>"``.
+
+        Peers that connected to the subsystem (``mooncake-te nvmeof connect``), and this
+        host itself, then move bytes between their registered memory and it with
+        ``read``/``write``/``submit``: the target address is a byte offset.
+
+        Parameters
+        ----------
+        name : str
+            Storage name (no '/').
+        path : str, optional
+            Backing block device or file on this host (default: found from ``nqn``).
+        nqn : str, optional
+            The NVMe-oF subsystem serving it: one this host exports (configfs gives the
+            path and the port) or is connected to.
+        nsid : int
+            Namespace id within the subsystem.
+        size : int, optional
+            Bytes peers may address (default: the whole device or file).
+        transport, address, service_id : optional
+            How peers connect (default: the subsystem's first port).
+
+        Returns
+        -------
+        mooncake_te.transports.nvmeof.StorageSegment
+        """
+        self._check_open()
+        t = self._transports.get("nvmeof")
+        if t is None:
+            raise E.TransportUnavailableError(
+                f"the NVMe-oF transport is not running in this engine: "
+                f"{getattr(self.available_transports.get('nvmeof'), 'reason', 'not started')}")
+        from .nvmeof.segment import storage_entry
+        from .transports.tcp import HOST_ID
+        entry = storage_entry(name, path, nqn, nsid, size, transport, address, service_id)
+        entry["host_id"] = HOST_ID
+        seg = t.add_storage(entry)
+        self._cache.invalidate(self.name)          # our own storage resolves afresh
+        self._publish()
+        return seg
+
+    def unregister_storage(self, storage) -> None:
+        """Withdraw a storage segment (a StorageSegment or its storage name)."""
+        self._check_open()
+        name = getattr(storage, "storage", storage)
+        t = self._transports.get("nvmeof")
+        if t is None:
+            raise E.SegmentNotFoundError(f"no storage named {name!r} registered")
+        t.remove_storage(name)
+        self._cache.invalidate(self.name)
+        self._publish()
+
+    @property
+    def storage(self) -> list:
+        """The storage segments this engine publishes."""
+        t = self._transports.get("nvmeof")
+        return t.storage() if t is not None else []
 
     # --- memory ------------------------------------------------------------------------
     @property
@@ -502,7 +568,10 @@ class TransferEngine:
             raise error_for(code, name, 0, int(op), src, dst, length)
 
     def _resolve(self, name: str):
-        """The descriptor of ``name``."""
+        """The descriptor of ``name`` (``"<engine>/<storage>"``: a storage segment)."""
+        if "/" in name:
+            from .transports.nvmeof import resolve
+            return resolve(self._cache, name, timeout=min(self.timeout, 5.0))
         return self._cache.get(name, timeout=min(self.timeout, 5.0))
 
     def submit(self, requests: Iterable[TransferRequest], notify: bytes | None = None,

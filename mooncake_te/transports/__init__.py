@@ -29,8 +29,12 @@ def probe() -> dict:
         out["rdma"] = RdmaTransport
     else:
         out["rdma"] = UnavailableTransport("rdma", why)
-    out["nvmeof"] = UnavailableTransport("nvmeof", "the NVMe-oF transport is not part of this "
-                                                   "version yet")
+    try:
+        from .nvmeof import NvmeofTransport
+        out["nvmeof"] = NvmeofTransport
+    except ImportError as e:
+        out["nvmeof"] = UnavailableTransport("nvmeof", f"native module not built: {e} "
+                                                       f"(python setup.py build_ext --inplace)")
     return out
 
 

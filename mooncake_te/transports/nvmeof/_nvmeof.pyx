@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+# cython: language_level=3
+"""One-to-one over src/nvmeof/nvmeof.h: an opened storage device and its I/O workers."""
+import os
+import warnings
+
+from libc.stdint cimport uintptr_t, uint32_t, uint64_t, int64_t
+from mooncake_te.core._regions cimport Regions
+from mooncake_te.transports.nvmeof.libnvmeof cimport *
+
+from mooncake_te.transports.tcp._tcp import batch_ops_address
+
+STORAGE_BASE = MTE_E_STORAGE        # an errno e from the device is STORAGE_BASE - e
+OUT_OF_RANGE = MTE_E_OUT_OF_RANGE
+
+
+cdef class Device:
+    """A block device or file opened for the data path (O_DIRECT where the file system
+    allows), with ``threads`` workers; ``size`` bytes are addressable."""
+    cdef mte_nvf_t *f
+    cdef readonly str path
+    cdef readonly Regions regions
+    cdef int _pid
+    cdef public object ident          # (st_dev, st_ino, st_rdev) of the path when opened
+
+    def __cinit__(self, str path, Regions regions, uint64_t size=0, int threads=16,
+                  uint64_t slice_size=1 << 20):
+        cdef int err = 0
+        cdef bytes p = os.fsencode(path)
+        cdef const char *cp = p
+        cdef const mte_batch_ops_t *ops = <const mte_batch_ops_t *><uintptr_t>batch_ops_address()
+        with nogil:
+            self.f = mte_nvf_open(cp, size, threads, slice_size, ops, regions.t, &err)
+        if self.f == NULL:
+            raise OSError(-err, f"cannot open {path} for storage I/O: {os.strerror(-err)}")
+        self.path = path
+        self.regions = regions
+        self._pid = os.getpid()
+
+    @property
+    def size(self):
+        return mte_nvf_size(self.f) if self.f else 0
+
+    @property
+    def block(self):
+        return mte_nvf_block(self.f) if self.f else 0
+
+    @property
+    def memalign(self):
+        """Memory alignment direct I/O needs (learned: a device answering EINVAL to
+        less-aligned memory raises it to the block size); 1 when buffered."""
+        return mte_nvf_memalign(self.f) if self.f else 0
+
+    @property
+    def direct(self):
+        return bool(mte_nvf_direct(self.f)) if self.f else False
+
+    def submit(self, batch, int op, const uint64_t[::1] local, const uint64_t[::1] offs,
+               const uint64_t[::1] lens, uint32_t first):
+        """Queue requests [first, first+len(local)) of ``batch`` (a NativeBatch); 0 or -errno."""
+        if self.f == NULL:
+            return -108             # ESHUTDOWN
+        cdef mte_batch_t *b = <mte_batch_t *><uintptr_t>batch.address
+        cdef uint32_t n = local.shape[0]
+        cdef int stride = 1 if lens.shape[0] > 1 else 0
+        cdef int rc
+        if n == 0:
+            return 0
+        with nogil:
+            rc = mte_nvf_submit(self.f, b, op, &local[0], &offs[0], &lens[0], stride, first, n)
+        return rc
+
+    def transfer(self, int op, uint64_t local, uint64_t off, uint64_t length,
+                 int64_t deadline_ns):
+        """One request on this thread (GIL released): 0 or a status code."""
+        if self.f == NULL:
+            return -1008
+        cdef int rc
+        with nogil:
+            rc = mte_nvf_transfer(self.f, op, local, off, length, deadline_ns)
+        return rc
+
+    def close(self, int wait_ms=2000):
+        """Stop the workers; True if one was stuck in the kernel and left behind."""
+        cdef int stuck = 0
+        if self.f != NULL and self._pid == os.getpid():
+            with nogil:
+                stuck = mte_nvf_close(self.f, wait_ms)
+        self.f = NULL
+        return bool(stuck)
+
+    def __dealloc__(self):
+        if self.f != NULL and self._pid == os.getpid():
+            with nogil:
+                mte_nvf_close(self.f, 0)
+            self.f = NULL
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
