@@ -424,7 +424,10 @@ class _GpuStager:
         from ..tcp import READ
         if ordinal < 0:
             return dev.transfer(op, local, remote, length, deadline_ns)
-        with self._lock:
+        # The device's primary context must be current on this thread: the staging
+        # thread has none of its own (cuMemcpy answered CUDA_ERROR_INVALID_CONTEXT there
+        # on an H200), and a caller's thread may have another device's.
+        with self._lock, cuda.device(ordinal):
             try:
                 buf = self._buffer(ordinal)
                 for o in range(0, length, SLICE_SIZE):
