@@ -167,10 +167,11 @@ def _link_down_during(a, b, ra, size, netdev, dev, timeout):
                             + b.address, 1 << 20, timeout=timeout)
     t0 = time.monotonic()
     stats = a._transports["rdma"].stats
-    while stats()[dev]["completions"] < 8 and not batch.done():
+    while stats()[dev]["completions"] < 2 and not batch.done():
         time.sleep(0.005)
     _ip("link", "set", netdev, "down")
     try:
+        assert not batch.done(), "the batch finished before the link went down: make it larger"
         batch._native.wait(batch._deadline_ns + 5_000_000_000)
         return batch, time.monotonic() - t0
     finally:
@@ -181,7 +182,9 @@ def _link_down_during(a, b, ra, size, netdev, dev, timeout):
 def test_rail_down_mid_batch_completes_over_the_other_rail(lab):
     """veth1 (rxe1's link) goes down while a striped batch is in flight: the slices that
     failed on rxe1 are retried on rxe0 and the whole batch completes, intact."""
-    size = 16 << 20
+    # Large enough that the batch is still in flight when `ip` (slow to start in an
+    # emulated guest) has taken the link down.
+    size = 64 << 20
     with PeerProcess(size, protocol="rdma", devices=["rxe2"]) as b, \
             _engine(["rxe0", "rxe1"], retry_count=4, rdma_rail_pause_s=1) as a:
         data = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
@@ -201,7 +204,9 @@ def test_rail_down_mid_batch_completes_over_the_other_rail(lab):
 def test_rail_down_without_another_rail_fails_cleanly_within_the_deadline(lab):
     """Only rxe1, and its link goes down mid-batch: the batch fails with the first
     error's text (the NIC's retry counter), well before its deadline, nothing hangs."""
-    size = 16 << 20
+    # Large enough that the batch is still in flight when `ip` (slow to start in an
+    # emulated guest) has taken the link down.
+    size = 64 << 20
     with PeerProcess(size, protocol="rdma", devices=["rxe2"]) as b, \
             _engine(["rxe1"], retry_count=4) as a:
         ra = a.register(np.ones(size, np.uint8))
