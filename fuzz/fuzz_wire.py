@@ -2,7 +2,7 @@
 """atheris fuzz target for everything a peer can send us: the data-path hello and
 request headers, the RPC framing, and the descriptor JSON.
 
-Run by hand (not in CI; the hypothesis tests in tests/test_robustness.py cover the same
+Run by hand (not in CI; the hypothesis tests in tests/transports/test_robustness.py cover the same
 surfaces there):
 
     pip install atheris

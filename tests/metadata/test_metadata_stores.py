@@ -22,7 +22,7 @@ from servers import (HttpMetadataServer, RedisServer, etcd_server,  # noqa: F401
 from mooncake_te.errors import MetadataError, SegmentNotFoundError
 from mooncake_te.metadata import BufferInfo, SegmentDescriptor, open_backend
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TTL = 2
 
 

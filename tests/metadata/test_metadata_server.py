@@ -20,7 +20,7 @@ from servers import HttpMetadataServer, http_metadata_server  # noqa: F401
 from mooncake_te.errors import MetadataError
 from mooncake_te.metadata.server import KeyStore, MetadataServer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def kv(srv, method, key=None, data=None, headers=None):

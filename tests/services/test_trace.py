@@ -13,7 +13,7 @@ from mooncake_te.cli.main import main
 from mooncake_te.errors import InvalidArgumentError
 from mooncake_te.kvcache.trace import Trace, load_trace, simulate, sweep, trace_stats
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.pardir,
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), os.pardir,
                     "shared", "data", "mooncake-traces")
 if not os.path.isdir(DATA):
     DATA = "/work/shared/data/mooncake-traces"
