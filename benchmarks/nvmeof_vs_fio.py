@@ -2,7 +2,7 @@
 """Storage segments through the engine beside fio, on the same connected namespace.
 
 Makes an NVMe-oF target (a loop device over a file in memory, exported over tcp on
-127.0.0.1 with ``mooncake_te.nvmeof``), connects to it, publishes it as a storage
+127.0.0.1 with ``mooncake_te.nvmeof_admin``), connects to it, publishes it as a storage
 segment and then, for sequential and random reads and writes of 1 MiB and 64 KiB
 blocks, measures the engine (one batch of every block, ``MC_NVMEOF_QUEUE_DEPTH`` in
 flight, default 16) and fio (Debian's, libaio, O_DIRECT, iodepth 16, one job) on the
@@ -64,7 +64,7 @@ def ours(eng, seg, region, rw: str, bs: int, size: int, rng) -> float:
 def bench(size: int, repeat: int) -> dict:
     import numpy as np
     import mooncake_te as mte
-    from mooncake_te import nvmeof
+    from mooncake_te import nvmeof_admin as nvmeof
 
     work = tempfile.mkdtemp(prefix="nvmeof-bench-", dir=os.environ.get("TMPDIR"))
     img = os.path.join(work, "img")

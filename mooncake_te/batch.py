@@ -144,14 +144,16 @@ def _rdma_error(code, what, target, op, remote, length) -> E.MooncakeError:
 class Batch:
     """Requests in flight. ``wait`` blocks (with a deadline); ``done`` never blocks."""
 
-    def __init__(self, native, transport: str, deadline_ns: int, parts: list, engine=None,
-                 order=None):
+    def __init__(self, native, transport: str, deadline_ns: int, parts: list,
+                 on_peer_lost=None, order=None):
         self._native = native
         self._order = order            # caller's index -> native index (submit()), or None
         self.transport = transport
         self._deadline_ns = deadline_ns
         self._parts = parts            # [(target name, first, local, remote, lens, op)]
-        self._engine = engine
+        # on_peer_lost(name): a request failed because the peer was lost or restarted;
+        # the engine re-resolves it before its next use (injected: no engine here).
+        self._on_peer_lost = on_peer_lost
 
     def __len__(self) -> int:
         return self._native.size
@@ -217,8 +219,7 @@ class Batch:
             if first <= native_i < first + len(local):
                 k = native_i - first
                 length = int(lens[k] if len(lens) > 1 else lens[0])
-                if code in (-1006, -102) and self._engine is not None:
-                    # Lost or restarted peer: re-resolve its descriptor before next use.
-                    self._engine._peer_restarted(target)
+                if code in (-1006, -102) and self._on_peer_lost is not None:
+                    self._on_peer_lost(target)
                 return error_for(code, target, i, op, int(local[k]), int(remote[k]), length)
         return E.TransferError(f"request {i} failed (status {code})", status=code)

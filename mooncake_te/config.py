@@ -141,20 +141,8 @@ ENV_METADATA = "MC_METADATA_SERVER"
 
 def split_metadata_url(spec: str) -> tuple[str, str]:
     """``(server_type, server_address)`` for a Mooncake metadata connection string."""
-    s = spec.strip()
-    if s.upper() in ("P2PHANDSHAKE", "P2P", ""):
-        return "p2p", ""
-    if "://" not in s:
-        return "etcd", s
-    scheme, rest = s.split("://", 1)
-    scheme = scheme.lower()
-    if scheme == "https":
-        return "http", s               # keep the scheme: TLS is not the default
-    if scheme == "http":
-        # Like the skeleton's server_address: host:port[/path], no scheme; the path is
-        # kept ("/metadata" for Mooncake's HTTP server).
-        return "http", rest
-    return scheme, rest
+    from .metadata.url import parse
+    return parse(spec).config_pair()
 
 
 @dataclass

@@ -79,7 +79,7 @@ def _where(p, address_default) -> None:
 
 
 def run(args) -> int:
-    from .. import nvmeof
+    from .. import nvmeof_admin as nvmeof
     from ..errors import MooncakeError
     cmd = args.nvmeof_command
     if cmd is None or (cmd == "target" and args.target_command is None):

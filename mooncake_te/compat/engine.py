@@ -37,6 +37,7 @@ from .. import errors as E
 from ..batch import Op
 from ..engine import TransferEngine as _Engine
 from ..metadata import framing, split_host_port
+from ..metadata.url import parse as parse_metadata_url
 from .allocator import ManagedAllocator, unmap
 
 log = logging.getLogger("mooncake_te.compat")
@@ -307,12 +308,8 @@ class TransferEngine:
             Comma-separated RDMA device allow-list, or ``""``.
         """
         md = _str(metadata_server, "metadata_server")
-        if md == P2PHANDSHAKE:
-            mtype, server = "", md
-        elif "://" in md:
-            mtype, server = md.split("://", 1)
-        else:
-            mtype, server = "etcd", md
+        url = parse_metadata_url(md)
+        mtype, server = ("", P2PHANDSHAKE) if url.is_p2p else (url.scheme, url.address)
         return self.initialize_ext(local_hostname, server, protocol, device_name, mtype)
 
     @_guard(-1)
@@ -328,9 +325,10 @@ class TransferEngine:
         if protocol == "xgmi":
             raise E.InvalidArgumentError("protocol 'xgmi' is not exposed in the Python API "
                                          "(as in Mooncake); use 'tcp'")
-        if metadata_server.strip().upper() == P2PHANDSHAKE:
+        url = parse_metadata_url(metadata_server)
+        if url.is_p2p and metadata_server.strip():
             conn = "p2p"
-        elif "://" in metadata_server:
+        elif url.explicit:
             conn = metadata_server
         else:
             conn = f"{metadata_type}://{metadata_server}"

@@ -7,10 +7,11 @@ from .base import MetadataBackend, KeyValueBackend, ram_key, rpc_meta_key, key_p
 from .cache import SegmentCache
 from .descriptor import BufferInfo, SegmentDescriptor
 from .p2p import P2PBackend, split_host_port
+from .url import STORE_SCHEMES, MetadataUrl, parse as parse_url
 
 __all__ = ["MetadataBackend", "KeyValueBackend", "SegmentCache", "BufferInfo",
            "SegmentDescriptor", "P2PBackend", "open_backend", "ram_key", "rpc_meta_key",
-           "key_prefix", "split_host_port"]
+           "key_prefix", "split_host_port", "MetadataUrl", "parse_url"]
 
 
 def open_backend(spec: str, local_descriptor=None, token: bytes | None = None) -> MetadataBackend:
@@ -20,18 +21,14 @@ def open_backend(spec: str, local_descriptor=None, token: bytes | None = None) -
     ``etcd://h:2379[,h2:2379]``, ``redis://h:6379[/db]`` and ``http://h:port/metadata``;
     a bare ``host:port`` means etcd, as in Mooncake.
     """
-    s = (spec or "p2p").strip()
-    if s.lower() in ("p2p", "p2phandshake"):
+    url = parse_url(spec)
+    if url.is_p2p:
         return P2PBackend(local_descriptor, token)
-    scheme, sep, rest = s.partition("://")
-    if not sep:
-        scheme, rest = "etcd", s
-    scheme = scheme.lower()
-    if scheme in ("etcd", "redis", "http", "https"):
+    if url.scheme in STORE_SCHEMES:
         try:
             from . import stores
         except ImportError as e:   # pragma: no cover - depends on the installed extras
-            raise MetadataError(f"metadata backend {scheme!r} is not available: {e}") from None
-        return stores.open_store(scheme, rest, s)
+            raise MetadataError(f"metadata backend {url.scheme!r} is not available: {e}") from None
+        return stores.open_store(url.scheme, url.address, url.spec)
     raise MetadataError(f"unknown metadata backend {spec!r}; use 'p2p', 'etcd://host:2379', "
                         f"'redis://host:6379' or 'http://host:port/metadata'")

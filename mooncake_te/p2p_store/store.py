@@ -179,9 +179,9 @@ class P2PStore:
 
     def _open_directory(self, metadata, section, seeds) -> Directory:
         if metadata is None and section.get("metadata_server", "p2p") not in ("", "p2p"):
-            from ..metadata.stores import spec_from_config
-            metadata = spec_from_config(section["metadata_server"],
-                                        section.get("metadata_address", ""))
+            from ..metadata.url import from_config
+            metadata = from_config(section["metadata_server"],
+                                   section.get("metadata_address", ""))
         if metadata is None:
             backend = getattr(self.engine, "metadata", None)
             if isinstance(backend, KeyValueBackend):
@@ -194,7 +194,8 @@ class P2PStore:
         if not isinstance(metadata, str):
             raise InvalidArgumentError(f"metadata must be a string like 'etcd://host:2379' or "
                                        f"'p2p', or a metadata backend; got {metadata!r}")
-        if metadata.strip().lower() in ("p2p", "p2phandshake"):
+        from ..metadata.url import parse
+        if parse(metadata).is_p2p:
             return SeedDirectory(seeds, self.control_timeout)
         if seeds:
             raise InvalidArgumentError("seeds= is only for metadata='p2p'; with a metadata "

@@ -3,23 +3,29 @@
 
 A transport moves bytes between this engine's registered memory and a peer's. The
 engine owns the region table (every transport checks requests against it) and the batch
-(one native batch object, ``NativeBatch`` from the TCP module, whose requests any
-transport may finish: ``batch.begin(i, slices)`` / ``batch.finish(i, nbytes, err)`` from
-Python, or the ``mte_batch_ops_t`` table of ``src/tcp/tcp.h`` from C). A transport adds
-what it needs on top (RDMA: memory registrations and rkeys; CUDA IPC: memory handles).
+(one native batch object whose requests any transport may finish:
+``batch.begin(i, slices)`` / ``batch.finish(i, nbytes, err)`` from Python, or the
+``mte_batch_ops_t`` table from C). A transport adds what it needs on top (RDMA: memory
+registrations and rkeys; CUDA IPC: memory handles).
+
+The contract goes both ways and through this module only: a transport sees the engine
+through the services of its :class:`TransportContext` (never the engine object), and
+the engine learns what a transport can do from its :class:`Capabilities` (never by
+probing methods or by its name). Transports never import one another.
 
 How the engine uses transports
 ------------------------------
-* Every available transport is constructed with a :class:`TransportContext` and lives
-  as long as the engine; the TCP transport always runs (it also carries notifications).
+* Every available transport whose ``serves`` names the engine's protocol is constructed
+  with a :class:`TransportContext` and lives as long as the engine; the transport with
+  ``notifications`` always runs (it serves peers and carries notifications).
 * ``register`` / ``unregister`` are called on every transport for every region.
 * ``describe()`` of every transport is merged into the segment descriptor's ``extra``
   fields (``devices`` and ``priority_matrix`` go to the descriptor's own fields), and
   ``protocols()`` into its ``protocols`` list; ``buffer_keys(region)`` gives each
   published buffer its ``rkey``/``lkey`` lists (RDMA).
-* For each (peer, op) group of a batch the engine asks the transports, in its order of
-  preference, ``route(desc, ...)``; the first that answers a route name carries the group
-  with ``submit``; that name is what ``Batch.transport`` reports.
+* For each (peer, op) group of a batch the engine asks the transports, in order of
+  ``priority``, ``route(desc, ...)``; the first that answers a route name carries the
+  group with ``submit``; that name is what ``Batch.transport`` reports.
 """
 from __future__ import annotations
 
@@ -27,9 +33,21 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do, declared by the transport (as NIXL backends declare
+    theirs: ``supportsNotif``, ``getSupportedMems``); the engine reads these."""
+    sync: bool = False           # transfer_sync(): one request carried on the calling thread
+    notifications: bool = False  # add_notify() / notifications() / deliver_notification()
+    storage: bool = False        # storage segments: add_storage / remove_storage / storage
+    gpu_memory: bool = False     # moves GPU memory (directly or staged)
+    same_host: bool = False      # reaches peers of this host only
+    wants_keys: bool = False     # publishes per-buffer rkey/lkey lists (buffer_keys)
+
+
 @dataclass
 class TransportContext:
-    """What an engine hands each of its transports."""
+    """What an engine hands each of its transports: data and services, not itself."""
     regions: object              # the engine's Regions table (mooncake_te.core._regions)
     host: str                    # address peers reach this engine at
     name: str                    # this engine's segment name
@@ -38,10 +56,24 @@ class TransportContext:
     token: bytes = b""           # auth token (b"": none)
     protocol: str = "auto"       # what the user asked for ("auto", "tcp", "shm", "rdma", ...)
     devices: list = field(default_factory=list)   # RDMA device allow-list ([]: all)
-    engine: object = None        # weak proxy of the TransferEngine (for what else it needs)
     rpc: object = None           # the engine's RpcServer (add_handler: a transport's handshake)
+    host_id: str = ""            # boot id / pid ns / net ns: equal means the same host
+    # Services of the engine's core (callables, so no transport holds the engine):
+    new_batch: object = None     # (n, deadline_ns) -> a native batch (large sync requests)
+    batch_ops: int = 0           # address of the native batch-ops table (C completions)
+    refresh_peer: object = None  # (name) -> SegmentDescriptor fetched afresh
 
 
+class Transport(ABC):
+    name = "?"
+    available = True
+    reason = ""
+    #: What the engine may ask of this transport (see :class:`Capabilities`).
+    capabilities = Capabilities()
+    #: Values of ``protocol=`` for which this transport carries data ("*": all).
+    serves: tuple = ("auto",)
+    #: Order in which the engine asks transports for a route: lower first.
+    priority = 100
 class Transport(ABC):
     name = "?"
     available = True
@@ -85,7 +117,24 @@ class Transport(ABC):
         """Drop connections to a peer (it restarted or went away)."""
 
     def notifications(self) -> list:
+        """Notifications received since the last call, as (sender, message) pairs."""
         return []
+
+    def deliver_notification(self, sender: str, message: bytes) -> None:
+        """Queue a notification that arrived another way (the RPC port) for
+        :meth:`notifications` (transports with ``notifications``)."""
+        raise NotImplementedError
+
+    def transfer_sync(self, desc, op: int, local: int, remote: int, length: int,
+                      deadline_ns: int) -> tuple:
+        """One request carried on the calling thread (transports with ``sync``):
+        (route, 0 or a status code)."""
+        raise NotImplementedError
+
+    @property
+    def auth_failures(self) -> int:
+        """Peers this transport refused because they could not prove the token."""
+        return 0
 
     @abstractmethod
     def close(self) -> None: ...
@@ -95,6 +144,9 @@ class UnavailableTransport:
     """A transport this build or machine cannot offer, and why (CuPy's _UnavailableModule)."""
 
     available = False
+    capabilities = Capabilities()
+    serves: tuple = ()
+    priority = 100
 
     def __init__(self, name: str, reason: str):
         self.name = name

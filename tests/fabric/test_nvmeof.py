@@ -21,7 +21,7 @@ import pytest
 
 import mooncake_te as mte
 from mooncake_te import errors as E
-from mooncake_te import nvmeof
+from mooncake_te import nvmeof_admin as nvmeof
 from mooncake_te.cli.main import main as cli_main
 
 from peers import PeerProcess

@@ -34,7 +34,7 @@ import numpy as np
 
 from ... import cuda
 from ...errors import MooncakeError
-from ..base import Transport
+from ..base import Capabilities, Transport
 from .slots import SlotTable, SlotView
 
 log = logging.getLogger("mooncake_te")
@@ -104,6 +104,9 @@ class CudaIpcTransport(Transport):
     """Moves bytes between GPU memory of processes on one host (see the module doc)."""
 
     name = "cuda_ipc"
+    capabilities = Capabilities(gpu_memory=True, same_host=True)
+    serves = ("auto", "shm")
+    priority = 20
 
     def __init__(self, ctx):
         # Nothing here touches CUDA: an engine that never registers GPU memory never
@@ -111,6 +114,7 @@ class CudaIpcTransport(Transport):
         self._regions = ctx.regions
         self._timeout = max(ctx.config.get("timeout_ms", 30000), 1000) / 1000
         self._tag = f"{ctx.instance:016x}"
+        self._host_id = ctx.host_id
         self._mu = threading.Lock()
         self._exports: dict = {}        # region address -> published record
         self._dev_starts: list = []     # local GPU regions, sorted: starts, (end, ordinal)
@@ -178,10 +182,9 @@ class CudaIpcTransport(Transport):
     def describe(self) -> dict:
         if not self._exports:
             return {}
-        from ..tcp import HOST_ID
         with self._mu:
             bufs = list(self._exports.values())
-        return {"cuda_ipc": {"host_id": HOST_ID, "pid": os.getpid(),
+        return {"cuda_ipc": {"host_id": self._host_id, "pid": os.getpid(),
                              "slots": self._table.path, "buffers": bufs}}
 
     def protocols(self) -> list:
@@ -200,8 +203,7 @@ class CudaIpcTransport(Transport):
         info = desc.extra.get("cuda_ipc")
         if not info:
             return None
-        from ..tcp import HOST_ID
-        if not HOST_ID or info.get("host_id") != HOST_ID:
+        if not self._host_id or info.get("host_id") != self._host_id:
             return None
         remote = np.atleast_1d(np.asarray(remote, dtype=np.uint64))
         return "cuda_ipc" if self._view(desc).covers(remote) else None

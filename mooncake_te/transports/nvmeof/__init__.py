@@ -11,7 +11,7 @@ the byte offset as the target address.
 This transport carries a group of requests to a storage segment when
 
 * this host has connected to the subsystem (found in sysfs by NQN: the namespace's
-  block device, ``mooncake_te.nvmeof.host``), or
+  block device, ``mooncake_te.nvmeof_admin.host``), or
 * this is the host that published it (same ``host_id``) and the backing path is there.
 
 The bytes move in C (``src/nvmeof``): O_DIRECT, bounce buffers for unaligned slices,
@@ -27,9 +27,9 @@ import time
 import numpy as np
 
 from ... import errors as E
-from ...metadata.descriptor import BufferInfo, SegmentDescriptor
-from ..base import Transport
-from ..tcp import HOST_ID
+from ...metadata.storage import resolve, storage_descriptor, storage_name  # noqa: F401
+from ...batch import Op
+from ..base import Capabilities, Transport
 from ._nvmeof import OUT_OF_RANGE, STORAGE_BASE, Device
 
 log = logging.getLogger("mooncake_te.nvmeof")
@@ -38,49 +38,6 @@ log = logging.getLogger("mooncake_te.nvmeof")
 QUEUE_DEPTH = 16
 #: Bytes per slice; large requests are cut into slices that run in parallel.
 SLICE_SIZE = 1 << 20
-
-
-def storage_name(name: str) -> tuple[str, str] | None:
-    """``"<engine>/<storage>"`` -> (engine, storage), else None."""
-    owner, sep, st = name.rpartition("/")
-    return (owner, st) if sep and owner and st else None
-
-
-def storage_descriptor(owner: SegmentDescriptor, name: str) -> SegmentDescriptor | None:
-    """The descriptor of storage segment ``name`` published by ``owner``, or None."""
-    for entry in owner.extra.get("storage", ()):
-        if entry.get("name") == name:
-            return SegmentDescriptor(
-                name=f"{owner.name}/{name}", protocol="nvmeof", host=owner.host,
-                rpc_port=owner.rpc_port, instance_id=owner.instance_id, tcp_data_port=0,
-                buffers=[BufferInfo(0, int(entry["size"]), "storage", "rw")],
-                protocols=["nvmeof"], extra={"nvmeof": dict(entry), "owner": owner.name})
-    return None
-
-
-def resolve(cache, name: str, timeout: float) -> SegmentDescriptor:
-    """Resolve ``"<engine>/<storage>"`` through the owning engine's descriptor (any
-    metadata backend: with p2p the owner's RPC port answers); a name that is not a
-    storage segment is fetched as it is."""
-    parts = storage_name(name)
-    if parts is None:
-        return cache.get(name, timeout=timeout)
-    owner_name, st = parts
-    try:
-        owner = cache.get(owner_name, timeout=timeout)
-    except (E.SegmentNotFoundError, E.InvalidArgumentError):
-        return cache.get(name, timeout=timeout)       # a store name that contains '/'
-    desc = storage_descriptor(owner, st)
-    if desc is None:           # registered after we cached the owner?
-        owner = cache.get(owner_name, timeout=timeout, refresh=True)
-        desc = storage_descriptor(owner, st)
-    if desc is None:
-        have = [e.get("name") for e in owner.extra.get("storage", ())]
-        raise E.SegmentNotFoundError(
-            f"{owner_name} publishes no storage segment {st!r} (it has: "
-            f"{', '.join(map(str, have)) or 'none'}); the owner registers it with "
-            f"eng.register_storage({st!r}, ...)")
-    return desc
 
 
 def error_message(code: int) -> str | None:
@@ -121,10 +78,15 @@ class StorageSegment:
 
 class NvmeofTransport(Transport):
     name = "nvmeof"
+    capabilities = Capabilities(sync=True, storage=True, gpu_memory=True)
+    serves = ("*",)             # storage segments, whatever protocol carries memory
+    priority = 10
 
     def __init__(self, ctx):
         self._regions = ctx.regions
         self._owner = ctx.name
+        self._host_id = ctx.host_id
+        self._new_batch = ctx.new_batch
         self._published: dict[str, dict] = {}     # storage name -> descriptor entry
         self._devices: dict[str, Device] = {}     # opened path -> Device
         self._gpu: list = []                      # registered GPU regions
@@ -149,7 +111,12 @@ class NvmeofTransport(Transport):
     def protocols(self) -> list:
         return ["nvmeof"] if self._published else []
 
-    def add_storage(self, entry: dict) -> StorageSegment:
+    def add_storage(self, name: str, **where) -> StorageSegment:
+        """Publish storage ``name``; ``where``: register_storage's path, nqn, nsid, size,
+        transport, address, service_id (validated and completed by storage_entry)."""
+        from ...nvmeof_admin.segment import storage_entry
+        entry = storage_entry(name, **where)
+        entry["host_id"] = self._host_id
         with self._lock:
             if entry["name"] in self._published:
                 raise E.InvalidArgumentError(
@@ -203,16 +170,16 @@ class NvmeofTransport(Transport):
 
     def _find_path(self, entry) -> str | None:
         if entry.get("nqn"):
-            from ...nvmeof.host import find_namespace
+            from ...nvmeof_admin.host import find_namespace
             dev = find_namespace(entry["nqn"], int(entry.get("nsid", 1)))
             if dev:
                 return dev
-        if entry.get("host_id") and entry.get("host_id") == HOST_ID and \
+        if entry.get("host_id") and entry.get("host_id") == self._host_id and \
                 os.path.exists(entry.get("path", "")):
             # The publishing host uses the backing path itself; for a namespace published
             # by NQN only while this host still exports it (a deleted target must fail
             # here as it fails everywhere else).
-            from ...nvmeof.target import NVMET
+            from ...nvmeof_admin.target import NVMET
             if not entry.get("nqn") or os.path.isdir(f"{NVMET}/subsystems/{entry['nqn']}"):
                 return entry["path"]
         return None
@@ -283,7 +250,7 @@ class NvmeofTransport(Transport):
     def _check_live(nqn: str, name: str) -> None:
         """Fail at once, with the reason, while the controller is not live (the target
         went away and the kernel is reconnecting): I/O would wait for ctrl_loss_tmo."""
-        from ...nvmeof.host import _controllers
+        from ...nvmeof_admin.host import _controllers
         ctrls = _controllers(nqn)
         if ctrls and not any(c.state == "live" for c in ctrls):
             raise E.TransferError(
@@ -348,8 +315,7 @@ class NvmeofTransport(Transport):
         if length <= SLICE_SIZE:
             return "nvmeof", dev.transfer(op, local, remote, length, deadline_ns)
         # Large: in slices on the workers, in parallel.
-        from ..tcp import NativeBatch
-        b = NativeBatch(1, deadline_ns)
+        b = self._new_batch(1, deadline_ns)
         rc = dev.submit(b, op, np.array([local], np.uint64), one,
                         np.array([length], np.uint64), 0)
         if rc != 0:
@@ -421,7 +387,6 @@ class _GpuStager:
     def one(self, dev, op, local, remote, length, ordinal, deadline_ns=0) -> int:
         """One request, staged on this thread: 0 or a status code."""
         from ... import cuda
-        from ..tcp import READ
         if ordinal < 0:
             return dev.transfer(op, local, remote, length, deadline_ns)
         # The device's primary context must be current on this thread: the staging
@@ -432,7 +397,7 @@ class _GpuStager:
                 buf = self._buffer(ordinal)
                 for o in range(0, length, SLICE_SIZE):
                     n = min(SLICE_SIZE, length - o)
-                    if op == READ:
+                    if op == Op.READ:
                         rc = dev.transfer(op, buf.address, remote + o, n, deadline_ns)
                         if rc:
                             return rc

@@ -25,7 +25,7 @@ import numpy as np
 
 from ... import errors as E
 from ...metadata import framing
-from ..base import Transport
+from ..base import Capabilities, Transport
 
 log = logging.getLogger("mooncake_te.rdma")
 
@@ -159,6 +159,9 @@ class RdmaTransport(Transport):
     """RC RDMA between engines' registered memory, over every NIC the matrix prefers."""
 
     name = ROUTE
+    capabilities = Capabilities(gpu_memory=True, wants_keys=True)
+    serves = ("auto", "rdma")
+    priority = 30
 
     def __init__(self, ctx):
         why = unavailable_reason()
@@ -200,8 +203,7 @@ class RdmaTransport(Transport):
                     f"{'has' if len(names) == 1 else 'have'} no ACTIVE port {self.port} with "
                     f"a GID (ibv_devinfo shows the port states; found: {', '.join(found)})")
             self.matrix = self._matrix(bool(te.get("topology_aware", True)))
-            from ..tcp._tcp import batch_ops_address
-            self.dp = _verbs.DataPath(batch_ops_address(), ctx.regions, self.slice_size,
+            self.dp = _verbs.DataPath(ctx.batch_ops, ctx.regions, self.slice_size,
                                       self.retry_count, self.multi_nic,
                                       int(self.pause_s * 1000))
             for d in self.devices:
@@ -420,11 +422,10 @@ class RdmaTransport(Transport):
         if not _covers(desc, remote, lens):
             # A buffer the peer registered after we fetched its descriptor: ask again
             # once (Mooncake re-fetches a descriptor that lacks the target, too).
-            eng = self.ctx.engine
-            if eng is not None:
+            if self.ctx.refresh_peer is not None:
                 try:
-                    desc = eng._cache.get(desc.name, timeout=5.0, refresh=True)
-                except (E.MooncakeError, ReferenceError):
+                    desc = self.ctx.refresh_peer(desc.name)
+                except E.MooncakeError:
                     pass
         st = self._peer(desc)
         rc = st.peer.submit(batch.address, op, local, remote, lens, first)

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 
 from ...errors import TransferError
-from ..base import Transport
+from ..base import Capabilities, Transport
 from ._tcp import NativeBatch, Peer, TcpServer, now_ns, READ, WRITE  # noqa: F401
 
 
@@ -42,6 +42,9 @@ class TcpTransport(Transport):
     """
 
     name = "tcp"
+    capabilities = Capabilities(sync=True, notifications=True)
+    serves = ("auto", "tcp", "shm")
+    priority = 40
 
     def __init__(self, ctx):
         te = ctx.config
@@ -124,6 +127,13 @@ class TcpTransport(Transport):
 
     def notifications(self):
         return self.server.take_notifications()
+
+    def deliver_notification(self, sender, message):
+        self.server.push_notification(sender, message)
+
+    @property
+    def auth_failures(self) -> int:
+        return self.server.auth_failures
 
     def close(self):
         with self._lock:

@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The shared-secret token: validation, and the warning for an engine without one."""
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+from . import errors as E
+
+log = logging.getLogger("mooncake_te")
+
+_warned_hosts: set = set()
+
+
+def check_token(token) -> bytes | None:
+    """The auth token as bytes (None: no authentication), validated."""
+    if token is None or token == "" or token == b"":
+        return None
+    if isinstance(token, str):
+        token = token.encode()
+    if not isinstance(token, (bytes, bytearray)):
+        raise E.InvalidArgumentError(f"auth_token must be str or bytes, got "
+                                     f"{type(token).__name__}")
+    if not 1 <= len(token) <= 256:
+        raise E.InvalidArgumentError("auth_token must be 1 to 256 bytes long")
+    return bytes(token)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def warn_unauthenticated(host: str) -> None:
+    """Once per address: anyone who reaches it can read and write registered memory."""
+    if host in _warned_hosts or is_loopback(host):
+        return
+    _warned_hosts.add(host)
+    log.warning("listening on %s without an auth_token: anyone who can reach this address can "
+                "read and write registered memory; set auth_token (or MC_AUTH_TOKEN) on every "
+                "engine", host)
