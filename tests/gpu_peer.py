@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 """GPU buffers in tests: patterns and checksums computed on the GPU, and an engine with
-GPU buffers in another process (spawned, driven over a pipe; every call has a timeout).
+GPU buffers in another process (tests/child.py: spawned, driven over a pipe; every call
+has a timeout).
 
 Buffers are made by CuPy or PyTorch (``lib``), and may be a slice at a non-zero offset
 of a bigger allocation (as a KV-cache layer inside PyTorch's caching allocator is)."""
 from __future__ import annotations
 
 import gc
-import multiprocessing as mp
-import traceback
+
+from child import Child
 
 CALL_TIMEOUT = 120.0
 
@@ -88,98 +89,77 @@ def free_caches(lib: str) -> None:
         cp.get_default_memory_pool().free_all_blocks()
 
 
-def _serve(conn, kwargs):
-    import numpy as np
+class _GpuState:
+    """The child's side: an engine and the buffers it allocated and registered."""
 
-    import mooncake_te as mte
+    def __init__(self, kwargs):
+        import mooncake_te as mte
+        self.eng = mte.TransferEngine(host="127.0.0.1", **kwargs)
+        self.keep = {}        # address -> (lib, exported, base, region)
 
-    eng = mte.TransferEngine(host="127.0.0.1", **kwargs)
-    keep = {}        # address -> (lib, exported, base, region)
-    conn.send(("ready", eng.name))
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "exit":
-                eng.close()
-                conn.send(("ok", None))
-                break
-            if cmd == "alloc":            # (lib, size, offset, device, access) -> address
-                lib, size, offset, device, access = args
-                if lib == "cpu":
-                    obj = base = np.zeros(size, np.uint8)
-                else:
-                    obj, base = gpu_buffer(lib, size, offset, device)
-                r = eng.register(obj, access=access)
-                keep[r.address] = (lib, obj, base, r)
-                out = (r.address, r.location)
-            elif cmd == "fill":           # (address, n, seed)
-                a, n, seed = args
-                fill(a, n, seed, _on_gpu(keep, a))
-                out = None
-            elif cmd == "checksum":       # (address, n) -> int
-                a, n = args
-                out = checksum(a, n, _on_gpu(keep, a))
-            elif cmd == "unregister_free":   # (address): unregister, then free the memory
-                lib, obj, base, r = keep.pop(args[0])
-                eng.unregister(r)
-                del obj, base, r
-                if lib != "cpu":
-                    free_caches(lib)
-                out = None
-            else:
-                raise ValueError(f"unknown command {cmd}")
-            conn.send(("ok", out))
-        except BaseException as e:  # report, keep serving
-            conn.send(("error", (repr(e), traceback.format_exc())))
+    def hello(self):
+        return self.eng.name
+
+    def close(self):
+        self.eng.close()
+
+    def do_alloc(self, lib, size, offset, device, access):    # -> (address, location)
+        import numpy as np
+        if lib == "cpu":
+            obj = base = np.zeros(size, np.uint8)
+        else:
+            obj, base = gpu_buffer(lib, size, offset, device)
+        r = self.eng.register(obj, access=access)
+        self.keep[r.address] = (lib, obj, base, r)
+        return r.address, r.location
+
+    def do_fill(self, a, n, seed):
+        fill(a, n, seed, self._on_gpu(a))
+
+    def do_checksum(self, a, n):                                # -> int
+        return checksum(a, n, self._on_gpu(a))
+
+    def do_notifications(self):
+        return [(m.sender, m.message) for m in self.eng.notifications()]
+
+    def do_get(self, a, n):                                     # -> bytes
+        if not self._on_gpu(a):
+            import ctypes
+            return ctypes.string_at(a, n)
+        import cupy as cp
+        return cp.asnumpy(_cp_view(a, n)).tobytes()
+
+    def do_put(self, a, data):                                  # bytes at a
+        import numpy as np
+        if not self._on_gpu(a):
+            import ctypes
+            ctypes.memmove(a, data, len(data))
+            return
+        import cupy as cp
+        _cp_view(a, len(data)).set(np.frombuffer(data, np.uint8))
+        cp.cuda.runtime.deviceSynchronize()
+
+    def do_unregister_free(self, address):     # unregister, then free the memory
+        lib, obj, base, r = self.keep.pop(address)
+        self.eng.unregister(r)
+        del obj, base, r
+        if lib != "cpu":
+            free_caches(lib)
+
+    def _on_gpu(self, address) -> bool:
+        for a, (lib, obj, _, r) in self.keep.items():
+            if a <= address < a + r.length:
+                return lib != "cpu"
+        raise ValueError(f"{address:#x} is not in this peer's buffers")
 
 
-def _on_gpu(keep, address) -> bool:
-    for a, (lib, obj, _, r) in keep.items():
-        if a <= address < a + r.length:
-            return lib != "cpu"
-    raise ValueError(f"{address:#x} is not in this peer's buffers")
-
-
-class GpuPeer:
+class GpuPeer(Child):
     """A TransferEngine with GPU buffers in another process; ``name``."""
 
+    exit_timeout = 20.0
+
     def __init__(self, **engine_kwargs):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, engine_kwargs), daemon=True)
-        self.proc.start()
-        child.close()
-        self.name = self._reply(CALL_TIMEOUT)
+        super().__init__(_GpuState, engine_kwargs, what="GPU peer", timeout=CALL_TIMEOUT)
 
-    def _reply(self, timeout):
-        if not self._conn.poll(timeout):
-            self.proc.kill()
-            raise TimeoutError(f"GPU peer {self.proc.pid} did not answer in {timeout} s")
-        kind, value = self._conn.recv()
-        if kind == "error":
-            raise RuntimeError(f"GPU peer failed: {value[0]}\n{value[1]}")
-        return value
-
-    def call(self, cmd, *args, timeout: float = CALL_TIMEOUT):
-        self._conn.send((cmd, args))
-        return self._reply(timeout)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("exit", timeout=20)
-            except Exception:
-                pass
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def on_ready(self, hello) -> None:
+        self.name = hello

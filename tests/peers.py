@@ -1,133 +1,96 @@
 # SPDX-License-Identifier: Apache-2.0
 """Engines in separate processes, driven over a pipe, for integration tests.
 
-Each PeerProcess is a real OS process (multiprocessing, spawn) running its own
-TransferEngine on 127.0.0.1 with one registered numpy buffer; the test asks it to fill,
-hash, read back, register, transfer or exit. Every call has a timeout so a wedged peer
-fails the test instead of hanging it.
+Each PeerProcess is a real OS process (tests/child.py, the suite's one child-process
+harness) running its own TransferEngine on 127.0.0.1 with one registered numpy buffer;
+the test asks it to fill, hash, read back, register, transfer or exit. Every call has a
+timeout so a wedged peer fails the test instead of hanging it.
 """
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import os
-import traceback
+
+from child import Child
 
 CALL_TIMEOUT = 60.0
 
 
-def _serve(conn, size, kwargs):
-    import numpy as np
-    import mooncake_te as mte
+class _Peer:
+    """The child's side: an engine with one registered buffer (and any it allocates)."""
 
-    eng = mte.TransferEngine(host="127.0.0.1", **kwargs)
-    buf = np.zeros(size, dtype=np.uint8)
-    region = eng.register(buf)
-    extra = {}
-    retired = []           # unregistered arrays kept alive (a stale peer may aim at them)
-    conn.send(("ready", (eng.name, region.address, os.getpid())))
+    def __init__(self, size, kwargs):
+        import numpy as np
+        import mooncake_te as mte
+        self.np, self.mte = np, mte
+        self.eng = mte.TransferEngine(host="127.0.0.1", **kwargs)
+        self.buf = np.zeros(size, dtype=np.uint8)
+        self.region = self.eng.register(self.buf)
+        self.extra = {}
+        self.retired = []     # unregistered arrays kept alive (a stale peer may aim at them)
 
-    def view(addr, n):
-        for arr in [buf, *extra.values(), *retired]:
+    def hello(self):
+        return self.eng.name, self.region.address, os.getpid()
+
+    def close(self):
+        self.eng.close()
+
+    def _view(self, addr, n):
+        for arr in [self.buf, *self.extra.values(), *self.retired]:
             base = arr.ctypes.data
             if base <= addr and addr + n <= base + arr.nbytes:
                 return arr[addr - base: addr - base + n]
         raise ValueError(f"{addr:#x}+{n} is not in this peer's buffers")
 
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "exit":
-                eng.close()
-                conn.send(("ok", None))
-                break
-            elif cmd == "fill":           # (addr, bytes)
-                addr, data = args
-                view(addr, len(data))[:] = np.frombuffer(data, np.uint8)
-                out = None
-            elif cmd == "get":            # (addr, n) -> bytes
-                out = view(*args).tobytes()
-            elif cmd == "sha":            # (addr, n) -> hex digest
-                out = hashlib.sha256(view(*args)).hexdigest()
-            elif cmd == "alloc":          # (size, access) -> addr
-                arr = np.zeros(args[0], dtype=np.uint8)
-                r = eng.register(arr, access=args[1])
-                extra[r.address] = arr
-                out = r.address
-            elif cmd == "unregister":     # (addr)
-                eng.unregister(args[0])
-                arr = extra.pop(args[0], None)
-                if arr is not None:
-                    retired.append(arr)
-                out = None
-            elif cmd == "rdma_stats":     # per-device counters of the RDMA transport
-                t = eng._transports.get("rdma")
-                out = t.stats() if t is not None else None
-            elif cmd == "notifications":
-                out = [(n.sender, n.message) for n in eng.notifications()]
-            elif cmd == "write_pattern":  # (target, remote_addr, n, seed, block) WRITE as initiator
-                target, raddr, n, seed, block = args
-                data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-                buf[:n] = data
-                offs = np.arange(0, n, block, dtype=np.uint64)
-                lens = np.minimum(block, n - offs).astype(np.uint64)
-                eng.submit_arrays(mte.WRITE, target, region.address + offs, raddr + offs,
-                                  lens).wait()
-                out = hashlib.sha256(data).hexdigest()
-            else:
-                raise ValueError(f"unknown command {cmd}")
-            conn.send(("ok", out))
-        except BaseException as e:  # report, keep serving
-            conn.send(("error", (repr(e), traceback.format_exc())))
+    def do_fill(self, addr, data):              # (addr, bytes)
+        self._view(addr, len(data))[:] = self.np.frombuffer(data, self.np.uint8)
+
+    def do_get(self, addr, n):                  # -> bytes
+        return self._view(addr, n).tobytes()
+
+    def do_sha(self, addr, n):                  # -> hex digest
+        return hashlib.sha256(self._view(addr, n)).hexdigest()
+
+    def do_alloc(self, size, access):           # -> addr
+        arr = self.np.zeros(size, dtype=self.np.uint8)
+        r = self.eng.register(arr, access=access)
+        self.extra[r.address] = arr
+        return r.address
+
+    def do_unregister(self, addr):
+        self.eng.unregister(addr)
+        arr = self.extra.pop(addr, None)
+        if arr is not None:
+            self.retired.append(arr)
+
+    def do_rdma_stats(self):                    # per-device counters of the RDMA transport
+        t = self.eng._transports.get("rdma")
+        return t.stats() if t is not None else None
+
+    def do_notifications(self):
+        return [(n.sender, n.message) for n in self.eng.notifications()]
+
+    def do_write_pattern(self, target, raddr, n, seed, block):   # WRITE as initiator
+        np = self.np
+        data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+        self.buf[:n] = data
+        offs = np.arange(0, n, block, dtype=np.uint64)
+        lens = np.minimum(block, n - offs).astype(np.uint64)
+        self.eng.submit_arrays(self.mte.WRITE, target, self.region.address + offs,
+                               raddr + offs, lens).wait()
+        return hashlib.sha256(data).hexdigest()
 
 
-class PeerProcess:
+class PeerProcess(Child):
     """A TransferEngine in another process. ``name``, ``address`` (its buffer), ``pid``."""
 
     def __init__(self, size: int = 1 << 20, **engine_kwargs):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, size, engine_kwargs), daemon=True)
-        self.proc.start()
-        child.close()
         self.size = size
-        self.name, self.address, self.pid = self._reply(CALL_TIMEOUT)
+        super().__init__(_Peer, size, engine_kwargs, what="peer process",
+                         timeout=CALL_TIMEOUT)
 
-    def _reply(self, timeout):
-        if not self._conn.poll(timeout):
-            self.kill()
-            raise TimeoutError(f"peer process {self.proc.pid} did not answer in {timeout} s")
-        kind, value = self._conn.recv()
-        if kind == "error":
-            raise RuntimeError(f"peer failed: {value[0]}\n{value[1]}")
-        return value
-
-    def call(self, cmd, *args, timeout: float = CALL_TIMEOUT):
-        self._conn.send((cmd, args))
-        return self._reply(timeout)
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("exit", timeout=10)
-            except Exception:
-                pass
-        self.proc.join(5)
-        self.kill()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def on_ready(self, hello) -> None:
+        self.name, self.address, _ = hello
 
 
 def sigstop(pid: int, timeout: float = 5.0) -> None:

@@ -96,7 +96,7 @@ def _norm(d: dict) -> dict:
     return {str(k).replace("-", "_"): v for k, v in d.items()}
 
 
-def _read(path: str):
+def _load_file(path: str):
     try:
         with open(path, "r") as f:
             text = f.read()
@@ -136,7 +136,7 @@ def load_vllm_config(path: "str | os.PathLike") -> VllmSettings:
         as a string is not JSON.
     """
     path = os.fspath(path)
-    raw = _read(path)
+    raw = _load_file(path)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping of vLLM settings, got "
                           f"{type(raw).__name__}")

@@ -209,12 +209,22 @@ def wait_for(pred, timeout: float, what: str):
         time.sleep(0.05)
 
 
+try:
+    from ..topology.sysfs import read_attr
+except ImportError:
+    # Run as a script (python -S stage2.py): no package, no site-packages. The package's
+    # one attribute reader is standard library only, so load that file by its path.
+    import importlib.util as _util
+    _spec = _util.spec_from_file_location(
+        "_mte_sysfs", os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                   "topology", "sysfs.py"))
+    _sysfs = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(_sysfs)
+    read_attr = _sysfs.read_attr
+
+
 def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    return read_attr(path, "")
 
 
 def gid_index(dev: str, addr: str) -> int | None:

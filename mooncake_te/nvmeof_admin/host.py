@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import (DeviceNotFoundError, InvalidArgumentError, MooncakeError,
                       TransportUnavailableError)
+from ..topology.sysfs import read_attr
 from .target import (DEFAULT_SERVICE_ID, check_address, check_nqn, check_service_id,
                      check_transport, require_module)
 
@@ -65,11 +66,7 @@ class Connection:
 
 
 def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    return read_attr(path, "")
 
 
 def _addr(text: str) -> dict:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import (DeviceNotFoundError, InvalidArgumentError, MooncakeError,
                       TransportUnavailableError)
+from ..topology.sysfs import read_attr
 
 CONFIGFS = "/sys/kernel/config"
 NVMET = CONFIGFS + "/nvmet"
@@ -145,11 +146,7 @@ def require_module(name: str, modprobe_name: str, why: str) -> None:
 # --------------------------------------------------------------------------- configfs io
 
 def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    return read_attr(path, "")
 
 
 def _fs(op: str, path: str, value=None) -> None:

@@ -23,6 +23,21 @@ BDF_RE = re.compile(r"^[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$")
 HOST_BRIDGE_RE = re.compile(r"^pci[0-9a-f]{4,}:[0-9a-f]{2}$")
 
 
+def read_attr(path: str, default: "str | None" = None) -> "str | None":
+    """Contents of one sysfs or configfs attribute file at ``path``, stripped; ``default``
+    if absent or unreadable. The one reader of kernel attribute files in the package
+    (topology, the NVMe-oF admin, the lab guest).
+
+    Some attributes raise EINVAL/EIO on read when the hardware cannot answer (an IB
+    port's ``rate`` while the link is down); those count as absent.
+    """
+    try:
+        with open(path, "r", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
 class SysfsTree:
     """A sysfs tree at ``root`` (``/sys`` on a live system).
 
@@ -56,16 +71,9 @@ class SysfsTree:
             return []
 
     def read(self, *parts: str, default: "str | None" = None) -> "str | None":
-        """Contents of one attribute file, stripped; ``default`` if absent or unreadable.
-
-        Some attributes raise EINVAL/EIO on read when the hardware cannot answer (an IB
-        port's ``rate`` while the link is down); those count as absent.
-        """
-        try:
-            with open(self.path(*parts), "r", errors="replace") as f:
-                return f.read().strip()
-        except OSError:
-            return default
+        """Contents of one attribute file, stripped; ``default`` if absent or unreadable
+        (see :func:`read_attr`)."""
+        return read_attr(self.path(*parts), default)
 
     def read_int(self, *parts: str, default: "int | None" = None, base: int = 0) -> "int | None":
         text = self.read(*parts)

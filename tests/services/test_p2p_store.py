@@ -2,22 +2,21 @@
 """P2P store: engines in separate processes on 127.0.0.1 distributing objects through a
 real etcd (tests/servers.py), redis and HTTP metadata server, and with no server at all.
 
-Each store process (``StoreProcess``) runs its own TransferEngine and P2PStore and is
-driven over a pipe; a get runs in a thread of that process so the test can watch its
+Each store process (``StoreProcess``, on tests/child.py) runs its own TransferEngine and
+P2PStore and is driven over a pipe; a get runs in a thread of that process so the test can watch its
 progress and kill or corrupt other holders meanwhile. A getter is slowed only through
 the public ``progress`` hook (a slow consumer), never by patching the store.
 """
 from __future__ import annotations
 
 import hashlib
-import multiprocessing as mp
 import threading
 import time
-import traceback
 
 import numpy as np
 import pytest
 
+from child import Child
 from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve
 
 import mooncake_te as mte
@@ -35,100 +34,80 @@ def _sha(a) -> str:
     return hashlib.sha256(memoryview(a).cast("B")).hexdigest()
 
 
-def _child(conn, metadata, kwargs):
-    import logging
-    logging.basicConfig(level=logging.WARNING)
-    eng = mte.TransferEngine(host="127.0.0.1",
-                             metadata=metadata if metadata != "p2p" else "p2p")
-    store = P2PStore(eng, metadata=metadata, **kwargs)
-    arrays = {}
-    gets = {}
-    conn.send(("ready", (store.name, store.address)))
+class _StoreState:
+    """The child's side: an engine and its P2PStore; gets run in threads so the test can
+    watch their progress."""
 
-    def run_get(name, delay, decentralized):
+    def __init__(self, metadata, kwargs):
+        import logging
+        logging.basicConfig(level=logging.WARNING)
+        self.eng = mte.TransferEngine(host="127.0.0.1",
+                                      metadata=metadata if metadata != "p2p" else "p2p")
+        self.store = P2PStore(self.eng, metadata=metadata, **kwargs)
+        self.arrays = {}
+        self.gets = {}
+
+    def hello(self):
+        return self.store.name, self.store.address
+
+    def close(self):
+        self.store.close()
+        self.eng.close()
+
+    def _run_get(self, name, delay, decentralized):
         def progress(done, total):
-            gets[name]["done"] = done
+            self.gets[name]["done"] = done
             if delay:
                 time.sleep(delay)       # a slow consumer, through the public hook
         try:
-            arrays[name] = store.get(name, progress=progress, decentralized=decentralized)
-            gets[name]["result"] = ("ok", _sha(arrays[name]))
+            self.arrays[name] = self.store.get(name, progress=progress,
+                                               decentralized=decentralized)
+            self.gets[name]["result"] = ("ok", _sha(self.arrays[name]))
         except BaseException as e:
-            gets[name]["result"] = ("error", (type(e).__name__, str(e)))
+            self.gets[name]["result"] = ("error", (type(e).__name__, str(e)))
 
-    while True:
-        try:
-            cmd, args = conn.recv()
-        except EOFError:
-            break
-        try:
-            if cmd == "exit":
-                store.close()
-                eng.close()
-                conn.send(("ok", None))
-                break
-            elif cmd == "register":         # (name, size, seed) -> sha
-                name, size, seed = args
-                arrays[name] = _data(size, seed)
-                store.register(name, arrays[name])
-                out = _sha(arrays[name])
-            elif cmd == "start_get":        # (name, delay per chunk, decentralized)
-                gets[args[0]] = {"done": 0}
-                threading.Thread(target=run_get, args=args, daemon=True).start()
-                out = None
-            elif cmd == "progress":         # name -> bytes verified so far
-                out = gets[args[0]]["done"]
-            elif cmd == "wait_get":         # name -> ("ok", sha) | ("error", (type, msg))
-                deadline = time.monotonic() + args[1]
-                while "result" not in gets[args[0]] and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                out = gets[args[0]].get("result", ("error", ("Timeout", "get did not end")))
-            elif cmd == "sha":              # name -> sha256 of our copy
-                out = _sha(arrays[args[0]])
-            elif cmd == "corrupt":          # name: flip every byte of our copy
-                arrays[args[0]] ^= 0xFF
-                out = None
-            elif cmd == "unregister":
-                store.unregister(args[0])
-                out = None
-            elif cmd == "stats":
-                out = store.stats()
-            else:
-                raise ValueError(f"unknown command {cmd}")
-            conn.send(("ok", out))
-        except BaseException as e:
-            conn.send(("error", (repr(e), traceback.format_exc())))
+    def do_register(self, name, size, seed):            # -> sha
+        self.arrays[name] = _data(size, seed)
+        self.store.register(name, self.arrays[name])
+        return _sha(self.arrays[name])
+
+    def do_start_get(self, name, delay, decentralized):  # delay per chunk
+        self.gets[name] = {"done": 0}
+        threading.Thread(target=self._run_get, args=(name, delay, decentralized),
+                         daemon=True).start()
+
+    def do_progress(self, name):                         # -> bytes verified so far
+        return self.gets[name]["done"]
+
+    def do_wait_get(self, name, timeout):   # -> ("ok", sha) | ("error", (type, msg))
+        deadline = time.monotonic() + timeout
+        while "result" not in self.gets[name] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.gets[name].get("result", ("error", ("Timeout", "get did not end")))
+
+    def do_sha(self, name):                              # -> sha256 of our copy
+        return _sha(self.arrays[name])
+
+    def do_corrupt(self, name):                          # flip every byte of our copy
+        self.arrays[name] ^= 0xFF
+
+    def do_unregister(self, name):
+        self.store.unregister(name)
+
+    def do_stats(self):
+        return self.store.stats()
 
 
-class StoreProcess:
+class StoreProcess(Child):
     """An engine + P2PStore in another process; ``name`` and ``address`` once ready."""
 
     def __init__(self, metadata: str, **kwargs):
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, metadata, kwargs), daemon=True)
-        self.proc.start()
-        child.close()
         self.name = self.address = None
+        super().__init__(_StoreState, metadata, kwargs, what="store process",
+                         timeout=CALL_TIMEOUT, wait=False)
 
-    def ready(self) -> "StoreProcess":
-        if self.name is None:
-            self.name, self.address = self._reply(CALL_TIMEOUT)
-        return self
-
-    def _reply(self, timeout):
-        if not self._conn.poll(timeout):
-            self.kill()
-            raise TimeoutError(f"store process {self.proc.pid} did not answer in {timeout} s")
-        kind, value = self._conn.recv()
-        if kind == "error":
-            raise RuntimeError(f"store process failed: {value[0]}\n{value[1]}")
-        return value
-
-    def call(self, cmd, *args, timeout: float = CALL_TIMEOUT):
-        self.ready()
-        self._conn.send((cmd, args))
-        return self._reply(timeout)
+    def on_ready(self, hello) -> None:
+        self.name, self.address = hello
 
     def wait_progress(self, name: str, at_least: int, timeout: float = 20.0) -> int:
         deadline = time.monotonic() + timeout
@@ -138,20 +117,6 @@ class StoreProcess:
                 return done
             time.sleep(0.01)
         raise TimeoutError(f"{self.name}: get of {name!r} stuck below {at_least} bytes")
-
-    def kill(self) -> None:
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(5)
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.call("exit", timeout=10)
-            except Exception:
-                pass
-        self.proc.join(5)
-        self.kill()
 
 
 def start(n: int, metadata: str, **kwargs) -> list[StoreProcess]:

@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The package's layering, checked on the source with ast (docs/architecture.md):
+
+    tools -> services/integrations -> facade -> transports -> core
+
+A module imports only from its own layer or the layers below it, and no module of one
+transport imports another transport (they share only ``transports.base`` and the core).
+Imports inside functions count too: a lazy import is still a dependency.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[2] / "mooncake_te"
+
+CORE, TRANSPORTS, FACADE, SERVICES, TOOLS = range(5)
+NAMES = ("core", "transports", "facade", "services/integrations", "tools")
+
+# Top-level names of mooncake_te and their layer. A new top-level module or folder must
+# be placed here (the test fails until it is), which is the point: say where it belongs.
+LAYER = {
+    # core: the native core and the plain libraries every transport may use
+    "core": CORE, "errors": CORE, "batch": CORE, "memory": CORE, "cuda": CORE,
+    "config": CORE, "metadata": CORE, "topology": CORE, "nvmeof_admin": CORE,
+    "nvmeof": CORE,
+    "transports": TRANSPORTS,
+    # the facade: TransferEngine and the modules it is made of
+    "": FACADE, "engine": FACADE, "routing": FACADE, "regions": FACADE,
+    "segments": FACADE, "submit": FACADE, "auth": FACADE, "netif": FACADE,
+    "kvcache": SERVICES, "p2p_store": SERVICES, "integrations": SERVICES,
+    "compat": SERVICES,
+    "cli": TOOLS, "bench": TOOLS, "doctor": TOOLS, "lab": TOOLS, "__main__": TOOLS,
+}
+
+# Known exceptions, each with the reason and who removes it. Keep this empty.
+ALLOWED: dict = {
+    ("mooncake_te.batch", "mooncake_te.transports.nvmeof"):
+        "storage status texts; they move to the errors registry (issue 21, native half)",
+}
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        parts = list(rel.parts)
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        yield ".".join(parts), is_pkg, path
+
+
+def _exists(dotted: str) -> bool:
+    p = PKG.parent.joinpath(*dotted.split("."))
+    return p.with_suffix(".py").exists() or (p / "__init__.py").exists() or \
+        any(p.parent.glob(p.name + ".*.so")) or p.with_suffix(".pyx").exists()
+
+
+def _imports(module: str, is_pkg: bool, path: pathlib.Path):
+    """Every mooncake_te module ``module`` imports (resolved), with its line."""
+    tree = ast.parse(path.read_text(), str(path))
+    pkg = module if is_pkg else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "mooncake_te":
+                    yield a.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[:len(base) - node.level + 1]
+                base = ".".join(base + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.split(".")[0] != "mooncake_te":
+                continue
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                yield (sub if a.name != "*" and _exists(sub) else base), node.lineno
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else ""
+    assert top in LAYER, (f"{module}: top-level name {top!r} has no layer; add it to LAYER "
+                          f"in {__file__} (and to docs/architecture.md)")
+    return LAYER[top]
+
+
+def _transport(module: str) -> str | None:
+    """The transport a module belongs to (``tcp`` for mooncake_te.transports.tcp._tcp),
+    ``""`` for the shared modules of transports/, None outside transports/."""
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] != "transports":
+        return None
+    if len(parts) == 2 or parts[2] == "base":
+        return ""
+    return parts[2]
+
+
+EDGES = [(m, target, line) for m, is_pkg, path in _modules()
+         for target, line in _imports(m, is_pkg, path)]
+
+
+def test_the_walk_sees_the_package():
+    mods = {m for m, _, _ in _modules()}
+    assert {"mooncake_te.engine", "mooncake_te.transports.tcp",
+            "mooncake_te.transports.base"} <= mods
+    assert any(t == "mooncake_te.transports.base" for m, t, _ in EDGES
+               if m == "mooncake_te.transports.tcp")
+
+
+@pytest.mark.parametrize("layer", range(5), ids=NAMES)
+def test_no_upward_imports(layer):
+    bad = []
+    for m, target, line in EDGES:
+        if _layer(m) != layer or (m, target) in ALLOWED:
+            continue
+        if _layer(target) > layer:
+            bad.append(f"{m}:{line} imports {target} ({NAMES[_layer(target)]})")
+    assert not bad, f"{NAMES[layer]} must not import upward:\n" + "\n".join(bad)
+
+
+def test_no_transport_imports_another():
+    bad = []
+    for m, target, line in EDGES:
+        mine, theirs = _transport(m), _transport(target)
+        if not mine or theirs is None:
+            continue          # outside transports/, or the shared modules of transports/
+        if theirs != mine and not (theirs == "" and target.endswith(".base")):
+            bad.append(f"{m}:{line} imports {target}")
+    assert not bad, "transports import one another:\n" + "\n".join(bad)
+
+
+def test_allowed_exceptions_are_still_needed():
+    seen = {(m, t) for m, t, _ in EDGES}
+    stale = [k for k in ALLOWED if k not in seen]
+    assert not stale, f"remove these from ALLOWED, they no longer happen: {stale}"
