@@ -14,8 +14,6 @@ import secrets
 import warnings
 from typing import Iterable
 
-import numpy as np
-
 from . import errors as E
 from . import submit as S
 from .auth import check_token, warn_unauthenticated
@@ -392,18 +390,10 @@ class TransferEngine:
         S.check_notify(notify)
         if n == 0 and notify is None:
             raise E.InvalidArgumentError("empty batch: give at least one request")
-        # Validate everything before anything is queued.
-        plan = []
-        for (name, op), (idx, src, dst, lens) in groups.items():
-            if not checked:
-                S.check_local(self._regions, src, lens,
-                              None if idx is None else (lambda k, idx=idx: idx[k]))
-            desc = self._peers.resolve(name)
-            plan.append((name, op, idx, src, dst, lens, desc,
-                         self._tx.pick(desc, op, src, dst)[0]))
+        plan = S.plan(groups, self._regions, self._peers.resolve, self._tx.pick, checked)
         deadline = S.deadline(self.timeout, nbytes, timeout)
-        return _queue(plan, n, notify, deadline, self._tx.new_batch, self._notifier,
-                      self._peers, self.protocol)
+        return S.queue(plan, n, notify, deadline, self._tx.new_batch, self._notifier,
+                       self._peers, self.protocol)
 
     def stats(self) -> dict:
         """Counters: refused peers (auth), regions, peers."""
@@ -421,35 +411,3 @@ class TransferEngine:
         """Notifications received since the last call (drained)."""
         self._check_open()
         return [Notification(s, m) for s, m in self._notifier.notifications()]
-
-
-def _queue(plan, n, notify, deadline, new_batch, notifier, peers, protocol) -> Batch:
-    """Queue a checked plan in one native batch; on a failure part-way, the batch is
-    finished so nothing waits on it."""
-    native = new_batch(n, deadline)
-    parts = []
-    routes = set()
-    order = np.empty(n, dtype=np.int64) if any(p[2] is not None for p in plan) else None
-    first = 0
-    try:
-        for name, op, idx, src, dst, lens, desc, tr in plan:
-            if order is not None:
-                # submit(): requests are carried grouped by (target, op); remember where
-                # each one came from so status() and errors use the caller's indices.
-                order[idx] = np.arange(first, first + len(src))
-            routes.add(tr.submit(native, desc, op, src, dst, lens, first, False))
-            parts.append((name, first, src, dst, lens, op))
-            first += len(src)
-        if notify is not None:
-            for name in dict.fromkeys(p[0] for p in plan):
-                notifier.add_notify(native, peers.get(name), bytes(notify))
-    except BaseException:
-        # Part of the batch may be queued already: stop what has not started, count
-        # what was never queued, and let the batch finish so nothing waits on it.
-        native.cancel()
-        native.abandon(first, n - first)
-        native.seal()
-        raise
-    native.seal()
-    return Batch(native, ",".join(sorted(routes)) or protocol, deadline, parts, peers.lost,
-                 order)

@@ -13,7 +13,7 @@ from collections import defaultdict
 import numpy as np
 
 from . import errors as E
-from .batch import Op, TransferRequest
+from .batch import Batch, Op, TransferRequest
 from .segments import target_name
 
 MAX_NOTIFY = 1 << 20
@@ -137,3 +137,48 @@ def notice(name: str) -> dict:
     """An empty group to ``name``: a batch that only carries a notification."""
     e = np.empty(0, np.uint64)
     return {(name, int(Op.WRITE)): ([], e, e, e)}
+
+
+def plan(groups: dict, table, resolve, pick, checked: bool = False) -> list:
+    """Check every group and find who carries it, before anything is queued: [(name, op,
+    caller indices, local, remote, lengths, descriptor, transport)]. ``checked``: the
+    caller ran :func:`check_local` already (a sync request)."""
+    out = []
+    for (name, op), (idx, src, dst, lens) in groups.items():
+        if not checked:
+            check_local(table, src, lens, None if idx is None else (lambda k, idx=idx: idx[k]))
+        desc = resolve(name)
+        out.append((name, op, idx, src, dst, lens, desc, pick(desc, op, src, dst)[0]))
+    return out
+
+
+def queue(plan, n, notify, deadline, new_batch, notifier, peers, protocol) -> Batch:
+    """Queue a checked plan in one native batch; on a failure part-way, the batch is
+    finished so nothing waits on it."""
+    native = new_batch(n, deadline)
+    parts = []
+    routes = set()
+    order = np.empty(n, dtype=np.int64) if any(p[2] is not None for p in plan) else None
+    first = 0
+    try:
+        for name, op, idx, src, dst, lens, desc, tr in plan:
+            if order is not None:
+                # submit(): requests are carried grouped by (target, op); remember where
+                # each one came from so status() and errors use the caller's indices.
+                order[idx] = np.arange(first, first + len(src))
+            routes.add(tr.submit(native, desc, op, src, dst, lens, first, False))
+            parts.append((name, first, src, dst, lens, op))
+            first += len(src)
+        if notify is not None:
+            for name in dict.fromkeys(p[0] for p in plan):
+                notifier.add_notify(native, peers.get(name), bytes(notify))
+    except BaseException:
+        # Part of the batch may be queued already: stop what has not started, count
+        # what was never queued, and let the batch finish so nothing waits on it.
+        native.cancel()
+        native.abandon(first, n - first)
+        native.seal()
+        raise
+    native.seal()
+    return Batch(native, ",".join(sorted(routes)) or protocol, deadline, parts, peers.lost,
+                 order)

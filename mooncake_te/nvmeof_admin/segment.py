@@ -14,12 +14,11 @@ publishing host itself use the backing file or device directly.
 from __future__ import annotations
 
 import os
-import stat
 
 from ..errors import DeviceNotFoundError, InvalidArgumentError
 from .host import _addr, _controllers, find_namespace
-from .target import (NVMET, backing_size, check_address, check_nqn, check_service_id,
-                     check_transport, get_target)
+from .target import (NVMET, backing_size, check_address, check_backing, check_nqn,
+                     check_service_id, check_transport, get_target)
 
 
 def storage_entry(name, path=None, nqn=None, nsid=1, size=None, transport=None,
@@ -66,16 +65,7 @@ def storage_entry(name, path=None, nqn=None, nsid=1, size=None, transport=None,
         if ctrl is not None:
             a = _addr(ctrl.address)
             port = (ctrl.transport, a.get("traddr"), a.get("trsvcid"))
-    if not isinstance(path, str) or not path:
-        raise InvalidArgumentError(f"path must be a non-empty str, got {path!r}")
-    path = os.path.abspath(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise DeviceNotFoundError(f"storage path {path!r} does not exist") from None
-    if not (stat.S_ISBLK(st.st_mode) or stat.S_ISREG(st.st_mode)):
-        raise InvalidArgumentError(f"storage path {path!r} is neither a block device nor a "
-                                   f"regular file")
+    path = check_backing(path, "storage path")
     have = backing_size(path)
     if size is None:
         size = have

@@ -205,19 +205,28 @@ def supports_o_direct(path: str) -> bool:
     return True
 
 
-def _check_backing(path) -> str:
+def check_backing(path, what: str = "namespace backing", hint: str = "") -> str:
+    """``path`` made absolute, after checking it names an existing block device or
+    regular file (``what`` and ``hint`` word the errors: a namespace's backing, a
+    storage segment's path)."""
     if not isinstance(path, str) or not path:
-        raise InvalidArgumentError(f"namespace path must be a non-empty str, got {path!r}")
+        raise InvalidArgumentError(f"{what.split()[0]} path must be a non-empty str, got "
+                                   f"{path!r}")
     path = os.path.abspath(path)
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise DeviceNotFoundError(f"namespace backing {path!r} does not exist; give a block "
-                                  f"device or a file (e.g. truncate -s 1G {path})") from None
+        raise DeviceNotFoundError(f"{what} {path!r} does not exist{hint}") from None
     if not (stat.S_ISBLK(st.st_mode) or stat.S_ISREG(st.st_mode)):
-        raise InvalidArgumentError(f"namespace backing {path!r} is neither a block device "
+        raise InvalidArgumentError(f"{what} {path!r} is neither a block device "
                                    f"nor a regular file")
-    if stat.S_ISREG(st.st_mode) and st.st_size == 0:
+    return path
+
+
+def _check_backing(path) -> str:
+    path = check_backing(path, hint=f"; give a block device or a file (e.g. truncate -s 1G "
+                                    f"{path})")
+    if stat.S_ISREG(os.stat(path).st_mode) and os.stat(path).st_size == 0:
         raise InvalidArgumentError(f"namespace backing file {path!r} is empty; give it a size "
                                    f"first (truncate -s 1G {path})")
     return path
