@@ -115,7 +115,6 @@ class TransferEngine:
             self._backend = open_backend(metadata, local_descriptor=self._describe_bytes,
                                          token=self._token)
             self._peers = Peers(self._backend, self._tx.forget, self.timeout)
-            self._cache = self._peers.cache
             self._closed = False
             self._publish()
         except BaseException:
@@ -223,15 +222,6 @@ class TransferEngine:
         return Segment(self._peers.get(name, refresh=refresh))
 
     # --- storage segments --------------------------------------------------------------
-    def _storage_transport(self, missing):
-        t = self._tx.with_capability("storage")
-        if t is None:
-            why = "; ".join(f"{n}: {c.reason}" for n, c in self.available_transports.items()
-                            if c.capabilities.storage or not getattr(c, "available", True))
-            raise missing(f"no storage transport (NVMe-oF) is running in this engine"
-                          f"{' (' + why + ')' if why else ''}")
-        return t
-
     def register_storage(self, name: str, path: str | None = None, nqn: str | None = None,
                          nsid: int = 1, size: int | None = None, transport: str | None = None,
                          address: str | None = None, service_id=None):
@@ -262,7 +252,13 @@ class TransferEngine:
         mooncake_te.transports.nvmeof.StorageSegment
         """
         self._check_open()
-        t = self._storage_transport(E.TransportUnavailableError)
+        t = self._tx.with_capability("storage")
+        if t is None:
+            why = "; ".join(f"{n}: {c.reason}" for n, c in self.available_transports.items()
+                            if not getattr(c, "available", True))
+            raise E.TransportUnavailableError(
+                f"no storage (NVMe-oF) transport is running in this engine"
+                f"{' (' + why + ')' if why else ''}")
         seg = t.add_storage(name, path=path, nqn=nqn, nsid=nsid, size=size,
                             transport=transport, address=address, service_id=service_id)
         self._peers.invalidate(self.name)          # our own storage resolves afresh
