@@ -21,7 +21,7 @@ import numpy as np
 from . import errors as E
 from .batch import Batch, Notification, Op, TransferRequest, error_for
 from .config import Config
-from .core._regions import Regions, READ as ACC_READ, WRITE as ACC_WRITE
+from .core import Regions, ACC_READ, ACC_WRITE
 from .memory import ACCESS, MemoryRegion, cpu_location, intake
 from .metadata import BufferInfo, SegmentCache, SegmentDescriptor, open_backend
 from .metadata.rpc import RpcServer
@@ -384,7 +384,7 @@ class TransferEngine:
                 f"the NVMe-oF transport is not running in this engine: "
                 f"{getattr(self.available_transports.get('nvmeof'), 'reason', 'not started')}")
         from .nvmeof.segment import storage_entry
-        from .transports.tcp import HOST_ID
+        from .core import HOST_ID
         entry = storage_entry(name, path, nqn, nsid, size, transport, address, service_id)
         entry["host_id"] = HOST_ID
         seg = t.add_storage(entry)
@@ -627,7 +627,7 @@ class TransferEngine:
         if n == 0 and notify is None:
             raise E.InvalidArgumentError("empty batch: give at least one request")
         tcp = self._transport
-        from .transports.tcp import NativeBatch  # every transport finishes these
+        from .core import NativeBatch  # every transport finishes these
         # Validate everything before anything is queued.
         plan = []
         for (name, op), (idx, src, dst, lens) in groups.items():

@@ -17,13 +17,6 @@
 #define POLL_BATCH 32
 #define POST_CHAIN 32
 
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
 /* ------------------------------------------------------------------------------------ */
 /* Types                                                                                  */
 
@@ -122,7 +115,6 @@ struct mte_rdma_peer {
 };
 
 struct mte_rdma {
-    const mte_batch_ops_t *ops;
     mte_regions_t *regions;
     mte_rdma_params_t prm;
     dev_t_ devs[MTE_RDMA_MAX_DEV];
@@ -144,10 +136,9 @@ static void dispatch(mte_rdma_peer_t *p, slice_t *s, mte_rdma_rail_t *exclude);
 /* ------------------------------------------------------------------------------------ */
 /* Engine, devices                                                                        */
 
-mte_rdma_t *mte_rdma_new(const mte_batch_ops_t *ops, mte_regions_t *regions,
-                         const mte_rdma_params_t *params, int *err)
+mte_rdma_t *mte_rdma_new(mte_regions_t *regions, const mte_rdma_params_t *params, int *err)
 {
-    if (!ops || ops->version < 1 || !params || params->slice_size == 0) {
+    if (!params || params->slice_size == 0) {
         if (err) *err = -EINVAL;
         return NULL;
     }
@@ -156,7 +147,6 @@ mte_rdma_t *mte_rdma_new(const mte_batch_ops_t *ops, mte_regions_t *regions,
         if (err) *err = -ENOMEM;
         return NULL;
     }
-    r->ops = ops;
     r->regions = regions;
     r->prm = *params;
     pthread_rwlock_init(&r->lk, NULL);
@@ -295,16 +285,15 @@ int mte_rdma_mr_remove(mte_rdma_t *r, uint64_t addr)
 /* ------------------------------------------------------------------------------------ */
 /* Finishing slices                                                                       */
 
-static int stop_code(mte_batch_t *b, const mte_batch_ops_t *ops)
+static int stop_code(mte_batch_t *b)
 {
     /* Canceled or expired: report which, as the batch would. */
-    return ops->now_ns() >= ops->deadline(b) && ops->deadline(b) > 0 ? MTE_E_TIMEOUT
-                                                                     : MTE_E_CANCELED;
+    int e = mte_batch_stop_code(b, mte_now_ns());
+    return e ? e : MTE_E_CANCELED;
 }
 
 static void finish_slice(mte_rdma_peer_t *p, slice_t *s, int err)
 {
-    mte_rdma_t *r = p->r;
     req_t *q = s->req;
     uint32_t len = s->len;
     free(s);
@@ -313,7 +302,7 @@ static void finish_slice(mte_rdma_peer_t *p, slice_t *s, int err)
         mte_region_unpin(q->pin);       /* before the batch can finish */
         q->pin = NULL;
     }
-    r->ops->slice_done(q->b, q->idx, err ? 0 : len, err);
+    mte_batch_slice_done(q->b, q->idx, err ? 0 : len, err);
     if (last)
         free(q);
     atomic_fetch_sub(&p->outstanding, 1);
@@ -335,7 +324,7 @@ static int rail_usable(mte_rdma_rail_t *rl, int64_t now)
 static mte_rdma_rail_t *choose(mte_rdma_peer_t *p, const req_t *q, mte_rdma_rail_t *exclude,
                                unsigned start)
 {
-    int64_t now = now_ns();
+    int64_t now = mte_now_ns();
     int n = atomic_load(&p->nrails);
     mte_rdma_rail_t *fallback = NULL;
     for (int pass = 0; pass < 2; pass++) {
@@ -379,7 +368,7 @@ static slice_t *qp_failed_locked(mte_rdma_rail_t *rl, cqp_t *c, int err)
 {
     (void)c;
     int zero = 0;
-    if (err && err != MTE_E_RDMA_WC - IBV_WC_WR_FLUSH_ERR)
+    if (err && err != MTE_E_RDMA_WC_BASE - IBV_WC_WR_FLUSH_ERR)
         atomic_compare_exchange_strong(&rl->first_err, &zero, err);
     for (int i = 0; i < rl->nqp; i++) {
         cqp_t *x = rl->qps[i];
@@ -394,7 +383,7 @@ static slice_t *qp_failed_locked(mte_rdma_rail_t *rl, cqp_t *c, int err)
     atomic_store(&rl->dead, 1);
     rl->fails_in_row++;
     int pause = rl->fails_in_row >= 2 ? rl->peer->r->prm.pause_ms : 0;
-    atomic_store(&rl->paused_until, now_ns() + (int64_t)pause * 1000000LL);
+    atomic_store(&rl->paused_until, mte_now_ns() + (int64_t)pause * 1000000LL);
     slice_t *q = rl->qhead;
     rl->qhead = rl->qtail = NULL;
     return q;
@@ -445,7 +434,7 @@ static void pump(mte_rdma_rail_t *rl)
             if (!rl->qhead)
                 rl->qtail = NULL;
             req_t *q = s->req;
-            if (r->ops->stopped(q->b) || atomic_load(&p->shutdown)) {
+            if (mte_batch_stopped(q->b) || atomic_load(&p->shutdown)) {
                 s->next = stopped;
                 stopped = s;
                 continue;
@@ -500,7 +489,7 @@ static void pump(mte_rdma_rail_t *rl)
     while (stopped) {
         slice_t *nx = stopped->next;
         int code = atomic_load(&p->shutdown) ? MTE_E_CLOSED
-                                             : stop_code(stopped->req->b, r->ops);
+                                             : stop_code(stopped->req->b);
         finish_slice(p, stopped, code);
         stopped = nx;
     }
@@ -516,8 +505,8 @@ static void dispatch(mte_rdma_peer_t *p, slice_t *s, mte_rdma_rail_t *exclude)
         finish_slice(p, s, MTE_E_CLOSED);
         return;
     }
-    if (p->r->ops->stopped(s->req->b)) {
-        finish_slice(p, s, stop_code(s->req->b, p->r->ops));
+    if (mte_batch_stopped(s->req->b)) {
+        finish_slice(p, s, stop_code(s->req->b));
         return;
     }
     mte_rdma_rail_t *rl = choose(p, s->req, exclude, atomic_fetch_add(&p->rr, 1));
@@ -570,7 +559,7 @@ static void on_completion(dev_t_ *d, const struct ibv_wc *wc)
         peer_unref(p);
         return;
     }
-    int err = MTE_E_RDMA_WC - (int)wc->status;
+    int err = MTE_E_RDMA_WC_BASE - (int)wc->status;
     atomic_fetch_add(&d->errors, 1);
     pthread_mutex_lock(&rl->mu);
     c->outstanding--;
@@ -663,7 +652,7 @@ static void *poller(void *arg)
         }
         if (atomic_load(&r->stop) && atomic_load(&d->outstanding) <= 0)
             break;
-        int64_t now = now_ns();
+        int64_t now = mte_now_ns();
         if (!idle_since)
             idle_since = now;
         if (now - idle_since < (int64_t)r->prm.spin_us * 1000) {
@@ -691,7 +680,7 @@ static void *poller(void *arg)
             on_async(d);
         idle_since = 0;
         if (rc == 0)
-            idle_since = now_ns() - (int64_t)r->prm.spin_us * 1000;   /* stay asleep */
+            idle_since = mte_now_ns() - (int64_t)r->prm.spin_us * 1000;   /* stay asleep */
     }
     return NULL;
 }
@@ -1030,8 +1019,8 @@ void mte_rdma_peer_free(mte_rdma_peer_t *p, int wait_ms)
     if (!p)
         return;
     mte_rdma_peer_shutdown(p);
-    int64_t until = now_ns() + (int64_t)wait_ms * 1000000LL;
-    while (atomic_load(&p->outstanding) > 0 && now_ns() < until)
+    int64_t until = mte_now_ns() + (int64_t)wait_ms * 1000000LL;
+    while (atomic_load(&p->outstanding) > 0 && mte_now_ns() < until)
         usleep(1000);
     peer_unref(p);
 }
@@ -1041,8 +1030,8 @@ void mte_rdma_peer_free(mte_rdma_peer_t *p, int wait_ms)
 
 static void fail_request(mte_rdma_t *r, mte_batch_t *b, uint32_t idx, int err)
 {
-    r->ops->begin(b, idx, 1);
-    r->ops->slice_done(b, idx, 0, err);
+    mte_batch_begin(b, idx, 1);
+    mte_batch_slice_done(b, idx, 0, err);
 }
 
 int mte_rdma_submit(mte_rdma_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
@@ -1066,8 +1055,8 @@ int mte_rdma_submit(mte_rdma_peer_t *p, mte_batch_t *b, int op, const uint64_t *
         uint32_t idx = first + i;
         uint64_t laddr = local[i], raddr = remote[i];
         uint64_t len = lens[len_stride ? i : 0];
-        if (r->ops->stopped(b)) {
-            fail_request(r, b, idx, stop_code(b, r->ops));
+        if (mte_batch_stopped(b)) {
+            fail_request(r, b, idx, stop_code(b));
             continue;
         }
         int why = 0;
@@ -1119,7 +1108,7 @@ int mte_rdma_submit(mte_rdma_peer_t *p, mte_batch_t *b, int op, const uint64_t *
         if (nsl > 1 && len - (uint64_t)(nsl - 1) * ssz <= tail_merge)
             nsl--;                                   /* merge a short tail */
         atomic_init(&q->left, nsl);
-        r->ops->begin(b, idx, nsl);
+        mte_batch_begin(b, idx, nsl);
         mte_rdma_rail_t *one = NULL;
         if (!r->prm.multi_nic)
             one = choose(p, q, NULL, rr + i);
@@ -1142,7 +1131,7 @@ int mte_rdma_submit(mte_rdma_peer_t *p, mte_batch_t *b, int op, const uint64_t *
                         mte_region_unpin(q->pin);
                         q->pin = NULL;
                     }
-                    r->ops->slice_done(b, idx, 0, MTE_E_NOMEM);
+                    mte_batch_slice_done(b, idx, 0, MTE_E_NOMEM);
                     if (last)
                         free(q);
                     atomic_fetch_sub(&p->outstanding, 1);
@@ -1219,9 +1208,9 @@ void mte_rdma_stop(mte_rdma_t *r, int wait_ms)
     pthread_mutex_unlock(&r->peers_mu);
     for (int i = 0; i < np; i++)
         mte_rdma_peer_shutdown(list[i]);
-    int64_t until = now_ns() + (int64_t)wait_ms * 1000000LL;
+    int64_t until = mte_now_ns() + (int64_t)wait_ms * 1000000LL;
     for (int i = 0; i < np; i++) {
-        while (atomic_load(&list[i]->outstanding) > 0 && now_ns() < until)
+        while (atomic_load(&list[i]->outstanding) > 0 && mte_now_ns() < until)
             usleep(1000);
     }
     atomic_store(&r->stop, 1);

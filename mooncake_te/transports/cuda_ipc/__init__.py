@@ -178,7 +178,7 @@ class CudaIpcTransport(Transport):
     def describe(self) -> dict:
         if not self._exports:
             return {}
-        from ..tcp import HOST_ID
+        from ...core import HOST_ID
         with self._mu:
             bufs = list(self._exports.values())
         return {"cuda_ipc": {"host_id": HOST_ID, "pid": os.getpid(),
@@ -200,7 +200,7 @@ class CudaIpcTransport(Transport):
         info = desc.extra.get("cuda_ipc")
         if not info:
             return None
-        from ..tcp import HOST_ID
+        from ...core import HOST_ID
         if not HOST_ID or info.get("host_id") != HOST_ID:
             return None
         remote = np.atleast_1d(np.asarray(remote, dtype=np.uint64))

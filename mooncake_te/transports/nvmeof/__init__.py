@@ -29,7 +29,7 @@ import numpy as np
 from ... import errors as E
 from ...metadata.descriptor import BufferInfo, SegmentDescriptor
 from ..base import Transport
-from ..tcp import HOST_ID
+from ...core import HOST_ID
 from ._nvmeof import OUT_OF_RANGE, STORAGE_BASE, Device
 
 log = logging.getLogger("mooncake_te.nvmeof")
@@ -348,7 +348,7 @@ class NvmeofTransport(Transport):
         if length <= SLICE_SIZE:
             return "nvmeof", dev.transfer(op, local, remote, length, deadline_ns)
         # Large: in slices on the workers, in parallel.
-        from ..tcp import NativeBatch
+        from ...core import NativeBatch
         b = NativeBatch(1, deadline_ns)
         rc = dev.submit(b, op, np.array([local], np.uint64), one,
                         np.array([length], np.uint64), 0)
@@ -421,7 +421,7 @@ class _GpuStager:
     def one(self, dev, op, local, remote, length, ordinal, deadline_ns=0) -> int:
         """One request, staged on this thread: 0 or a status code."""
         from ... import cuda
-        from ..tcp import READ
+        from ...core import OP_READ as READ
         if ordinal < 0:
             return dev.transfer(op, local, remote, length, deadline_ns)
         # The device's primary context must be current on this thread: the staging

@@ -4,13 +4,16 @@
 import os
 import warnings
 
-from libc.stdint cimport uintptr_t, uint32_t, uint64_t, int64_t
-from mooncake_te.core._regions cimport Regions
+from libc.errno cimport ESHUTDOWN
+from libc.stdint cimport uint32_t, uint64_t, int64_t
+from mooncake_te.core._core cimport Regions, NativeBatch
+from mooncake_te.core.capi cimport mte_core_import
+from mooncake_te.core.libcore cimport MTE_E_STORAGE_BASE, MTE_E_OUT_OF_RANGE, MTE_E_CLOSED
 from mooncake_te.transports.nvmeof.libnvmeof cimport *
 
-from mooncake_te.transports.tcp._tcp import batch_ops_address
+mte_core_import()
 
-STORAGE_BASE = MTE_E_STORAGE        # an errno e from the device is STORAGE_BASE - e
+STORAGE_BASE = MTE_E_STORAGE_BASE   # an errno e from the device is STORAGE_BASE - e
 OUT_OF_RANGE = MTE_E_OUT_OF_RANGE
 
 
@@ -28,9 +31,8 @@ cdef class Device:
         cdef int err = 0
         cdef bytes p = os.fsencode(path)
         cdef const char *cp = p
-        cdef const mte_batch_ops_t *ops = <const mte_batch_ops_t *><uintptr_t>batch_ops_address()
         with nogil:
-            self.f = mte_nvf_open(cp, size, threads, slice_size, ops, regions.t, &err)
+            self.f = mte_nvf_open(cp, size, threads, slice_size, regions.t, &err)
         if self.f == NULL:
             raise OSError(-err, f"cannot open {path} for storage I/O: {os.strerror(-err)}")
         self.path = path
@@ -55,12 +57,12 @@ cdef class Device:
     def direct(self):
         return bool(mte_nvf_direct(self.f)) if self.f else False
 
-    def submit(self, batch, int op, const uint64_t[::1] local, const uint64_t[::1] offs,
+    def submit(self, NativeBatch batch, int op, const uint64_t[::1] local, const uint64_t[::1] offs,
                const uint64_t[::1] lens, uint32_t first):
         """Queue requests [first, first+len(local)) of ``batch`` (a NativeBatch); 0 or -errno."""
         if self.f == NULL:
-            return -108             # ESHUTDOWN
-        cdef mte_batch_t *b = <mte_batch_t *><uintptr_t>batch.address
+            return -ESHUTDOWN
+        cdef mte_batch_t *b = batch.b
         cdef uint32_t n = local.shape[0]
         cdef int stride = 1 if lens.shape[0] > 1 else 0
         cdef int rc
@@ -74,7 +76,7 @@ cdef class Device:
                  int64_t deadline_ns):
         """One request on this thread (GIL released): 0 or a status code."""
         if self.f == NULL:
-            return -1008
+            return MTE_E_CLOSED
         cdef int rc
         with nogil:
             rc = mte_nvf_transfer(self.f, op, local, off, length, deadline_ns)

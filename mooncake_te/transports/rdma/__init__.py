@@ -200,8 +200,7 @@ class RdmaTransport(Transport):
                     f"{'has' if len(names) == 1 else 'have'} no ACTIVE port {self.port} with "
                     f"a GID (ibv_devinfo shows the port states; found: {', '.join(found)})")
             self.matrix = self._matrix(bool(te.get("topology_aware", True)))
-            from ..tcp._tcp import batch_ops_address
-            self.dp = _verbs.DataPath(batch_ops_address(), ctx.regions, self.slice_size,
+            self.dp = _verbs.DataPath(ctx.regions, self.slice_size,
                                       self.retry_count, self.multi_nic,
                                       int(self.pause_s * 1000))
             for d in self.devices:
@@ -427,7 +426,7 @@ class RdmaTransport(Transport):
                 except (E.MooncakeError, ReferenceError):
                     pass
         st = self._peer(desc)
-        rc = st.peer.submit(batch.address, op, local, remote, lens, first)
+        rc = st.peer.submit(batch, op, local, remote, lens, first)
         if rc != 0:
             raise E.TransferError(f"cannot queue {len(local)} requests to {desc.name} over "
                                   f"RDMA (error {rc})", status=rc if rc < 0 else None)

@@ -24,9 +24,12 @@ import weakref
 
 import numpy as np
 
-from mooncake_te.core._regions cimport Regions
+from mooncake_te.core._core cimport Regions, NativeBatch
+from mooncake_te.core.capi cimport mte_core_import
 from mooncake_te.transports.rdma.libibverbs cimport *
 from mooncake_te.transports.rdma.librdma cimport *
+
+mte_core_import()
 
 ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
 ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
@@ -567,7 +570,7 @@ cdef class DataPath(_Node):
     cdef list _keep
     cdef readonly int ndev
 
-    def __init__(self, uintptr_t batch_ops, Regions regions, uint64_t slice_size,
+    def __init__(self, Regions regions, uint64_t slice_size,
                  int retry_count, bint multi_nic=True, int pause_ms=30000, int spin_us=50):
         cdef mte_rdma_params_t prm
         cdef int err = 0
@@ -576,7 +579,7 @@ cdef class DataPath(_Node):
         prm.multi_nic = multi_nic
         prm.pause_ms = pause_ms
         prm.spin_us = spin_us
-        self.r = mte_rdma_new(<const mte_batch_ops_t *>batch_ops, regions.t, &prm, &err)
+        self.r = mte_rdma_new(regions.t, &prm, &err)
         if self.r == NULL:
             raise OSError(-err, f"cannot start the RDMA data path: {os.strerror(-err)}")
         self.regions = regions
@@ -769,7 +772,7 @@ cdef class Peer(_Node):
             res.append((q, [(outs[k], dead[k]) for k in range(max(n, 0))]))
         return res
 
-    def submit(self, uintptr_t batch, int op, const uint64_t[::1] local,
+    def submit(self, NativeBatch batch, int op, const uint64_t[::1] local,
                const uint64_t[::1] remote, const uint64_t[::1] lens, uint32_t first):
         cdef uint32_t n = local.shape[0]
         cdef int stride = 1 if lens.shape[0] == n else 0
@@ -778,7 +781,7 @@ cdef class Peer(_Node):
         if n == 0:
             return 0
         with nogil:
-            rc = mte_rdma_submit(p, <mte_batch_t *>batch, op, &local[0], &remote[0], &lens[0],
+            rc = mte_rdma_submit(p, batch.b, op, &local[0], &remote[0], &lens[0],
                                  stride, first, n)
         return rc
 

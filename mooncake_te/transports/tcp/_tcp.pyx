@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Thin one-to-one layer over src/tcp/tcp.c: the server, peers and native batches.
+"""Thin one-to-one layer over src/tcp/ (tcp.h): the server and peers.
 
 Everything that moves bytes or waits runs with the GIL released; the facade in
 ``mooncake_te.transports.tcp`` and ``mooncake_te.engine`` carries the domain words.
@@ -10,26 +10,14 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_
 import os
 import numpy as np
 
-from mooncake_te.core._regions cimport Regions
+from mooncake_te.core._core cimport Regions, NativeBatch
+from mooncake_te.core.capi cimport mte_core_import
+from mooncake_te.core.libcore cimport *
 from mooncake_te.transports.tcp.libtcp cimport *
 
-WRITE = MTE_OP_WRITE
-READ = MTE_OP_READ
+from mooncake_te.core._core import hmac_sha256, now_ns, OP_READ as READ, OP_WRITE as WRITE  # noqa: F401
 
-
-def now_ns():
-    return mte_now_ns()
-
-
-def hmac_sha256(bytes key, bytes data):
-    """The data path's HMAC-SHA256 (src/core/hmac_sha256.c), exposed for tests."""
-    cdef const void *parts[1]
-    cdef size_t lens[1]
-    cdef unsigned char out[32]
-    parts[0] = <const char *>data
-    lens[0] = len(data)
-    mte_hmac_sha256(<const char *>key, len(key), parts, lens, 1, out)
-    return bytes(out[:32])
+mte_core_import()
 
 
 cdef class TcpServer:
@@ -150,7 +138,7 @@ cdef class Peer:
             raise MemoryError()
         try:
             with nogil:
-                rc = mte_batch_submit(b, self.p, op, &local, &remote, &length, 0, 0, 1, 1)
+                rc = mte_tcp_submit(self.p, b, op, &local, &remote, &length, 0, 0, 1, 1)
                 mte_batch_seal(b)
             if rc != 0:
                 return rc
@@ -167,13 +155,38 @@ cdef class Peer:
                     mte_batch_expire(b)
                     break
             mte_batch_status(b, &state, &nbytes, &err)
-            if state == 1:
+            if state == MTE_ST_COMPLETED:
                 return 0
-            return err if err != 0 else (-801 if state == 3 else -800)
+            return err if err != 0 else (MTE_E_TIMEOUT if state == MTE_ST_TIMEOUT
+                                         else MTE_E_FAILED)
         finally:
             # Our reference; the in-flight one goes when the batch's slices finish (an
             # expired batch frees itself then).
             mte_batch_unref(b)
+
+    def submit(self, NativeBatch batch, int op, const uint64_t[::1] local,
+               const uint64_t[::1] remote, const uint64_t[::1] lens, uint32_t first,
+               bint run_inline=False):
+        """Queue requests [first, first+len(local)) of ``batch``; 0 or a status code."""
+        cdef uint32_t n = local.shape[0]
+        cdef int stride = 1 if lens.shape[0] == n else 0
+        cdef int rc = 0
+        if self.p == NULL:
+            raise RuntimeError("peer is closed")
+        if n == 0:
+            return 0
+        batch._keep.append(self)
+        with nogil:
+            rc = mte_tcp_submit(self.p, batch.b, op, &local[0], &remote[0], &lens[0], stride,
+                                first, n, run_inline)
+        return rc
+
+    def add_notify(self, NativeBatch batch, bytes msg):
+        """Deliver ``msg`` once every request of ``batch`` succeeded; 0 or a status code."""
+        if self.p == NULL:
+            raise RuntimeError("peer is closed")
+        batch._keep.append(self)
+        return mte_tcp_add_notify(self.p, batch.b, <const char *>msg, len(msg))
 
     def shutdown(self):
         if self.p != NULL and self.pid == os.getpid():
@@ -192,120 +205,3 @@ cdef class Peer:
             with nogil:
                 mte_peer_free(self.p)
             self.p = NULL
-
-
-cdef class NativeBatch:
-    """A batch of requests in flight; per-request state lives in C."""
-    cdef mte_batch_t *b
-    cdef readonly uint32_t size
-    cdef list _keep          # peers named by this batch stay alive while it lives
-
-    def __cinit__(self, uint32_t n, int64_t deadline_ns):
-        self.b = mte_batch_new(n, deadline_ns)
-        if self.b == NULL:
-            raise MemoryError(f"cannot allocate a batch of {n} requests")
-        self.size = n
-        self._keep = []
-
-    def __dealloc__(self):
-        if self.b != NULL:
-            mte_batch_unref(self.b)
-            self.b = NULL
-
-    def submit(self, Peer peer, int op, const uint64_t[::1] local, const uint64_t[::1] remote,
-               const uint64_t[::1] lens, uint32_t first, bint run_inline=False):
-        cdef uint32_t n = local.shape[0]
-        cdef int stride = 1 if lens.shape[0] == n else 0
-        cdef int rc = 0
-        if peer.p == NULL:
-            raise RuntimeError("peer is closed")
-        if n == 0:
-            return 0
-        self._keep.append(peer)
-        with nogil:
-            rc = mte_batch_submit(self.b, peer.p, op, &local[0], &remote[0], &lens[0], stride,
-                                  first, n, run_inline)
-        return rc
-
-    def add_notify(self, Peer peer, bytes msg):
-        self._keep.append(peer)
-        return mte_batch_add_notify(self.b, peer.p, <const char *>msg, len(msg))
-
-    def abandon(self, uint32_t first, uint32_t n):
-        """Requests [first, first+n) will never be submitted: count them canceled."""
-        with nogil:
-            mte_batch_abandon(self.b, first, n)
-
-    def seal(self):
-        with nogil:
-            mte_batch_seal(self.b)
-
-    def wait(self, int64_t deadline_ns):
-        """True when finished, False once ``deadline_ns`` (monotonic) passed; Ctrl-C works."""
-        cdef int64_t step
-        cdef int done = 0
-        while True:
-            step = mte_now_ns() + 100000000      # wake every 100 ms to look at signals
-            if deadline_ns < step:
-                step = deadline_ns
-            with nogil:
-                done = mte_batch_wait(self.b, step)
-            if done:
-                return True
-            PyErr_CheckSignals()
-            if mte_now_ns() >= deadline_ns:
-                return False
-
-    def done(self):
-        return mte_batch_done(self.b) != 0
-
-    def cancel(self):
-        mte_batch_cancel(self.b)
-
-    def expire(self):
-        mte_batch_expire(self.b)
-
-    def status(self):
-        """(states uint8[n], transferred uint64[n], errors int32[n])."""
-        states = np.empty(self.size, dtype=np.uint8)
-        nbytes = np.empty(self.size, dtype=np.uint64)
-        errs = np.empty(self.size, dtype=np.int32)
-        cdef uint8_t[::1] s = states
-        cdef uint64_t[::1] t = nbytes
-        cdef int32_t[::1] e = errs
-        if self.size:
-            mte_batch_status(self.b, &s[0], &t[0], &e[0])
-        return states, nbytes, errs
-
-    @property
-    def notify_error(self):
-        return mte_batch_notify_error(self.b)
-
-    @property
-    def address(self):
-        """The ``mte_batch_t *`` for other transports' C code (see tcp.h: completing
-        requests from other transports); valid while this object lives."""
-        return <uintptr_t>self.b
-
-    def keep(self, obj):
-        """Keep ``obj`` (a connection, a staging buffer) alive as long as the batch."""
-        self._keep.append(obj)
-
-    def begin(self, uint32_t idx, uint32_t slices):
-        """Request ``idx`` will finish after ``slices`` calls of :meth:`finish`."""
-        mte_batch_begin(self.b, idx, slices)
-
-    def finish(self, uint32_t idx, uint64_t nbytes, int err=0):
-        """One slice of request ``idx`` is done (``err`` 0 or a negative status code)."""
-        with nogil:
-            mte_batch_slice_done(self.b, idx, nbytes, err)
-
-    @property
-    def stopped(self):
-        """True once the batch was canceled or its deadline passed."""
-        return mte_batch_stopped(self.b) != 0
-
-
-def batch_ops_address():
-    """Address of the ``mte_batch_ops_t`` table (tcp.h) for other extension modules."""
-    return <uintptr_t>mte_batch_ops()
