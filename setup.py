@@ -80,7 +80,7 @@ extensions = [
     ext("mooncake_te.transports.nvmeof._nvmeof", "mooncake_te/transports/nvmeof/_nvmeof.pyx",
         ["src/nvmeof/nvmeof.c"]),
 ]
-built = ["core (GPU staging: libcuda loaded at run time)", "tcp", "nvmeof"]
+built = ["core", "tcp", "nvmeof"]   # GPU staging is in core; libcuda is loaded at run time
 skipped = []
 if wanted("rdma", have_header("infiniband/verbs.h")):
     extensions.append(ext("mooncake_te.transports.rdma._verbs",
