@@ -11,3 +11,17 @@ cdef class NativeBatch:
     cdef mte_batch_t *b
     cdef readonly uint32_t size
     cdef list _keep
+
+cdef class Resource:
+    cdef object __weakref__
+    cdef list _children
+    cdef int _pid
+    cdef int _state
+    cdef public object parent
+    cdef _opened(self)
+    cdef _detached(self)
+    cdef _adopt(self, child)
+    cdef _close_children(self)
+    cdef bint _owner(self)
+    cdef int _release(self, bint owner, bint finalizing) except -1
+    cdef int _raise_closed(self, str what) except -1

@@ -10,7 +10,13 @@ from cpython.exc cimport PyErr_CheckSignals
 from cpython.pycapsule cimport PyCapsule_New
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_t
 from libc.errno cimport EEXIST, ENOENT, EACCES, EINVAL
+import os
+import warnings
+import weakref
+
 import numpy as np
+
+from mooncake_te.errors import ClosedError
 
 from mooncake_te.core.libcore cimport *
 
@@ -214,3 +220,100 @@ cdef class NativeBatch:
     def stopped(self):
         """True once the batch was canceled or its deadline passed."""
         return mte_batch_stopped(self.b) != 0
+
+
+# Resource states.
+cdef enum:
+    _NEW = 0          # the native handle is not acquired (yet)
+    _OPEN = 1
+    _DETACHED = 2     # shut down, to be freed when the last user lets go (no warning)
+    _CLOSED = 3
+
+
+cdef class Resource:
+    """Base of every native object of the compiled tier (verbs objects, the TCP server
+    and peers, storage devices): one lifetime discipline.
+
+    - ``close()`` is idempotent and closes the object's children (objects that
+      :meth:`_adopt` registered, e.g. a protection domain's memory regions) first, newest
+      first, then releases the native handle (``_release``, the subclass's only job).
+    - ``with obj:`` closes it on exit.
+    - An object still open when it is garbage-collected is released then, with a
+      ResourceWarning (as Python's files do).
+    - Fork-safe: only the process that created the object releases the native handle; a
+      forked child just forgets it (the parent's threads and kernel objects are not the
+      child's to tear down).
+    - A closed object raises :class:`mooncake_te.errors.ClosedError` when used
+      (``_raise_closed``).
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        self._children = []
+        self._pid = os.getpid()
+        self._state = _NEW
+
+    cdef _opened(self):
+        """The subclass acquired its native handle: from now on it must be released."""
+        self._state = _OPEN
+
+    cdef _detached(self):
+        """Shut down on purpose, freed later by the garbage collector: no warning then."""
+        if self._state == _OPEN:
+            self._state = _DETACHED
+
+    cdef _adopt(self, child):
+        self._children = [r for r in self._children if r() is not None]
+        self._children.append(weakref.ref(child))
+
+    cdef _close_children(self):
+        kids, self._children = self._children, []
+        for r in reversed(kids):
+            c = r()
+            if c is not None:
+                c.close()
+
+    cdef bint _owner(self):
+        return self._pid == os.getpid()
+
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        """Release the native handle (only when ``owner``) and forget it (always).
+        ``finalizing``: called from the garbage collector, where Python attributes may
+        already be cleared: touch C fields only, and do not wait."""
+        return 0
+
+    cdef int _raise_closed(self, str what) except -1:
+        raise ClosedError(f"{what} is closed")
+
+    @property
+    def closed(self):
+        return self._state != _OPEN and self._state != _DETACHED
+
+    def close(self):
+        """Close the children, then release the native handle; idempotent."""
+        if self._state != _OPEN and self._state != _DETACHED:
+            return
+        self._state = _CLOSED
+        self._close_children()
+        self._release(self._owner(), False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __dealloc__(self):
+        if self._state != _OPEN and self._state != _DETACHED:
+            return
+        owner = self._owner()
+        if self._state == _OPEN and owner:
+            try:
+                warnings.warn(f"unclosed {type(self).__name__}: call close() or use `with`",
+                              ResourceWarning, stacklevel=2)
+            except Exception:
+                pass          # interpreter shutting down
+        self._state = _CLOSED
+        try:
+            self._release(owner, True)
+        except Exception:
+            pass

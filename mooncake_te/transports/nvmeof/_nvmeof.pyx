@@ -6,7 +6,7 @@ import warnings
 
 from libc.errno cimport ESHUTDOWN
 from libc.stdint cimport uint32_t, uint64_t, int64_t
-from mooncake_te.core._core cimport Regions, NativeBatch
+from mooncake_te.core._core cimport Regions, NativeBatch, Resource
 from mooncake_te.core.capi cimport mte_core_import
 from mooncake_te.core.libcore cimport MTE_E_STORAGE_BASE, MTE_E_OUT_OF_RANGE, MTE_E_CLOSED
 from mooncake_te.transports.nvmeof.libnvmeof cimport *
@@ -17,13 +17,14 @@ STORAGE_BASE = MTE_E_STORAGE_BASE   # an errno e from the device is STORAGE_BASE
 OUT_OF_RANGE = MTE_E_OUT_OF_RANGE
 
 
-cdef class Device:
+cdef class Device(Resource):
     """A block device or file opened for the data path (O_DIRECT where the file system
     allows), with ``threads`` workers; ``size`` bytes are addressable."""
     cdef mte_nvf_t *f
     cdef readonly str path
     cdef readonly Regions regions
-    cdef int _pid
+    cdef int _wait_ms
+    cdef bint _stuck
     cdef public object ident          # (st_dev, st_ino, st_rdev) of the path when opened
 
     def __cinit__(self, str path, Regions regions, uint64_t size=0, int threads=16,
@@ -35,9 +36,9 @@ cdef class Device:
             self.f = mte_nvf_open(cp, size, threads, slice_size, regions.t, &err)
         if self.f == NULL:
             raise OSError(-err, f"cannot open {path} for storage I/O: {os.strerror(-err)}")
+        self._opened()
         self.path = path
         self.regions = regions
-        self._pid = os.getpid()
 
     @property
     def size(self):
@@ -84,21 +85,18 @@ cdef class Device:
 
     def close(self, int wait_ms=2000):
         """Stop the workers; True if one was stuck in the kernel and left behind."""
+        self._wait_ms = wait_ms
+        self._stuck = False
+        Resource.close(self)
+        return bool(self._stuck)
+
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        cdef mte_nvf_t *f = self.f
+        cdef int wait_ms = 0 if finalizing else self._wait_ms
         cdef int stuck = 0
-        if self.f != NULL and self._pid == os.getpid():
-            with nogil:
-                stuck = mte_nvf_close(self.f, wait_ms)
         self.f = NULL
-        return bool(stuck)
-
-    def __dealloc__(self):
-        if self.f != NULL and self._pid == os.getpid():
+        if f != NULL and owner:
             with nogil:
-                mte_nvf_close(self.f, 0)
-            self.f = NULL
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+                stuck = mte_nvf_close(f, wait_ms)
+        self._stuck = stuck != 0
+        return 0

@@ -14,7 +14,7 @@ Everything that can block or pin memory (registration, QP state changes, post an
 loops) runs with the GIL released.
 """
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport errno
+from libc.errno cimport errno, EIO, ENOSYS, ENODEV
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from mooncake_te.core._core cimport Regions, NativeBatch
+from mooncake_te.core._core cimport Regions, NativeBatch, Resource
 from mooncake_te.core.capi cimport mte_core_import
 from mooncake_te.transports.rdma.libibverbs cimport *
 from mooncake_te.transports.rdma.librdma cimport *
@@ -50,14 +50,13 @@ _GID_TYPES = {IBV_GID_TYPE_IB: "IB", IBV_GID_TYPE_ROCE_V1: "RoCE v1",
               IBV_GID_TYPE_ROCE_V2: "RoCE v2"}
 
 
-class VerbsError(OSError):
-    """A verbs call failed; ``errno`` and the call are in the message."""
+from mooncake_te.errors import InvalidArgumentError, VerbsError  # VerbsError: also an OSError
 
 
 cdef _fail(str what, int err=0):
     e = err if err else errno
     if e == 0:
-        e = 5      # EIO: verbs returned NULL without setting errno
+        e = EIO    # verbs returned NULL without setting errno
     raise VerbsError(e, f"{what}: {os.strerror(e)}")
 
 
@@ -73,7 +72,7 @@ def mtu_bytes(int mtu_enum):
 def mtu_enum(int nbytes):
     """The ``ibv_mtu`` value for 256..4096 bytes (ValueError otherwise)."""
     if nbytes not in _MTU_ENUM:
-        raise ValueError(f"an RDMA path MTU is one of 256, 512, 1024, 2048, 4096; got {nbytes}")
+        raise InvalidArgumentError(f"an RDMA path MTU is one of 256, 512, 1024, 2048, 4096; got {nbytes}")
     return _MTU_ENUM[nbytes]
 
 
@@ -83,7 +82,7 @@ def device_names():
     cdef ibv_device **lst = ibv_get_device_list(&n)
     if lst == NULL:
         e = errno
-        if e == 38:       # ENOSYS: no kernel support at all (no ib_uverbs)
+        if e == ENOSYS:   # no kernel support at all (no ib_uverbs)
             return []
         _fail("ibv_get_device_list", e)
     try:
@@ -92,33 +91,7 @@ def device_names():
         ibv_free_device_list(lst)
 
 
-cdef class _Node:
-    """Parent/child bookkeeping shared by every verbs object."""
-    cdef object __weakref__
-    cdef list _children
-    cdef int _pid
-    cdef public object parent
-
-    def __cinit__(self, *args, **kwargs):
-        self._children = []
-        self._pid = os.getpid()
-
-    cdef _adopt(self, child):
-        self._children = [r for r in self._children if r() is not None]
-        self._children.append(weakref.ref(child))
-
-    cdef _close_children(self):
-        kids, self._children = self._children, []
-        for r in reversed(kids):
-            c = r()
-            if c is not None:
-                c.close()
-
-    cdef bint _owner(self):
-        return self._pid == os.getpid()
-
-
-cdef class Context(_Node):
+cdef class Context(Resource):
     """An open verbs device (``ibv_open_device``)."""
     cdef ibv_context *ctx
     cdef readonly str name
@@ -136,9 +109,10 @@ cdef class Context(_Node):
                     self.ctx = ibv_open_device(lst[i])
                     if self.ctx == NULL:
                         _fail(f"ibv_open_device({name})")
+                    self._opened()
                     break
             else:
-                raise VerbsError(19, f"no verbs device named {name!r}")   # ENODEV
+                raise VerbsError(ENODEV, f"no verbs device named {name!r}")
         finally:
             ibv_free_device_list(lst)
         self.name = name
@@ -151,13 +125,9 @@ cdef class Context(_Node):
                      "max_qp_init_rd_atom": a.max_qp_init_rd_atom,
                      "phys_port_cnt": a.phys_port_cnt}
 
-    @property
-    def closed(self):
-        return self.ctx == NULL
-
     cdef ibv_context *_get(self) except NULL:
         if self.ctx == NULL:
-            raise ValueError(f"context {self.name} is closed")
+            self._raise_closed(f"context {self.name}")
         return self.ctx
 
     def query_port(self, int port=1):
@@ -186,23 +156,17 @@ cdef class Context(_Node):
             return None
         return raw, _GID_TYPES.get(e.gid_type, str(e.gid_type)), e.ndev_ifindex
 
-    def close(self):
-        if self.ctx != NULL:
-            self._close_children()
-            if self._owner():
-                ibv_close_device(self.ctx)
-            self.ctx = NULL
-
-    def __dealloc__(self):
-        if self.ctx != NULL and self._owner():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        if self.ctx != NULL and owner:
             ibv_close_device(self.ctx)
         self.ctx = NULL
+        return 0
 
     def __repr__(self):
         return f"<Context {self.name}{' closed' if self.ctx == NULL else ''}>"
 
 
-cdef class PD(_Node):
+cdef class PD(Resource):
     """A protection domain (``ibv_alloc_pd``)."""
     cdef ibv_pd *pd
     cdef readonly Context context
@@ -212,33 +176,24 @@ cdef class PD(_Node):
         self.pd = ibv_alloc_pd(c)
         if self.pd == NULL:
             _fail(f"ibv_alloc_pd({context.name})")
+        self._opened()
         self.context = context
         self.parent = context
         context._adopt(self)
 
     cdef ibv_pd *_get(self) except NULL:
         if self.pd == NULL:
-            raise ValueError("protection domain is closed")
+            self._raise_closed("protection domain")
         return self.pd
 
-    @property
-    def closed(self):
-        return self.pd == NULL
-
-    def close(self):
-        if self.pd != NULL:
-            self._close_children()
-            if self._owner():
-                ibv_dealloc_pd(self.pd)
-            self.pd = NULL
-
-    def __dealloc__(self):
-        if self.pd != NULL and self._owner():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        if self.pd != NULL and owner:
             ibv_dealloc_pd(self.pd)
         self.pd = NULL
+        return 0
 
 
-cdef class MR(_Node):
+cdef class MR(Resource):
     """A memory region: ``MR(pd, address, length, access)`` pins and registers host
     memory (or device memory under nvidia-peermem); :meth:`dmabuf` registers a dma-buf
     (GPU memory). The GIL is released while the kernel pins the pages."""
@@ -253,7 +208,7 @@ cdef class MR(_Node):
         cdef ibv_pd *p = pd._get()
         cdef int e = 0
         if length == 0:
-            raise ValueError("cannot register 0 bytes")
+            raise InvalidArgumentError("cannot register 0 bytes")
         with nogil:
             if dmabuf_fd >= 0:
                 self.mr = ibv_reg_dmabuf_mr(p, dmabuf_offset, length, address, dmabuf_fd, access)
@@ -264,6 +219,7 @@ cdef class MR(_Node):
         if self.mr == NULL:
             _fail(f"{'ibv_reg_dmabuf_mr' if dmabuf_fd >= 0 else 'ibv_reg_mr'}"
                   f"({pd.context.name}, {address:#x}, {length})", e)
+        self._opened()
         self.pd = pd
         self.parent = pd
         self.address, self.length, self.access = address, length, access
@@ -282,25 +238,16 @@ cdef class MR(_Node):
     def rkey(self):
         return self.mr.rkey if self.mr != NULL else 0
 
-    @property
-    def closed(self):
-        return self.mr == NULL
-
-    def close(self):
+    cdef int _release(self, bint owner, bint finalizing) except -1:
         cdef ibv_mr *m = self.mr
-        if m != NULL:
-            self.mr = NULL
-            if self._owner():
-                with nogil:
-                    ibv_dereg_mr(m)
-
-    def __dealloc__(self):
-        if self.mr != NULL and self._owner():
-            ibv_dereg_mr(self.mr)
         self.mr = NULL
+        if m != NULL and owner:
+            with nogil:                      # unpinning many pages takes a while
+                ibv_dereg_mr(m)
+        return 0
 
 
-cdef class CompChannel(_Node):
+cdef class CompChannel(Resource):
     """A completion channel (``ibv_create_comp_channel``): what a poller sleeps on."""
     cdef ibv_comp_channel *ch
     cdef readonly Context context
@@ -309,6 +256,7 @@ cdef class CompChannel(_Node):
         self.ch = ibv_create_comp_channel(context._get())
         if self.ch == NULL:
             _fail(f"ibv_create_comp_channel({context.name})")
+        self._opened()
         self.context = context
         self.parent = context
         context._adopt(self)
@@ -317,20 +265,14 @@ cdef class CompChannel(_Node):
     def fd(self):
         return self.ch.fd if self.ch != NULL else -1
 
-    def close(self):
-        if self.ch != NULL:
-            self._close_children()
-            if self._owner():
-                ibv_destroy_comp_channel(self.ch)
-            self.ch = NULL
-
-    def __dealloc__(self):
-        if self.ch != NULL and self._owner():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        if self.ch != NULL and owner:
             ibv_destroy_comp_channel(self.ch)
         self.ch = NULL
+        return 0
 
 
-cdef class CQ(_Node):
+cdef class CQ(Resource):
     """A completion queue (``ibv_create_cq``), optionally on a :class:`CompChannel`."""
     cdef ibv_cq *cq
     cdef readonly Context context
@@ -342,11 +284,12 @@ cdef class CQ(_Node):
         if channel is not None:
             ch = channel.ch
             if ch == NULL:
-                raise ValueError("completion channel is closed")
+                channel._raise_closed("completion channel")
         cqe = min(cqe, context.attr["max_cqe"])
         self.cq = ibv_create_cq(context._get(), cqe, NULL, ch, 0)
         if self.cq == NULL:
             _fail(f"ibv_create_cq({context.name}, {cqe})")
+        self._opened()
         self.cqe = self.cq.cqe
         self.context = context
         self.channel = channel
@@ -357,7 +300,7 @@ cdef class CQ(_Node):
 
     cdef ibv_cq *_get(self) except NULL:
         if self.cq == NULL:
-            raise ValueError("completion queue is closed")
+            self._raise_closed("completion queue")
         return self.cq
 
     def poll(self, int max_entries=16, double timeout=0.0):
@@ -384,20 +327,14 @@ cdef class CQ(_Node):
         finally:
             free(wc)
 
-    def close(self):
-        if self.cq != NULL:
-            self._close_children()
-            if self._owner():
-                ibv_destroy_cq(self.cq)
-            self.cq = NULL
-
-    def __dealloc__(self):
-        if self.cq != NULL and self._owner():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        if self.cq != NULL and owner:
             ibv_destroy_cq(self.cq)
         self.cq = NULL
+        return 0
 
 
-cdef class QP(_Node):
+cdef class QP(Resource):
     """A reliable-connected queue pair. ``init`` -> ``rtr`` -> ``rts`` connects it to a
     remote QP (whose number, PSN, GID and LID came from the handshake)."""
     cdef ibv_qp *qp
@@ -421,6 +358,7 @@ cdef class QP(_Node):
             self.qp = ibv_create_qp(p, &a)
         if self.qp == NULL:
             _fail(f"ibv_create_qp({pd.context.name})")
+        self._opened()
         self.max_send_wr = a.cap.max_send_wr
         self.pd = pd
         self.cq = cq
@@ -431,17 +369,12 @@ cdef class QP(_Node):
 
     cdef ibv_qp *_get(self) except NULL:
         if self.qp == NULL:
-            raise ValueError("queue pair is closed")
+            self._raise_closed("queue pair")
         return self.qp
 
     @property
     def qp_num(self):
         return self.qp.qp_num if self.qp != NULL else 0
-
-    @property
-    def address(self):
-        """The ``struct ibv_qp *`` (for the data path)."""
-        return <uintptr_t>self.qp
 
     @property
     def state(self):
@@ -492,7 +425,7 @@ cdef class QP(_Node):
         a.ah_attr.port_num = self.port
         if gid is not None and gid != b"\0" * 16:
             if len(gid) != 16:
-                raise ValueError("a GID is 16 bytes")
+                raise InvalidArgumentError("a GID is 16 bytes")
             a.ah_attr.is_global = 1
             memcpy(a.ah_attr.grh.dgid.raw, <const char *>gid, 16)
             a.ah_attr.grh.sgid_index = sgid_index
@@ -545,23 +478,18 @@ cdef class QP(_Node):
         if rc != 0:
             _fail("ibv_post_send", rc)
 
-    def close(self):
+    cdef int _release(self, bint owner, bint finalizing) except -1:
         cdef ibv_qp *q = self.qp
-        if q != NULL:
-            self.qp = NULL
-            if self._owner():
-                with nogil:
-                    ibv_destroy_qp(q)
-
-    def __dealloc__(self):
-        if self.qp != NULL and self._owner():
-            ibv_destroy_qp(self.qp)
         self.qp = NULL
+        if q != NULL and owner:
+            with nogil:
+                ibv_destroy_qp(q)
+        return 0
 
 
 # --------------------------------------------------------------------------- data path
 
-cdef class DataPath(_Node):
+cdef class DataPath(Resource):
     """The native data path of one engine (src/rdma/rdma.c): a polling thread per
     device, the local key table and the peers. Adopted by every Context it polls, so
     closing a Context stops it first."""
@@ -582,20 +510,21 @@ cdef class DataPath(_Node):
         self.r = mte_rdma_new(regions.t, &prm, &err)
         if self.r == NULL:
             raise OSError(-err, f"cannot start the RDMA data path: {os.strerror(-err)}")
+        self._opened()
         self.regions = regions
         self._keep = []
         self.ndev = 0
 
     cdef mte_rdma_t *_get(self) except NULL:
         if self.r == NULL:
-            raise ValueError("the RDMA data path is closed")
+            self._raise_closed("the RDMA data path")
         return self.r
 
     def add_device(self, int idx, CQ cq):
         """Poll ``cq`` (created on a CompChannel) as device ``idx``."""
         cdef int rc
         if cq.channel is None:
-            raise ValueError("the data path sleeps on a completion channel: create the CQ with one")
+            raise InvalidArgumentError("the data path sleeps on a completion channel: create the CQ with one")
         rc = mte_rdma_add_device(self._get(), idx, cq.context.ctx, cq.cq, cq.channel.ch, cq.cqe)
         if rc != 0:
             raise OSError(-rc, f"cannot add device {idx} to the data path")
@@ -613,7 +542,7 @@ cdef class DataPath(_Node):
         cdef uint32_t keys[64]
         cdef int i, n = len(lkeys)
         if n > MTE_RDMA_MAX_DEV:
-            raise ValueError("too many devices")
+            raise InvalidArgumentError("too many devices")
         for i in range(n):
             keys[i] = lkeys[i]
         rc = mte_rdma_mr_add(self._get(), address, length, keys, n, pref, avail)
@@ -641,38 +570,35 @@ cdef class DataPath(_Node):
             with nogil:
                 mte_rdma_stop(self.r, wait_ms)
 
-    def close(self):
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        # Children (the peers) are closed first by Resource.close.
         cdef mte_rdma_t *r = self.r
-        if r != NULL:
-            self._close_children()            # peers
-            self.r = NULL
-            if self._owner():
-                with nogil:
-                    mte_rdma_stop(r, 2000)
-                    mte_rdma_free(r)
-            self._keep = []
-
-    def __dealloc__(self):
-        if self.r != NULL and self._owner():
-            with nogil:
-                mte_rdma_stop(self.r, 0)
-                mte_rdma_free(self.r)
+        cdef int wait_ms = 0 if finalizing else 2000
         self.r = NULL
+        if r != NULL and owner:
+            with nogil:
+                mte_rdma_stop(r, wait_ms)
+                mte_rdma_free(r)
+        if not finalizing:
+            self._keep = []
+        return 0
 
 
-cdef class Peer(_Node):
+cdef class Peer(Resource):
     """One remote engine in the data path: its buffers (rkeys) and rails."""
     cdef mte_rdma_peer_t *p
     cdef readonly DataPath dp
     cdef readonly int npdev
     cdef dict _qps          # rail index -> list of QP (current)
     cdef list _old          # retired QPs, freed once idle
+    cdef int _wait_ms       # how long close() waits for posted work
     cdef public object key
 
     def __init__(self, DataPath dp, int npdev):
         self.p = mte_rdma_peer_new(dp._get(), npdev)
         if self.p == NULL:
-            raise ValueError(f"cannot make a peer with {npdev} devices")
+            raise InvalidArgumentError(f"cannot make a peer with {npdev} devices")
+        self._opened()
         self.dp = dp
         self.parent = dp
         self.npdev = npdev
@@ -682,7 +608,7 @@ cdef class Peer(_Node):
 
     cdef mte_rdma_peer_t *_get(self) except NULL:
         if self.p == NULL:
-            raise ValueError("peer is closed")
+            self._raise_closed("RDMA peer")
         return self.p
 
     def set_buffers(self, const uint64_t[::1] addrs, const uint64_t[::1] lens,
@@ -691,7 +617,7 @@ cdef class Peer(_Node):
         cdef size_t n = addrs.shape[0]
         cdef mte_rdma_peer_t *p = self._get()
         if <size_t>rkeys.shape[0] != n * <size_t>self.npdev:
-            raise ValueError("rkeys must hold npdev keys per buffer")
+            raise InvalidArgumentError("rkeys must hold npdev keys per buffer")
         if n == 0:
             rc = mte_rdma_peer_set_buffers(p, 0, NULL, NULL, NULL, NULL, NULL, NULL)
         else:
@@ -705,7 +631,7 @@ cdef class Peer(_Node):
         cdef int i, n = len(qps)
         cdef QP q
         if n == 0 or n > MTE_RDMA_MAX_QP:
-            raise ValueError(f"a rail has 1 to {MTE_RDMA_MAX_QP} queue pairs")
+            raise InvalidArgumentError(f"a rail has 1 to {MTE_RDMA_MAX_QP} queue pairs")
         for i in range(n):
             q = qps[i]
             arr[i] = q._get()
@@ -720,7 +646,7 @@ cdef class Peer(_Node):
         cdef int i, n = len(qps)
         cdef QP q
         if n == 0 or n > MTE_RDMA_MAX_QP:
-            raise ValueError(f"a rail has 1 to {MTE_RDMA_MAX_QP} queue pairs")
+            raise InvalidArgumentError(f"a rail has 1 to {MTE_RDMA_MAX_QP} queue pairs")
         for i in range(n):
             q = qps[i]
             arr[i] = q._get()
@@ -791,13 +717,19 @@ cdef class Peer(_Node):
                 mte_rdma_peer_shutdown(self.p)
 
     def close(self, int wait_ms=2000):
+        """Wait up to ``wait_ms`` for posted work, free the peer, close its queue pairs."""
+        self._wait_ms = wait_ms
+        Resource.close(self)
+
+    cdef int _release(self, bint owner, bint finalizing) except -1:
         cdef mte_rdma_peer_t *p = self.p
+        cdef int wait_ms = 0 if finalizing else self._wait_ms
         cdef QP q
-        if p != NULL:
-            self.p = NULL
-            if self._owner():
-                with nogil:
-                    mte_rdma_peer_free(p, wait_ms)
+        self.p = NULL
+        if p != NULL and owner:
+            with nogil:
+                mte_rdma_peer_free(p, wait_ms)
+        if not finalizing:
             for qs in self._qps.values():
                 for q in qs:
                     q.close()
@@ -805,9 +737,4 @@ cdef class Peer(_Node):
                 q.close()
             self._qps = {}
             self._old = []
-
-    def __dealloc__(self):
-        if self.p != NULL and self._owner():
-            with nogil:
-                mte_rdma_peer_free(self.p, 0)
-        self.p = NULL
+        return 0

@@ -10,23 +10,24 @@ from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_
 import os
 import numpy as np
 
-from mooncake_te.core._core cimport Regions, NativeBatch
+from mooncake_te.core._core cimport Regions, NativeBatch, Resource
 from mooncake_te.core.capi cimport mte_core_import
 from mooncake_te.core.libcore cimport *
 from mooncake_te.transports.tcp.libtcp cimport *
 
 from mooncake_te.core._core import hmac_sha256, now_ns, OP_READ as READ, OP_WRITE as WRITE  # noqa: F401
 
+from mooncake_te.errors import InvalidArgumentError
+
 mte_core_import()
 
 
-cdef class TcpServer:
+cdef class TcpServer(Resource):
     """Accepts data connections and applies peers' requests to registered memory."""
     cdef mte_tcp_t *t
     cdef readonly Regions regions
     cdef readonly int port
     cdef readonly str uds_name
-    cdef int pid
 
     def __cinit__(self, Regions regions, str bind_host, int port, str name,
                   uint64_t instance, int stall_ms=30000, bytes token=b""):
@@ -37,29 +38,24 @@ cdef class TcpServer:
         cdef const char *tp = token
         cdef size_t tl = len(token)
         if tl > 256:
-            raise ValueError("auth token longer than 256 bytes")
+            raise InvalidArgumentError("auth token longer than 256 bytes")
         self.regions = regions
         with nogil:
             self.t = mte_tcp_new(regions.t, hp, port, np_, instance, stall_ms, tp, tl, &err)
         if self.t == NULL:
             raise OSError(-err, f"cannot listen for TCP data connections on {bind_host}:{port}: "
                                 f"{os.strerror(-err)}")
+        self._opened()
         self.port = mte_tcp_port(self.t)
         self.uds_name = mte_tcp_uds_name(self.t).decode()
-        self.pid = os.getpid()
 
-    def close(self):
-        if self.t != NULL:
-            if self.pid == os.getpid():      # fork-safe: a child must not tear down our threads
-                with nogil:
-                    mte_tcp_free(self.t)
-            self.t = NULL
-
-    def __dealloc__(self):
-        if self.t != NULL and self.pid == os.getpid():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        cdef mte_tcp_t *t = self.t
+        self.t = NULL
+        if t != NULL and owner:           # a forked child must not tear down our threads
             with nogil:
-                mte_tcp_free(self.t)
-            self.t = NULL
+                mte_tcp_free(t)
+        return 0
 
     @property
     def auth_failures(self):
@@ -86,7 +82,7 @@ cdef class TcpServer:
         return out
 
 
-cdef class Peer:
+cdef class Peer(Resource):
     """Client side of one remote engine: lanes (connections), their workers, a queue."""
     cdef mte_peer_t *p
     cdef readonly TcpServer server
@@ -94,7 +90,6 @@ cdef class Peer:
     cdef readonly int port
     cdef readonly int lanes
     cdef readonly str uds
-    cdef int pid
     cdef public object key       # the facade's identity of the peer incarnation
 
     def __cinit__(self, TcpServer server, str host, int port, uint64_t expect_instance,
@@ -103,10 +98,12 @@ cdef class Peer:
         cdef bytes h = host.encode(), u = uds.encode()
         self.server = server
         self.host, self.port, self.lanes, self.uds = host, port, lanes, uds
+        if server.t == NULL:
+            server._raise_closed("the TCP server")
         self.p = mte_peer_new(server.t, h, port, u, expect_instance, lanes, slice_size, &err)
         if self.p == NULL:
             raise MemoryError(f"cannot start lanes to {host}:{port} (error {err})")
-        self.pid = os.getpid()
+        self._opened()
 
     @property
     def seen_instance(self):
@@ -132,7 +129,7 @@ cdef class Peer:
         cdef uint64_t nbytes
         cdef int32_t err
         if self.p == NULL:
-            raise RuntimeError("peer is closed")
+            self._raise_closed(f"the TCP peer {self.host}:{self.port}")
         b = mte_batch_new(1, deadline_ns)
         if b == NULL:
             raise MemoryError()
@@ -172,7 +169,7 @@ cdef class Peer:
         cdef int stride = 1 if lens.shape[0] == n else 0
         cdef int rc = 0
         if self.p == NULL:
-            raise RuntimeError("peer is closed")
+            self._raise_closed(f"the TCP peer {self.host}:{self.port}")
         if n == 0:
             return 0
         batch._keep.append(self)
@@ -184,24 +181,22 @@ cdef class Peer:
     def add_notify(self, NativeBatch batch, bytes msg):
         """Deliver ``msg`` once every request of ``batch`` succeeded; 0 or a status code."""
         if self.p == NULL:
-            raise RuntimeError("peer is closed")
+            self._raise_closed(f"the TCP peer {self.host}:{self.port}")
         batch._keep.append(self)
         return mte_tcp_add_notify(self.p, batch.b, <const char *>msg, len(msg))
 
     def shutdown(self):
-        if self.p != NULL and self.pid == os.getpid():
+        """Stop the lanes and fail what is queued; the peer is freed by close() or, once
+        no batch names it any more, by the garbage collector (no ResourceWarning then)."""
+        if self.p != NULL and self._owner():
             with nogil:
                 mte_peer_shutdown(self.p)
+        self._detached()
 
-    def close(self):
-        if self.p != NULL:
-            if self.pid == os.getpid():
-                with nogil:
-                    mte_peer_free(self.p)
-            self.p = NULL
-
-    def __dealloc__(self):
-        if self.p != NULL and self.pid == os.getpid():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        cdef mte_peer_t *p = self.p
+        self.p = NULL
+        if p != NULL and owner:
             with nogil:
-                mte_peer_free(self.p)
-            self.p = NULL
+                mte_peer_free(p)
+        return 0
