@@ -12,8 +12,10 @@
  * and copy out; writes read the partial edge blocks, merge and write whole blocks,
  * holding a lock on those edge blocks so two unaligned writes sharing a block do not
  * lose each other's bytes). Each slice pins its local region (regions.h) while it runs,
- * so unregistering waits for it, and finishes its request through the batch table of
- * src/core/batch.h, so storage requests share batches with every other transport.
+ * so unregistering waits for it; a slice of GPU memory passes through the worker's pinned
+ * staging ring (src/core/stage.h, the same pipeline as TCP's). Each slice finishes its
+ * request through the core's batch (src/core/batch.h), so storage requests share
+ * batches with every other transport.
  *
  * Why threads and not io_uring: liburing is not on every machine this builds on and
  * kernels or sandboxes (gVisor, seccomp profiles of container runtimes) often refuse
