@@ -1,6 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA transport's native data path.
  *
+ * Files: device.c (the engine, its NICs), keys.c (local lkeys, the peers' buffers and
+ * rkeys), peer.c, rail.c (queue pairs between a local and a peer NIC), post.c (slicing,
+ * rail choice, posting), poll.c (completion threads, retries); internal.h holds what
+ * they share.
+ *
  * One `mte_rdma_t` per engine holds the local NICs (each with its completion queue,
  * completion channel and one polling thread), the table of local memory keys (lkey per
  * NIC of every registered region) and the peers. A peer has the remote buffers it
