@@ -439,7 +439,7 @@ class RdmaTransport(Transport):
         # (a transfer to itself), whose handler takes self._lock.
         with self._connect_lock:
             if self._closed:
-                raise E.TransferError("the RDMA transport is closed", status=-1008)
+                raise E.ClosedError("the RDMA transport is closed")
             st = self._peers.get(desc.name)
             if st is not None and st.instance != desc.instance_id:
                 self._drop_peer(desc.name)
@@ -551,7 +551,7 @@ class RdmaTransport(Transport):
             reply = json.loads(raw)
             if "endpoints" not in reply:
                 raise E.TransferError(f"{desc.name} refused the RDMA connection: "
-                                      f"{reply.get('reply_msg', reply)}", status=-104)
+                                      f"{reply.get('reply_msg', reply)}", status=E.ERR_REJECT_HANDSHAKE)
             out = []
             for (dev, qps, psns), ep in zip(mine, reply["endpoints"]):
                 mtu = min(dev.mtu, int(ep["mtu"]), self.mtu_cap)

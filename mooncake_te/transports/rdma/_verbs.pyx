@@ -93,9 +93,6 @@ def device_names():
 
 cdef class Context(Resource):
     """An open verbs device (``ibv_open_device``)."""
-    cdef ibv_context *ctx
-    cdef readonly str name
-    cdef readonly dict attr
 
     def __init__(self, str name):
         cdef int n = 0, i
@@ -168,8 +165,6 @@ cdef class Context(Resource):
 
 cdef class PD(Resource):
     """A protection domain (``ibv_alloc_pd``)."""
-    cdef ibv_pd *pd
-    cdef readonly Context context
 
     def __init__(self, Context context):
         cdef ibv_context *c = context._get()
@@ -197,11 +192,6 @@ cdef class MR(Resource):
     """A memory region: ``MR(pd, address, length, access)`` pins and registers host
     memory (or device memory under nvidia-peermem); :meth:`dmabuf` registers a dma-buf
     (GPU memory). The GIL is released while the kernel pins the pages."""
-    cdef ibv_mr *mr
-    cdef readonly PD pd
-    cdef readonly uint64_t address
-    cdef readonly uint64_t length
-    cdef readonly int access
 
     def __init__(self, PD pd, uint64_t address, uint64_t length, int access, *, int dmabuf_fd=-1,
                  uint64_t dmabuf_offset=0):
@@ -249,8 +239,6 @@ cdef class MR(Resource):
 
 cdef class CompChannel(Resource):
     """A completion channel (``ibv_create_comp_channel``): what a poller sleeps on."""
-    cdef ibv_comp_channel *ch
-    cdef readonly Context context
 
     def __init__(self, Context context):
         self.ch = ibv_create_comp_channel(context._get())
@@ -274,10 +262,6 @@ cdef class CompChannel(Resource):
 
 cdef class CQ(Resource):
     """A completion queue (``ibv_create_cq``), optionally on a :class:`CompChannel`."""
-    cdef ibv_cq *cq
-    cdef readonly Context context
-    cdef readonly CompChannel channel
-    cdef readonly int cqe
 
     def __init__(self, Context context, int cqe=4096, CompChannel channel=None):
         cdef ibv_comp_channel *ch = NULL
@@ -337,11 +321,6 @@ cdef class CQ(Resource):
 cdef class QP(Resource):
     """A reliable-connected queue pair. ``init`` -> ``rtr`` -> ``rts`` connects it to a
     remote QP (whose number, PSN, GID and LID came from the handshake)."""
-    cdef ibv_qp *qp
-    cdef readonly PD pd
-    cdef readonly CQ cq
-    cdef readonly int max_send_wr
-    cdef readonly int port
 
     def __init__(self, PD pd, CQ cq, int max_send_wr=256, int max_sge=1, int max_rd_atomic=16):
         cdef ibv_qp_init_attr a
@@ -493,10 +472,6 @@ cdef class DataPath(Resource):
     """The native data path of one engine (src/rdma/rdma.c): a polling thread per
     device, the local key table and the peers. Adopted by every Context it polls, so
     closing a Context stops it first."""
-    cdef mte_rdma_t *r
-    cdef readonly Regions regions
-    cdef list _keep
-    cdef readonly int ndev
 
     def __init__(self, Regions regions, uint64_t slice_size,
                  int retry_count, bint multi_nic=True, int pause_ms=30000, int spin_us=50):
@@ -586,13 +561,6 @@ cdef class DataPath(Resource):
 
 cdef class Peer(Resource):
     """One remote engine in the data path: its buffers (rkeys) and rails."""
-    cdef mte_rdma_peer_t *p
-    cdef readonly DataPath dp
-    cdef readonly int npdev
-    cdef dict _qps          # rail index -> list of QP (current)
-    cdef list _old          # retired QPs, freed once idle
-    cdef int _wait_ms       # how long close() waits for posted work
-    cdef public object key
 
     def __init__(self, DataPath dp, int npdev):
         self.p = mte_rdma_peer_new(dp._get(), npdev)
