@@ -249,17 +249,22 @@ class StorageError(TransferError, status_range=(ERR_STORAGE_BASE, ERR_STORAGE_BA
     """Storage I/O failed: ``status`` is -1400 - errno."""
 
 
-class VerbsError(MooncakeError, OSError):
-    """A libibverbs call failed; ``errno`` and the call are in the message. Also an
-    OSError, as it always was."""
-
-    default_status = ERR_CONTEXT
+class NativeOSError(MooncakeError, OSError):
+    """A system call of the native tier failed (``errno`` says which error); also an
+    OSError, as these always were. Raised by the compiled tier's one checker
+    (``mooncake_te.core._core.check_errno``)."""
 
     def __init__(self, message: str = "", status: int | None = None, errno: int | None = None):
         if isinstance(message, int) and isinstance(status, str):    # OSError's (errno, text)
             message, status, errno = status, None, message
         super().__init__(message, status=status, errno=errno)
         self.strerror = message
+
+
+class VerbsError(NativeOSError):
+    """A libibverbs call failed; ``errno`` and the call are in the message."""
+
+    default_status = ERR_CONTEXT
 
 
 __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("ERR_")]

@@ -25,3 +25,7 @@ cdef class Resource:
     cdef bint _owner(self)
     cdef int _release(self, bint owner, bint finalizing) except -1
     cdef int _raise_closed(self, str what) except -1
+
+# The compiled tier's status checkers (raise the right mooncake_te.errors class).
+cdef int check_errno(long rc, str what, object cls=*) except -1
+cdef int check_status(long rc, str what) except -1

@@ -16,7 +16,7 @@ import weakref
 
 import numpy as np
 
-from mooncake_te.errors import ClosedError
+from mooncake_te.errors import ClosedError, NativeOSError, error_class
 
 from mooncake_te.core.libcore cimport *
 
@@ -36,6 +36,22 @@ ACC_READ = MTE_ACC_REMOTE_READ
 ACC_WRITE = MTE_ACC_REMOTE_WRITE
 ST_PENDING, ST_COMPLETED, ST_FAILED, ST_TIMEOUT, ST_CANCELED = (
     MTE_ST_PENDING, MTE_ST_COMPLETED, MTE_ST_FAILED, MTE_ST_TIMEOUT, MTE_ST_CANCELED)
+
+
+cdef int check_errno(long rc, str what, object cls=None) except -1:
+    """The one checker for native calls that return 0 (or a count) or -errno: raises
+    ``cls`` (default NativeOSError, a MooncakeError and an OSError) naming the call."""
+    if rc >= 0:
+        return 0
+    raise (NativeOSError if cls is None else cls)(<int>-rc, f"{what}: {os.strerror(-rc)}")
+
+
+cdef int check_status(long rc, str what) except -1:
+    """The one checker for native calls that return 0 or a status code of
+    src/core/status.h: raises the class that owns the code (errors.error_class)."""
+    if rc == 0:
+        return 0
+    raise error_class(rc)(f"{what} (status {rc})", status=rc)
 
 
 def now_ns():

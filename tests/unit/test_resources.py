@@ -105,3 +105,16 @@ def test_closed_error_pickles():
     e = E.ClosedError("the TCP peer x:1 is closed")
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is E.ClosedError and back.status == E.ERR_CLOSED
+
+
+def test_native_os_errors_are_mooncake_errors_with_the_errno():
+    import errno
+    regions = Regions()
+    with _server(regions) as srv:
+        with pytest.raises(E.NativeOSError, match="cannot listen") as ei:
+            TcpServer(regions, "127.0.0.1", srv.port, "second", 9)
+    assert isinstance(ei.value, OSError) and isinstance(ei.value, E.MooncakeError)
+    assert ei.value.errno == errno.EADDRINUSE
+    with pytest.raises(E.NativeOSError, match="cannot open") as ei:
+        Device("/nonexistent/disk.img", regions)
+    assert ei.value.errno == errno.ENOENT

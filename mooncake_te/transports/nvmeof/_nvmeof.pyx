@@ -4,9 +4,9 @@
 import os
 import warnings
 
-from libc.errno cimport ESHUTDOWN
+from libc.errno cimport EIO, ESHUTDOWN
 from libc.stdint cimport uint32_t, uint64_t, int64_t
-from mooncake_te.core._core cimport Regions, NativeBatch, Resource
+from mooncake_te.core._core cimport Regions, NativeBatch, Resource, check_errno
 from mooncake_te.core.capi cimport mte_core_import
 from mooncake_te.core.libcore cimport MTE_E_STORAGE_BASE, MTE_E_OUT_OF_RANGE, MTE_E_CLOSED
 from mooncake_te.transports.nvmeof.libnvmeof cimport *
@@ -35,7 +35,7 @@ cdef class Device(Resource):
         with nogil:
             self.f = mte_nvf_open(cp, size, threads, slice_size, regions.t, &err)
         if self.f == NULL:
-            raise OSError(-err, f"cannot open {path} for storage I/O: {os.strerror(-err)}")
+            check_errno(err if err < 0 else -EIO, f"cannot open {path} for storage I/O")
         self._opened()
         self.path = path
         self.regions = regions

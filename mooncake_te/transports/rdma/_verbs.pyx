@@ -14,7 +14,7 @@ Everything that can block or pin memory (registration, QP state changes, post an
 loops) runs with the GIL released.
 """
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport errno, EIO, ENOSYS, ENODEV
+from libc.errno cimport errno, EIO, ENOSYS, ENODEV, ENOMEM
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
@@ -24,7 +24,7 @@ import weakref
 
 import numpy as np
 
-from mooncake_te.core._core cimport Regions, NativeBatch, Resource
+from mooncake_te.core._core cimport Regions, NativeBatch, Resource, check_errno
 from mooncake_te.core.capi cimport mte_core_import
 from mooncake_te.transports.rdma.libibverbs cimport *
 from mooncake_te.transports.rdma.librdma cimport *
@@ -57,7 +57,7 @@ cdef _fail(str what, int err=0):
     e = err if err else errno
     if e == 0:
         e = EIO    # verbs returned NULL without setting errno
-    raise VerbsError(e, f"{what}: {os.strerror(e)}")
+    check_errno(-e, what, VerbsError)
 
 
 def wc_status_str(int status):
@@ -484,7 +484,7 @@ cdef class DataPath(Resource):
         prm.spin_us = spin_us
         self.r = mte_rdma_new(regions.t, &prm, &err)
         if self.r == NULL:
-            raise OSError(-err, f"cannot start the RDMA data path: {os.strerror(-err)}")
+            check_errno(err if err < 0 else -ENOMEM, "cannot start the RDMA data path")
         self._opened()
         self.regions = regions
         self._keep = []
@@ -501,8 +501,7 @@ cdef class DataPath(Resource):
         if cq.channel is None:
             raise InvalidArgumentError("the data path sleeps on a completion channel: create the CQ with one")
         rc = mte_rdma_add_device(self._get(), idx, cq.context.ctx, cq.cq, cq.channel.ch, cq.cqe)
-        if rc != 0:
-            raise OSError(-rc, f"cannot add device {idx} to the data path")
+        check_errno(rc, f"cannot add device {idx} to the data path")
         self._keep.append(cq)
         cq.context._adopt(self)
         cq._adopt(self)
@@ -510,8 +509,7 @@ cdef class DataPath(Resource):
 
     def start(self):
         rc = mte_rdma_start(self._get())
-        if rc != 0:
-            raise OSError(-rc, "cannot start the RDMA polling threads")
+        check_errno(rc, "cannot start the RDMA polling threads")
 
     def add_mr(self, uint64_t address, uint64_t length, lkeys, uint64_t pref, uint64_t avail):
         cdef uint32_t keys[64]
@@ -521,8 +519,7 @@ cdef class DataPath(Resource):
         for i in range(n):
             keys[i] = lkeys[i]
         rc = mte_rdma_mr_add(self._get(), address, length, keys, n, pref, avail)
-        if rc != 0:
-            raise OSError(-rc, "cannot add memory keys")
+        check_errno(rc, "cannot add memory keys")
 
     def remove_mr(self, uint64_t address):
         if self.r != NULL:
@@ -591,8 +588,7 @@ cdef class Peer(Resource):
         else:
             rc = mte_rdma_peer_set_buffers(p, n, &addrs[0], &lens[0], &access[0], &rkeys[0],
                                            &pref[0], &avail[0])
-        if rc != 0:
-            raise OSError(-rc, "cannot set the peer's buffers")
+        check_errno(rc, "cannot set the peer's buffers")
 
     def add_rail(self, int ldev, int pdev, list qps, int max_wr):
         cdef ibv_qp *arr[64]
@@ -604,8 +600,7 @@ cdef class Peer(Resource):
             q = qps[i]
             arr[i] = q._get()
         rc = mte_rdma_peer_add_rail(self._get(), ldev, pdev, arr, n, max_wr)
-        if rc < 0:
-            raise OSError(-rc, "cannot add a rail")
+        check_errno(rc, "cannot add a rail")
         self._qps[rc] = list(qps)
         return rc
 
@@ -619,8 +614,7 @@ cdef class Peer(Resource):
             q = qps[i]
             arr[i] = q._get()
         rc = mte_rdma_rail_reconnect(self._get(), rail, arr, n)
-        if rc != 0:
-            raise OSError(-rc, "cannot reconnect a rail")
+        check_errno(rc, "cannot reconnect a rail")
         self._old += self._qps.get(rail, [])
         self._qps[rail] = list(qps)
         self.reap()

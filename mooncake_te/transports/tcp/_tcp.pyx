@@ -7,10 +7,11 @@ Everything that moves bytes or waits runs with the GIL released; the facade in
 """
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_t
+import errno
 import os
 import numpy as np
 
-from mooncake_te.core._core cimport Regions, NativeBatch, Resource
+from mooncake_te.core._core cimport Regions, NativeBatch, Resource, check_errno
 from mooncake_te.core.capi cimport mte_core_import
 from mooncake_te.core.libcore cimport *
 from mooncake_te.transports.tcp.libtcp cimport *
@@ -43,8 +44,8 @@ cdef class TcpServer(Resource):
         with nogil:
             self.t = mte_tcp_new(regions.t, hp, port, np_, instance, stall_ms, tp, tl, &err)
         if self.t == NULL:
-            raise OSError(-err, f"cannot listen for TCP data connections on {bind_host}:{port}: "
-                                f"{os.strerror(-err)}")
+            check_errno(err if err < 0 else -errno.EIO,
+                        f"cannot listen for TCP data connections on {bind_host}:{port}")
         self._opened()
         self.port = mte_tcp_port(self.t)
         self.uds_name = mte_tcp_uds_name(self.t).decode()
