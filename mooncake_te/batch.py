@@ -7,6 +7,7 @@ import time
 from typing import NamedTuple
 
 from . import errors as E
+from .core import ST_CANCELED, ST_COMPLETED, ST_TIMEOUT
 
 
 class Op(enum.IntEnum):
@@ -38,98 +39,101 @@ class Notification(NamedTuple):
     message: bytes
 
 
-STATES = ("pending", "completed", "failed", "timeout", "canceled")
+STATES = ("pending", "completed", "failed", "timeout", "canceled")   # by MTE_ST_* (status.h)
 
 
 def error_for(code: int, target: str, index: int, op: int, local: int, remote: int,
               length: int) -> E.MooncakeError:
-    """The exception for a failed request, saying what failed and what to do."""
+    """The exception for a failed request: the class that owns ``code``
+    (:func:`mooncake_te.errors.error_class`), saying what failed and what to do."""
     what = f"request {index} ({Op(op).name} of {length} bytes, local {local:#x}, " \
            f"remote {remote:#x} in {target})"
-    if code == -3:
-        return E.AddressNotRegisteredError(
-            f"{what} was refused by {target}: [{remote:#x}, {remote + length:#x}) is not inside "
-            f"a region it registered; check the address against open_segment({target!r}).buffers")
-    if code == -1004:
-        return E.AddressNotRegisteredError(
-            f"{what} was refused by {target}: the region does not allow remote "
-            f"{'writes' if op == Op.WRITE else 'reads'} (registered with access='r' or 'local')")
-    if code == -1003:
-        return E.AddressNotRegisteredError(
-            f"{what}: local [{local:#x}, {local + length:#x}) is not inside a region registered "
-            f"with this engine (it was unregistered while the request was queued)")
-    if code == -801:
-        return E.TransferTimeoutError(f"{what} did not complete before its deadline; the peer "
-                                      f"may be overloaded, hung or unreachable")
-    if code == -805:
-        return E.TransferCanceledError(f"{what} was canceled")
-    if code == -1006:
-        return E.TransferError(f"{what}: {target} restarted (its instance id changed); its "
-                               f"descriptor was refreshed, re-resolve addresses with "
-                               f"open_segment({target!r})")
-    if code == -803:
-        return E.AuthenticationError(f"{what}: {target} refused the data connection, or could "
-                                     f"not prove the token: the engines' auth_token values differ")
-    if code == -102:
-        return E.TransferError(f"{what}: the connection to {target} failed or was lost (peer "
-                               f"dead, restarted or unreachable)", status=-102)
-    if code == -1008:
-        return E.TransferError(f"{what}: the connections to {target} were closed (engine "
-                               f"closed, or the peer was dropped after a failure or restart)")
-    if code == -1009:
-        return E.TransferError(f"{what}: {target} could not copy to or from this process's "
-                               f"memory (same-host transport); the local buffer may be gone")
-    if code == -1010:
-        return E.TransferError(f"{what}: a CUDA copy of GPU memory failed on one side (its "
-                               f"staging or IPC mapping); check that the GPU buffer is still "
-                               f"allocated and the device healthy (nvidia-smi)", status=code)
-    if -1199 <= code <= -1100:
-        return _rdma_error(code, what, target, op, remote, length)
-    if code == -1021 or -1600 < code <= -1400:   # storage segments (src/nvmeof/nvmeof.h)
-        from .transports.nvmeof import error_message
+    text = _message(code, what, target, op, local, remote, length)
+    return E.error_class(code)(text, status=code if code < 0 else None)
+
+
+def _message(code, what, target, op, local, remote, length) -> str:
+    if code == E.ERR_ADDRESS_NOT_REGISTERED:
+        return (f"{what} was refused by {target}: [{remote:#x}, {remote + length:#x}) is not "
+                f"inside a region it registered; check the address against "
+                f"open_segment({target!r}).buffers")
+    if code == E.ERR_REMOTE_ACCESS:
+        return (f"{what} was refused by {target}: the region does not allow remote "
+                f"{'writes' if op == Op.WRITE else 'reads'} (registered with access='r' or "
+                f"'local')")
+    if code == E.ERR_LOCAL_NOT_REGISTERED:
+        return (f"{what}: local [{local:#x}, {local + length:#x}) is not inside a region "
+                f"registered with this engine (it was unregistered while the request was "
+                f"queued)")
+    if code == E.ERR_TRANSFER_TIMEOUT:
+        return (f"{what} did not complete before its deadline; the peer may be overloaded, "
+                f"hung or unreachable")
+    if code == E.ERR_CANCELED:
+        return f"{what} was canceled"
+    if code == E.ERR_PEER_RESTARTED:
+        return (f"{what}: {target} restarted (its instance id changed); its descriptor was "
+                f"refreshed, re-resolve addresses with open_segment({target!r})")
+    if code == E.ERR_AUTHENTICATION:
+        return (f"{what}: {target} refused the data connection, or could not prove the "
+                f"token: the engines' auth_token values differ")
+    if code == E.ERR_SOCKET:
+        return (f"{what}: the connection to {target} failed or was lost (peer dead, "
+                f"restarted or unreachable)")
+    if code == E.ERR_PROTOCOL:
+        return (f"{what}: {target} broke the data protocol (a different mooncake_te "
+                f"version, or not a mooncake_te data port)")
+    if code == E.ERR_CLOSED:
+        return (f"{what}: the connections to {target} were closed (engine closed, or the "
+                f"peer was dropped after a failure or restart)")
+    if code == E.ERR_CROSS_MEMORY:
+        return (f"{what}: {target} could not copy to or from this process's memory "
+                f"(same-host transport); the local buffer may be gone")
+    if code == E.ERR_CUDA:
+        return (f"{what}: a CUDA copy of GPU memory failed on one side (its staging or IPC "
+                f"mapping); check that the GPU buffer is still allocated and the device "
+                f"healthy (nvidia-smi)")
+    if code == E.ERR_MEMORY:
+        return (f"{what}: memory (or pinned staging memory for GPU buffers) ran out on one "
+                f"side")
+    if E.ERR_RDMA_PORT_DOWN <= code <= E.ERR_RDMA_WC_BASE - 1:
+        return _rdma_message(code, what, target, op, remote, length)
+    if code == E.ERR_OUT_OF_RANGE or E.ERR_STORAGE_BASE - 199 <= code <= E.ERR_STORAGE_BASE:
+        from .transports.nvmeof import error_message     # storage segments' own words
         msg = error_message(code)
         if msg:
-            return E.TransferError(f"{what}: {msg}", status=code)
-    return E.TransferError(f"{what} failed (status {code})", status=code if code < 0 else None)
+            return f"{what}: {msg}"
+    return f"{what} failed (status {code})"
 
 
-# ibv_wc_status (infiniband/verbs.h) and libibverbs' text for each.
-_WC_STATUS = {
-    1: "local length error", 2: "local QP operation error", 3: "local EE context operation "
-    "error", 4: "local protection error", 5: "Work Request Flushed Error", 6: "memory "
-    "management operation error", 7: "bad response error", 8: "local access error",
-    9: "remote invalid request error", 10: "remote access error", 11: "remote operation "
-    "error", 12: "transport retry counter exceeded", 13: "RNR retry counter exceeded",
-    14: "local RDD violation error", 15: "remote invalid RD request", 16: "aborted error",
-    17: "invalid EE context number", 18: "invalid EE context state", 19: "fatal error",
-    20: "response timeout error", 21: "general error",
-}
+def wc_status_text(status: int) -> str:
+    """libibverbs' own text for a work-completion status (``ibv_wc_status_str``)."""
+    try:
+        from .transports.rdma._verbs import wc_status_str
+    except ImportError:          # no RDMA in this build: no completion can carry one
+        return f"status {status}"
+    return wc_status_str(status)
 
 
-def _rdma_error(code, what, target, op, remote, length) -> E.MooncakeError:
-    """The RDMA data path's codes (src/rdma/rdma.h): -1100 - ibv_wc_status, and -115x."""
-    if code == -1150:
-        return E.TransferError(f"{what}: no RDMA rail to {target} can carry it (every rail is "
-                               f"down or paused, or no NIC pair has keys for both buffers)",
-                               status=code)
-    if code == -1151:
-        return E.TransferError(f"{what}: the RDMA NIC refused the work request "
-                               f"(ibv_post_send failed; the queue pair is in error)", status=code)
-    if code == -1152:
-        return E.AddressNotRegisteredError(f"{what}: the local buffer is not registered with "
-                                           f"the RDMA NICs", status=code)
-    if code == -1153:
-        return E.TransferError(f"{what}: the port of the local RDMA NIC went down (link or "
-                               f"netdev down; ibv_devinfo shows the port state) and no other "
-                               f"rail could take over", status=code)
-    st = -1100 - code
-    text = _WC_STATUS.get(st, f"status {st}")
+def _rdma_message(code, what, target, op, remote, length) -> str:
+    """The RDMA data path's codes (src/core/status.h): -1100 - ibv_wc_status, and -115x."""
+    if code == E.ERR_RDMA_NO_RAIL:
+        return (f"{what}: no RDMA rail to {target} can carry it (every rail is down or "
+                f"paused, or no NIC pair has keys for both buffers)")
+    if code == E.ERR_RDMA_POST:
+        return (f"{what}: the RDMA NIC refused the work request (ibv_post_send failed; the "
+                f"queue pair is in error)")
+    if code == E.ERR_RDMA_LOCAL_KEY:
+        return f"{what}: the local buffer is not registered with the RDMA NICs"
+    if code == E.ERR_RDMA_PORT_DOWN:
+        return (f"{what}: the port of the local RDMA NIC went down (link or netdev down; "
+                f"ibv_devinfo shows the port state) and no other rail could take over")
+    st = E.ERR_RDMA_WC_BASE - code
+    text = wc_status_text(st)
     if st == 10:       # IBV_WC_REM_ACCESS_ERR
-        return E.AddressNotRegisteredError(
-            f"{what} was refused by the NIC of {target}: {text} (IBV_WC_REM_ACCESS_ERR): "
-            f"[{remote:#x}, {remote + length:#x}) is outside the memory region it registered "
-            f"(stale address or rkey?) or the region forbids remote "
-            f"{'writes' if op == Op.WRITE else 'reads'}", status=code)
+        return (f"{what} was refused by the NIC of {target}: {text} (IBV_WC_REM_ACCESS_ERR): "
+                f"[{remote:#x}, {remote + length:#x}) is outside the memory region it "
+                f"registered (stale address or rkey?) or the region forbids remote "
+                f"{'writes' if op == Op.WRITE else 'reads'}")
     if st in (2, 12, 13, 20):
         hint = ("the peer's NIC did not answer: link down, peer gone, or an MTU/GID mismatch "
                 "on the path (docs/rdma.md, troubleshooting)")
@@ -137,8 +141,7 @@ def _rdma_error(code, what, target, op, remote, length) -> E.MooncakeError:
         hint = "flushed after an earlier error on the same queue pair"
     else:
         hint = "see docs/rdma.md, troubleshooting"
-    return E.TransferError(f"{what} failed over RDMA: {text} (ibv_wc_status {st}); {hint}",
-                           status=code)
+    return f"{what} failed over RDMA: {text} (ibv_wc_status {st}); {hint}"
 
 
 class Batch:
@@ -201,7 +204,7 @@ class Batch:
 
     def raise_for_status(self) -> None:
         states, _, errs = self._status()
-        bad = (states != 1).nonzero()[0]
+        bad = (states != ST_COMPLETED).nonzero()[0]
         if len(bad) == 0:
             ne = self._native.notify_error
             if ne:
@@ -209,7 +212,9 @@ class Batch:
                                       f"delivered (status {ne})", status=ne)
             return
         i = int(bad[0])
-        code = int(errs[i]) or (-801 if states[i] == 3 else -805 if states[i] == 4 else -800)
+        code = int(errs[i]) or (E.ERR_TRANSFER_TIMEOUT if states[i] == ST_TIMEOUT else
+                                E.ERR_CANCELED if states[i] == ST_CANCELED else
+                                E.ERR_TRANSFER_FAIL)
         raise self._error(i, code)
 
     def _error(self, i: int, code: int) -> E.MooncakeError:
@@ -219,7 +224,9 @@ class Batch:
             if first <= native_i < first + len(local):
                 k = native_i - first
                 length = int(lens[k] if len(lens) > 1 else lens[0])
-                if code in (-1006, -102) and self._on_peer_lost is not None:
+                if code in (E.ERR_PEER_RESTARTED, E.ERR_SOCKET) and \
+                        self._on_peer_lost is not None:
+                    # Lost or restarted peer: re-resolve its descriptor before next use.
                     self._on_peer_lost(target)
                 return error_for(code, target, i, op, int(local[k]), int(remote[k]), length)
         return E.TransferError(f"request {i} failed (status {code})", status=code)

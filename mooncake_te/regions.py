@@ -8,7 +8,7 @@ import os
 import threading
 
 from . import errors as E
-from .core._regions import Regions, READ as ACC_READ, WRITE as ACC_WRITE
+from .core import ACC_READ, ACC_WRITE, Regions
 from .memory import ACCESS, MemoryRegion, cpu_location, intake
 
 _ACCESS_BITS = {"rw": ACC_READ | ACC_WRITE, "r": ACC_READ, "local": 0}

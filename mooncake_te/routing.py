@@ -13,10 +13,8 @@ import logging
 from . import errors as E
 from .transports import probe as probe_transports
 from .transports.base import TransportContext
-# The engine's native services, handed to transports through their context (they never
-# import the module that implements them).
-from .transports.tcp import HOST_ID, NativeBatch
-from .transports.tcp._tcp import batch_ops_address
+# The core's services, handed to transports through their context.
+from .core import HOST_ID, NativeBatch
 
 log = logging.getLogger("mooncake_te")
 
@@ -83,7 +81,7 @@ class Transports:
         """The context every transport of this engine gets (``kw``: the engine's data and
         services, see TransportContext)."""
         return TransportContext(protocol=self.asked, host_id=HOST_ID, new_batch=NativeBatch,
-                                batch_ops=batch_ops_address(), **kw)
+                                **kw)
 
     def start(self, ctx: TransportContext) -> None:
         asked = self.asked

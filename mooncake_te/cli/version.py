@@ -34,7 +34,7 @@ def _native() -> dict:
     """Compiled modules: where each was loaded from, or why it could not be."""
     import importlib
     out = {}
-    for mod in ("mooncake_te.core._regions", "mooncake_te.transports.tcp._tcp",
+    for mod in ("mooncake_te.core._core", "mooncake_te.transports.tcp._tcp",
                 "mooncake_te.transports.nvmeof._nvmeof"):
         try:
             out[mod] = importlib.import_module(mod).__file__

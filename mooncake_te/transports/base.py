@@ -48,7 +48,7 @@ class Capabilities:
 @dataclass
 class TransportContext:
     """What an engine hands each of its transports: data and services, not itself."""
-    regions: object              # the engine's Regions table (mooncake_te.core._regions)
+    regions: object              # the engine's Regions table (mooncake_te.core)
     host: str                    # address peers reach this engine at
     name: str                    # this engine's segment name
     instance: int                # this engine's instance id (a restart changes it)
@@ -60,7 +60,6 @@ class TransportContext:
     host_id: str = ""            # boot id / pid ns / net ns: equal means the same host
     # Services of the engine's core (callables, so no transport holds the engine):
     new_batch: object = None     # (n, deadline_ns) -> a native batch (large sync requests)
-    batch_ops: int = 0           # address of the native batch-ops table (C completions)
     refresh_peer: object = None  # (name) -> SegmentDescriptor fetched afresh
 
 

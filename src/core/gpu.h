@@ -19,7 +19,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define MTE_E_CUDA (-1010)          /* a CUDA call failed while moving device memory */
+#include "status.h"             /* MTE_E_CUDA */
 
 #define MTE_STAGE_SLOTS 4
 /* Bytes per staging slot: MC_GPU_STAGE_CHUNK (64 KiB to 16 MiB), default 512 KiB. */

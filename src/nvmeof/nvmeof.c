@@ -31,7 +31,6 @@ struct mte_nvf {
     atomic_ulong memmask;       /* ... and of memory addresses (mask), learned: see io_slice */
     uint64_t size;
     uint64_t slice;
-    const mte_batch_ops_t *ops;
     mte_regions_t *regions;
 
     pthread_mutex_t mu;
@@ -72,10 +71,10 @@ static int io_full(int fd, int op, char *buf, uint64_t len, uint64_t off)
         if (r < 0) {
             if (errno == EINTR)
                 continue;
-            return MTE_E_STORAGE - errno;
+            return MTE_E_STORAGE_BASE - errno;
         }
         if (r == 0)
-            return MTE_E_STORAGE - EIO;       /* past the end of the device */
+            return MTE_E_STORAGE_BASE - EIO;       /* past the end of the device */
         buf += r;
         off += (uint64_t)r;
         len -= (uint64_t)r;
@@ -98,7 +97,7 @@ static int io_slice(mte_nvf_t *f, int op, uint64_t laddr, uint64_t off, uint64_t
         return io_full(f->fd, op, mem, len, off);
     if (aligned(f, laddr, off, len)) {
         int rc = io_full(f->fd, op, mem, len, off);
-        if (rc != MTE_E_STORAGE - EINVAL || !(laddr & (f->block - 1)))
+        if (rc != MTE_E_STORAGE_BASE - EINVAL || !(laddr & (f->block - 1)))
             return rc;
         /* Offset and length were whole blocks, so the device wants memory aligned more
          * strictly than we assumed (block/fops.c checks the queue's dma_alignment):
@@ -142,19 +141,56 @@ static int io_slice(mte_nvf_t *f, int op, uint64_t laddr, uint64_t off, uint64_t
     return rc;
 }
 
-static int run_slice(mte_nvf_t *f, const slice_t *s, char *bounce)
+/* GPU memory: pread/pwrite cannot touch it, so its bytes pass through the core's
+ * pinned staging ring (src/core/stage.h), chunk by chunk: the device's copy of one chunk
+ * overlaps the storage I/O of the previous one. Chunks are at most a slice long, so the
+ * bounce buffer covers the unaligned ones. */
+typedef struct {
+    mte_nvf_t *f;
+    uint64_t off;               /* device offset of the next chunk */
+    char *bounce;
+} staged_io_t;
+
+static int staged_to_disk(void *ctx, const uint8_t *p, size_t n)
+{
+    staged_io_t *x = ctx;
+    int rc = io_slice(x->f, MTE_OP_WRITE, (uint64_t)(uintptr_t)p, x->off, n, x->bounce);
+    x->off += n;
+    return rc;
+}
+
+static int disk_to_staged(void *ctx, uint8_t *p, size_t n)
+{
+    staged_io_t *x = ctx;
+    int rc = io_slice(x->f, MTE_OP_READ, (uint64_t)(uintptr_t)p, x->off, n, x->bounce);
+    x->off += n;
+    return rc;
+}
+
+static int run_staged(mte_nvf_t *f, const slice_t *s, int dev, char *bounce,
+                      mte_stage_t **stage)
+{
+    if (!mte_stage_get(stage))
+        return MTE_E_NOMEM;
+    staged_io_t x = {.f = f, .off = s->off, .bounce = bounce};
+    if (s->op == MTE_OP_WRITE)
+        return mte_stage_out(*stage, dev, (const uint8_t *)(uintptr_t)s->laddr, s->len,
+                             staged_to_disk, &x);
+    int cuda_err = 0;
+    int rc = mte_stage_in(*stage, dev, (uint8_t *)(uintptr_t)s->laddr, s->len, disk_to_staged,
+                          &x, 0, &cuda_err);
+    return rc ? rc : cuda_err;
+}
+
+static int run_slice(mte_nvf_t *f, const slice_t *s, char *bounce, mte_stage_t **stage)
 {
     int why = 0;
     mte_region_t *r = mte_regions_pin(f->regions, s->laddr, s->len, 0, &why);
     if (!r)
         return MTE_E_LOCAL_NOT_REG;
-    if (mte_region_device(r) >= 0) {
-        /* GPU memory: the CPU cannot pread/pwrite it; the Python tier stages it through
-         * pinned buffers and never sends it here. */
-        mte_region_unpin(r);
-        return MTE_E_STORAGE - EFAULT;
-    }
-    int rc = io_slice(f, s->op, s->laddr, s->off, s->len, bounce);
+    int dev = mte_region_device(r);
+    int rc = dev >= 0 ? run_staged(f, s, dev, bounce, stage)
+                      : io_slice(f, s->op, s->laddr, s->off, s->len, bounce);
     mte_region_unpin(r);
     return rc;
 }
@@ -171,10 +207,11 @@ static char *bounce_new(const mte_nvf_t *f)
 
 static int stopped_code(const mte_nvf_t *f, mte_batch_t *b)
 {
-    int64_t dl = f->ops->deadline(b);
-    if (dl && f->ops->now_ns() > dl)
+    (void)f;
+    int64_t dl = mte_batch_deadline(b);
+    if (dl && mte_now_ns() > dl)
         return MTE_E_TIMEOUT;
-    if (f->ops->stopped(b))
+    if (mte_batch_stopped(b))
         return MTE_E_CANCELED;
     return 0;
 }
@@ -183,6 +220,7 @@ static void *worker(void *arg)
 {
     mte_nvf_t *f = arg;
     char *bounce = bounce_new(f);
+    mte_stage_t *stage = NULL;          /* pinned staging for GPU memory, on first use */
     pthread_mutex_lock(&f->mu);
     for (;;) {
         while (!f->qlen && !f->stop)
@@ -196,11 +234,12 @@ static void *worker(void *arg)
         pthread_mutex_unlock(&f->mu);
         int rc = stop ? MTE_E_CLOSED : stopped_code(f, s.b);
         if (rc == 0)
-            rc = bounce ? run_slice(f, &s, bounce) : MTE_E_NOMEM;
-        f->ops->slice_done(s.b, s.idx, rc ? 0 : s.len, rc);   /* s.b may be gone after */
+            rc = bounce ? run_slice(f, &s, bounce, &stage) : MTE_E_NOMEM;
+        mte_batch_slice_done(s.b, s.idx, rc ? 0 : s.len, rc);   /* s.b may be gone after */
         pthread_mutex_lock(&f->mu);
     }
     pthread_mutex_unlock(&f->mu);
+    mte_stage_free(stage);
     free(bounce);
     nvf_unref(f);
     return NULL;
@@ -209,10 +248,10 @@ static void *worker(void *arg)
 /* --- public ------------------------------------------------------------------------ */
 
 mte_nvf_t *mte_nvf_open(const char *path, uint64_t size, int threads, uint64_t slice,
-                        const mte_batch_ops_t *ops, mte_regions_t *regions, int *err)
+                        mte_regions_t *regions, int *err)
 {
     *err = 0;
-    if (!ops || ops->version < 1 || threads < 1 || threads > 1024 || slice < 4096 ||
+    if (threads < 1 || threads > 1024 || slice < 4096 ||
         slice % 4096) {
         *err = -EINVAL;
         return NULL;
@@ -273,7 +312,6 @@ mte_nvf_t *mte_nvf_open(const char *path, uint64_t size, int threads, uint64_t s
     atomic_init(&f->memmask, !direct ? 0 : S_ISBLK(st.st_mode) ? 3 : block - 1);
     f->size = size;
     f->slice = slice;
-    f->ops = ops;
     f->regions = regions;
     f->qcap = 256;
     f->q = malloc(f->qcap * sizeof(*f->q));
@@ -368,7 +406,7 @@ int mte_nvf_submit(mte_nvf_t *f, mte_batch_t *b, int op, const uint64_t *local,
         uint32_t count = 0;
         for (uint64_t o = off; o < off + len; o = (o / f->slice + 1) * f->slice)
             count++;
-        f->ops->begin(b, first + i, count);
+        mte_batch_begin(b, first + i, count);
         uint64_t o = off;
         while (o < off + len) {
             uint64_t end = (o / f->slice + 1) * f->slice;
@@ -392,9 +430,11 @@ int mte_nvf_transfer(mte_nvf_t *f, int op, uint64_t local, uint64_t off, uint64_
         return -EINVAL;
     if (len == 0 || off > f->size || len > f->size - off)
         return MTE_E_OUT_OF_RANGE;
-    if (deadline_ns && f->ops->now_ns() > deadline_ns)
+    if (deadline_ns && mte_now_ns() > deadline_ns)
         return MTE_E_TIMEOUT;
     char *bounce = NULL;
+    mte_stage_t *stage = NULL;     /* GPU memory: a ring for this call (Python batches it) */
+    int gpu = mte_regions_device_at(f->regions, local) >= 0;
     int rc = 0;
     for (uint64_t o = off; o < off + len && rc == 0; ) {
         uint64_t end = (o / f->slice + 1) * f->slice;
@@ -403,12 +443,15 @@ int mte_nvf_transfer(mte_nvf_t *f, int op, uint64_t local, uint64_t off, uint64_
         slice_t s = {.op = op, .laddr = local + (o - off), .off = o, .len = end - o};
         /* The bounce buffer may be needed even when aligned() holds (the device can
          * turn out to want stricter memory alignment), so test the strict rule. */
-        if (f->direct && ((s.laddr | s.off | s.len) & (f->block - 1)) && !bounce &&
-            !(bounce = atomic_exchange(&f->spare, NULL)) && !(bounce = bounce_new(f)))
-            return MTE_E_NOMEM;
-        rc = run_slice(f, &s, bounce);
+        if (f->direct && (gpu || ((s.laddr | s.off | s.len) & (f->block - 1))) && !bounce &&
+            !(bounce = atomic_exchange(&f->spare, NULL)) && !(bounce = bounce_new(f))) {
+            rc = MTE_E_NOMEM;
+            break;
+        }
+        rc = run_slice(f, &s, bounce, &stage);
         o = end;
     }
+    mte_stage_free(stage);
     char *none = NULL;
     if (bounce && !atomic_compare_exchange_strong(&f->spare, &none, bounce))
         free(bounce);

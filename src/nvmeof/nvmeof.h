@@ -12,9 +12,10 @@
  * and copy out; writes read the partial edge blocks, merge and write whole blocks,
  * holding a lock on those edge blocks so two unaligned writes sharing a block do not
  * lose each other's bytes). Each slice pins its local region (regions.h) while it runs,
- * so unregistering waits for it, and finishes its request through the batch table of
- * tcp.h (mte_batch_ops_t), so storage requests share batches with every other
- * transport.
+ * so unregistering waits for it; a slice of GPU memory passes through the worker's pinned
+ * staging ring (src/core/stage.h, the same pipeline as TCP's). Each slice finishes its
+ * request through the core's batch (src/core/batch.h), so storage requests share
+ * batches with every other transport.
  *
  * Why threads and not io_uring: liburing is not on every machine this builds on and
  * kernels or sandboxes (gVisor, seccomp profiles of container runtimes) often refuse
@@ -25,12 +26,10 @@
 
 #include <stdint.h>
 
-#include "core/regions.h"
-#include "tcp/tcp.h"
+#include "../core/api.h"
 
-/* Storage status codes: an errno from the device comes back as MTE_E_STORAGE - errno. */
-#define MTE_E_STORAGE        (-1400)   /* -1100..-1199 are RDMA's (src/rdma/rdma.h) */
-#define MTE_E_OUT_OF_RANGE   (-1021)
+/* Status codes (src/core/status.h): an errno from the device comes back as
+ * MTE_E_STORAGE_BASE - errno; past the end of the segment is MTE_E_OUT_OF_RANGE. */
 
 typedef struct mte_nvf mte_nvf_t;
 
@@ -38,7 +37,7 @@ typedef struct mte_nvf mte_nvf_t;
  * device's or file's size). threads: requests in flight. slice: bytes per slice (a
  * multiple of 4096). NULL with *err = -errno on failure. */
 mte_nvf_t *mte_nvf_open(const char *path, uint64_t size, int threads, uint64_t slice,
-                        const mte_batch_ops_t *ops, mte_regions_t *regions, int *err);
+                        mte_regions_t *regions, int *err);
 uint64_t mte_nvf_size(const mte_nvf_t *f);
 uint32_t mte_nvf_block(const mte_nvf_t *f);     /* alignment O_DIRECT needs; 1 if buffered */
 int mte_nvf_direct(const mte_nvf_t *f);

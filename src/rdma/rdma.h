@@ -1,6 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 /* The RDMA transport's native data path.
  *
+ * Files: device.c (the engine, its NICs), keys.c (local lkeys, the peers' buffers and
+ * rkeys), peer.c, rail.c (queue pairs between a local and a peer NIC), post.c (slicing,
+ * rail choice, posting), poll.c (completion threads, retries); internal.h holds what
+ * they share.
+ *
  * One `mte_rdma_t` per engine holds the local NICs (each with its completion queue,
  * completion channel and one polling thread), the table of local memory keys (lkey per
  * NIC of every registered region) and the peers. A peer has the remote buffers it
@@ -15,8 +20,8 @@
  * completes with a transport error (retry exceeded, flushed, ...) is posted again on
  * another rail, up to `retry_count` times; a rail whose queue pair failed is dead until
  * Python reconnects it, and one that keeps failing is paused for `pause_ms`. Requests
- * finish through the batch table of src/tcp/tcp.h (mte_batch_ops_t), never by linking
- * to the TCP module. Nothing here takes the GIL. */
+ * finish through the engine-wide batch of the core (src/core/batch.h). Nothing here
+ * takes the GIL. */
 #ifndef MTE_RDMA_H
 #define MTE_RDMA_H
 
@@ -25,21 +30,16 @@
 
 #include <infiniband/verbs.h>
 
-#include "../core/regions.h"
-#include "../tcp/tcp.h"
+#include "../core/api.h"
 
 #define MTE_RDMA_MAX_DEV 32       /* local or peer NICs */
 #define MTE_RDMA_MAX_QP 16        /* queue pairs per rail */
 #define MTE_RDMA_MAX_RAILS 64
 
-/* Error codes of the RDMA path. A work-completion error is reported as
- * MTE_E_RDMA_WC - status (ibv_wc_status, 1..21): -1101 local length error, ...,
- * -1110 remote access error, -1112 transport retry counter exceeded, -1105 flushed. */
-#define MTE_E_RDMA_WC        (-1100)
-#define MTE_E_RDMA_NO_RAIL   (-1150)  /* no rail to the peer can carry the request */
-#define MTE_E_RDMA_POST      (-1151)  /* ibv_post_send refused the work request */
-#define MTE_E_RDMA_LOCAL_KEY (-1152)  /* the local region is not registered with the NICs */
-#define MTE_E_RDMA_PORT_DOWN (-1153)  /* the local NIC's port went down (async event) */
+/* Error codes of the RDMA path: MTE_E_RDMA_* of src/core/status.h. A work-completion
+ * error is reported as MTE_E_RDMA_WC_BASE - status (ibv_wc_status, 1..21): -1101 local
+ * length error, ..., -1110 remote access error, -1112 transport retry counter exceeded,
+ * -1105 flushed. */
 
 typedef struct mte_rdma mte_rdma_t;
 typedef struct mte_rdma_peer mte_rdma_peer_t;
@@ -53,8 +53,7 @@ typedef struct mte_rdma_params {
     int spin_us;             /* busy-poll this long before sleeping on the channel */
 } mte_rdma_params_t;
 
-mte_rdma_t *mte_rdma_new(const mte_batch_ops_t *ops, mte_regions_t *regions,
-                         const mte_rdma_params_t *params, int *err);
+mte_rdma_t *mte_rdma_new(mte_regions_t *regions, const mte_rdma_params_t *params, int *err);
 /* Device `idx` (0..MAX_DEV-1): its context, CQ (created on `channel`) and CQ depth. */
 int mte_rdma_add_device(mte_rdma_t *r, int idx, struct ibv_context *ctx, struct ibv_cq *cq,
                         struct ibv_comp_channel *channel, int cqe);

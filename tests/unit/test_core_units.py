@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import mooncake_te as mte
-from mooncake_te.core._regions import Regions, READ, WRITE
+from mooncake_te.core import Regions, ACC_READ as READ, ACC_WRITE as WRITE
 from mooncake_te.memory import MemoryRegion, intake
 from mooncake_te.metadata import BufferInfo, SegmentDescriptor, framing, ram_key, rpc_meta_key
 from mooncake_te.metadata.p2p import split_host_port

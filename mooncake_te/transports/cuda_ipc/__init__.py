@@ -39,8 +39,10 @@ from .slots import SlotTable, SlotView
 
 log = logging.getLogger("mooncake_te")
 
-_WRITE = 1
-_E_REMOTE_NOT_REG, _E_LOCAL_NOT_REG, _E_REMOTE_ACCESS, _E_CUDA = -3, -1003, -1004, -1010
+from ...core import OP_WRITE as _WRITE
+from ...errors import (ERR_ADDRESS_NOT_REGISTERED as _E_REMOTE_NOT_REG, ERR_CUDA as _E_CUDA,
+                       ERR_LOCAL_NOT_REGISTERED as _E_LOCAL_NOT_REG,
+                       ERR_REMOTE_ACCESS as _E_REMOTE_ACCESS)
 
 
 def driver_present() -> bool:

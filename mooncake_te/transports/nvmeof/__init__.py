@@ -15,10 +15,13 @@ This transport carries a group of requests to a storage segment when
 * this is the host that published it (same ``host_id``) and the backing path is there.
 
 The bytes move in C (``src/nvmeof``): O_DIRECT, bounce buffers for unaligned slices,
-a pool of workers per opened device.
+a pool of workers per opened device. GPU memory passes through the core's pinned staging
+ring (``src/core/stage.h``, the one the TCP transport uses too), one per worker, so the
+device copy of one chunk overlaps the storage I/O of the previous one.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -28,7 +31,6 @@ import numpy as np
 
 from ... import errors as E
 from ...metadata.storage import resolve, storage_descriptor, storage_name  # noqa: F401
-from ...batch import Op
 from ..base import Capabilities, Transport
 from ._nvmeof import OUT_OF_RANGE, STORAGE_BASE, Device
 
@@ -91,7 +93,6 @@ class NvmeofTransport(Transport):
         self._devices: dict[str, Device] = {}     # opened path -> Device
         self._gpu: list = []                      # registered GPU regions
         self._paths: dict = {}                    # segment -> (path, valid until, entry)
-        self._staging = None                      # _GpuStager, made at the first GPU request
         self._lock = threading.Lock()
         self._closed = False
         try:
@@ -294,10 +295,7 @@ class NvmeofTransport(Transport):
     def submit(self, batch, desc, op, local, remote, lens, first, run_inline) -> str:
         self._check(desc, local, remote, lens)
         dev = self._device(desc)
-        ords = self._ordinals(local)
-        if ords is not None:
-            self._stager().put(batch, dev, op, local, remote, lens, first, ords)
-            return "nvmeof"
+        self._ordinals(local)          # GPU memory: the core's staging (src/core/stage.h)
         rc = dev.submit(batch, op, local, remote, lens, first)
         if rc != 0:
             raise E.TransferError(f"cannot queue {len(local)} requests to {desc.name}: "
@@ -308,32 +306,23 @@ class NvmeofTransport(Transport):
         one = np.array([remote], np.uint64)
         self._check(desc, np.array([local], np.uint64), one, np.array([length], np.uint64))
         dev = self._device(desc)
-        ords = self._ordinals(np.array([local], np.uint64))
-        if ords is not None:
-            return "nvmeof", self._stager().one(dev, op, local, remote, length,
-                                                int(ords[0]), deadline_ns)
-        if length <= SLICE_SIZE:
+        gpu = self._ordinals(np.array([local], np.uint64)) is not None
+        if length <= SLICE_SIZE and not gpu:
             return "nvmeof", dev.transfer(op, local, remote, length, deadline_ns)
-        # Large: in slices on the workers, in parallel.
+        # Large, or GPU memory: in slices on the workers (each with its staging ring).
         b = self._new_batch(1, deadline_ns)
         rc = dev.submit(b, op, np.array([local], np.uint64), one,
                         np.array([length], np.uint64), 0)
         if rc != 0:
             b.abandon(0, 1)
             b.seal()
-            return "nvmeof", OUT_OF_RANGE if rc == -34 else -1008
+            return "nvmeof", OUT_OF_RANGE if rc == -errno.ERANGE else E.ERR_CLOSED
         b.seal()
         if not b.wait(deadline_ns):
             b.expire()
-            return "nvmeof", -801
+            return "nvmeof", E.ERR_TRANSFER_TIMEOUT
         _, _, errs = b.status()
         return "nvmeof", int(errs[0])
-
-    def _stager(self) -> "_GpuStager":
-        with self._lock:
-            if self._staging is None:
-                self._staging = _GpuStager(self._regions)
-            return self._staging
 
     def forget_peer(self, name: str) -> None:
         pass
@@ -342,105 +331,7 @@ class NvmeofTransport(Transport):
         with self._lock:
             self._closed = True
             devices, self._devices = list(self._devices.values()), {}
-            staging, self._staging = self._staging, None
-        if staging is not None:
-            staging.close()
         for d in devices:
             if d.close():
                 log.warning("an I/O on %s is still blocked in the kernel (target gone?); "
                             "its worker is left to finish on its own", d.path)
-
-
-class _GpuStager:
-    """GPU memory to and from storage through pinned host buffers (``mooncake_te.cuda``):
-    one thread, one pinned slice buffer per device, copies and storage I/O in turn.
-
-    cuFile / GPUDirect Storage is not used: it could not be verified here (no GDS-capable
-    file system or driver on the machines this was written on), and its compatibility
-    mode was seen failing on a GPU machine without udev (issue 8). The pinned buffers are
-    entered in the region table as ``local`` regions, because the native data path pins
-    the local region of every slice it moves.
-    """
-
-    def __init__(self, regions):
-        import queue
-        self._regions = regions
-        self._q: "queue.Queue" = queue.Queue()
-        self._buffers: dict = {}          # ordinal -> PinnedBuffer
-        self._lock = threading.Lock()     # one staging buffer per device: one user at a time
-        self._thread = threading.Thread(target=self._run, name="mte-nvmeof-gpu", daemon=True)
-        self._thread.start()
-
-    def _buffer(self, ordinal: int):
-        buf = self._buffers.get(ordinal)
-        if buf is None:
-            from ... import cuda
-            buf = cuda.PinnedBuffer(SLICE_SIZE, ordinal)
-            rc = self._regions.add(buf.address, buf.nbytes, 0)
-            if rc != 0:
-                buf.close()
-                raise E.TransferError(f"cannot enter the staging buffer in the region table "
-                                      f"({os.strerror(-rc)})")
-            self._buffers[ordinal] = buf
-        return buf
-
-    def one(self, dev, op, local, remote, length, ordinal, deadline_ns=0) -> int:
-        """One request, staged on this thread: 0 or a status code."""
-        from ... import cuda
-        if ordinal < 0:
-            return dev.transfer(op, local, remote, length, deadline_ns)
-        # The device's primary context must be current on this thread: the staging
-        # thread has none of its own (cuMemcpy answered CUDA_ERROR_INVALID_CONTEXT there
-        # on an H200), and a caller's thread may have another device's.
-        with self._lock, cuda.device(ordinal):
-            try:
-                buf = self._buffer(ordinal)
-                for o in range(0, length, SLICE_SIZE):
-                    n = min(SLICE_SIZE, length - o)
-                    if op == Op.READ:
-                        rc = dev.transfer(op, buf.address, remote + o, n, deadline_ns)
-                        if rc:
-                            return rc
-                        cuda.memcpy(local + o, buf.address, n)
-                    else:
-                        cuda.memcpy(buf.address, local + o, n)
-                        rc = dev.transfer(op, buf.address, remote + o, n, deadline_ns)
-                        if rc:
-                            return rc
-            except cuda.CudaError as e:
-                log.warning("GPU staging for storage failed: %s", e)
-                return -1010
-        return 0
-
-    def put(self, batch, dev, op, local, remote, lens, first, ords) -> None:
-        for k in range(len(local)):
-            batch.begin(first + k, 1)
-        batch.keep(dev)
-        self._q.put((batch, dev, op, local, remote, lens, first, ords))
-
-    def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            batch, dev, op, local, remote, lens, first, ords = job
-            for k in range(len(local)):
-                n = int(lens[k] if len(lens) > 1 else lens[0])
-                if batch.stopped:
-                    batch.finish(first + k, 0, -805)
-                    continue
-                try:
-                    rc = self.one(dev, op, int(local[k]), int(remote[k]), n, int(ords[k]))
-                except Exception as e:            # never leave a request unfinished
-                    log.warning("GPU staging for storage failed: %r", e)
-                    rc = -1010
-                batch.finish(first + k, 0 if rc else n, rc)
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=10)
-        with self._lock:
-            for buf in self._buffers.values():
-                self._regions.remove(buf.address)
-                buf.close()
-            self._buffers.clear()

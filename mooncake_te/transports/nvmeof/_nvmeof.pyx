@@ -4,23 +4,27 @@
 import os
 import warnings
 
-from libc.stdint cimport uintptr_t, uint32_t, uint64_t, int64_t
-from mooncake_te.core._regions cimport Regions
+from libc.errno cimport EIO, ESHUTDOWN
+from libc.stdint cimport uint32_t, uint64_t, int64_t
+from mooncake_te.core._core cimport Regions, NativeBatch, Resource, check_errno
+from mooncake_te.core.capi cimport mte_core_import
+from mooncake_te.core.libcore cimport MTE_E_STORAGE_BASE, MTE_E_OUT_OF_RANGE, MTE_E_CLOSED
 from mooncake_te.transports.nvmeof.libnvmeof cimport *
 
-from mooncake_te.transports.tcp._tcp import batch_ops_address
+mte_core_import()
 
-STORAGE_BASE = MTE_E_STORAGE        # an errno e from the device is STORAGE_BASE - e
+STORAGE_BASE = MTE_E_STORAGE_BASE   # an errno e from the device is STORAGE_BASE - e
 OUT_OF_RANGE = MTE_E_OUT_OF_RANGE
 
 
-cdef class Device:
+cdef class Device(Resource):
     """A block device or file opened for the data path (O_DIRECT where the file system
     allows), with ``threads`` workers; ``size`` bytes are addressable."""
     cdef mte_nvf_t *f
     cdef readonly str path
     cdef readonly Regions regions
-    cdef int _pid
+    cdef int _wait_ms
+    cdef bint _stuck
     cdef public object ident          # (st_dev, st_ino, st_rdev) of the path when opened
 
     def __cinit__(self, str path, Regions regions, uint64_t size=0, int threads=16,
@@ -28,14 +32,13 @@ cdef class Device:
         cdef int err = 0
         cdef bytes p = os.fsencode(path)
         cdef const char *cp = p
-        cdef const mte_batch_ops_t *ops = <const mte_batch_ops_t *><uintptr_t>batch_ops_address()
         with nogil:
-            self.f = mte_nvf_open(cp, size, threads, slice_size, ops, regions.t, &err)
+            self.f = mte_nvf_open(cp, size, threads, slice_size, regions.t, &err)
         if self.f == NULL:
-            raise OSError(-err, f"cannot open {path} for storage I/O: {os.strerror(-err)}")
+            check_errno(err if err < 0 else -EIO, f"cannot open {path} for storage I/O")
+        self._opened()
         self.path = path
         self.regions = regions
-        self._pid = os.getpid()
 
     @property
     def size(self):
@@ -55,12 +58,12 @@ cdef class Device:
     def direct(self):
         return bool(mte_nvf_direct(self.f)) if self.f else False
 
-    def submit(self, batch, int op, const uint64_t[::1] local, const uint64_t[::1] offs,
+    def submit(self, NativeBatch batch, int op, const uint64_t[::1] local, const uint64_t[::1] offs,
                const uint64_t[::1] lens, uint32_t first):
         """Queue requests [first, first+len(local)) of ``batch`` (a NativeBatch); 0 or -errno."""
         if self.f == NULL:
-            return -108             # ESHUTDOWN
-        cdef mte_batch_t *b = <mte_batch_t *><uintptr_t>batch.address
+            return -ESHUTDOWN
+        cdef mte_batch_t *b = batch.b
         cdef uint32_t n = local.shape[0]
         cdef int stride = 1 if lens.shape[0] > 1 else 0
         cdef int rc
@@ -74,7 +77,7 @@ cdef class Device:
                  int64_t deadline_ns):
         """One request on this thread (GIL released): 0 or a status code."""
         if self.f == NULL:
-            return -1008
+            return MTE_E_CLOSED
         cdef int rc
         with nogil:
             rc = mte_nvf_transfer(self.f, op, local, off, length, deadline_ns)
@@ -82,21 +85,18 @@ cdef class Device:
 
     def close(self, int wait_ms=2000):
         """Stop the workers; True if one was stuck in the kernel and left behind."""
+        self._wait_ms = wait_ms
+        self._stuck = False
+        Resource.close(self)
+        return bool(self._stuck)
+
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        cdef mte_nvf_t *f = self.f
+        cdef int wait_ms = 0 if finalizing else self._wait_ms
         cdef int stuck = 0
-        if self.f != NULL and self._pid == os.getpid():
-            with nogil:
-                stuck = mte_nvf_close(self.f, wait_ms)
         self.f = NULL
-        return bool(stuck)
-
-    def __dealloc__(self):
-        if self.f != NULL and self._pid == os.getpid():
+        if f != NULL and owner:
             with nogil:
-                mte_nvf_close(self.f, 0)
-            self.f = NULL
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+                stuck = mte_nvf_close(f, wait_ms)
+        self._stuck = stuck != 0
+        return 0

@@ -1,19 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # Declarations of src/nvmeof/nvmeof.h, nothing else.
 from libc.stdint cimport uint32_t, uint64_t, int64_t
-from mooncake_te.core.libregions cimport mte_regions_t
+from mooncake_te.core.libcore cimport mte_regions_t, mte_batch_t
 
 cdef extern from "nvmeof/nvmeof.h" nogil:
-    int MTE_E_STORAGE
-    int MTE_E_OUT_OF_RANGE
-    ctypedef struct mte_batch_t:
-        pass
-    ctypedef struct mte_batch_ops_t:
-        pass
     ctypedef struct mte_nvf_t:
         pass
     mte_nvf_t *mte_nvf_open(const char *path, uint64_t size, int threads, uint64_t slice,
-                            const mte_batch_ops_t *ops, mte_regions_t *regions, int *err)
+                            mte_regions_t *regions, int *err)
     uint64_t mte_nvf_size(const mte_nvf_t *f)
     uint32_t mte_nvf_block(const mte_nvf_t *f)
     int mte_nvf_direct(const mte_nvf_t *f)

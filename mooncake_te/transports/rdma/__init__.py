@@ -203,7 +203,7 @@ class RdmaTransport(Transport):
                     f"{'has' if len(names) == 1 else 'have'} no ACTIVE port {self.port} with "
                     f"a GID (ibv_devinfo shows the port states; found: {', '.join(found)})")
             self.matrix = self._matrix(bool(te.get("topology_aware", True)))
-            self.dp = _verbs.DataPath(ctx.batch_ops, ctx.regions, self.slice_size,
+            self.dp = _verbs.DataPath(ctx.regions, self.slice_size,
                                       self.retry_count, self.multi_nic,
                                       int(self.pause_s * 1000))
             for d in self.devices:
@@ -428,7 +428,7 @@ class RdmaTransport(Transport):
                 except E.MooncakeError:
                     pass
         st = self._peer(desc)
-        rc = st.peer.submit(batch.address, op, local, remote, lens, first)
+        rc = st.peer.submit(batch, op, local, remote, lens, first)
         if rc != 0:
             raise E.TransferError(f"cannot queue {len(local)} requests to {desc.name} over "
                                   f"RDMA (error {rc})", status=rc if rc < 0 else None)
@@ -441,7 +441,7 @@ class RdmaTransport(Transport):
         # (a transfer to itself), whose handler takes self._lock.
         with self._connect_lock:
             if self._closed:
-                raise E.TransferError("the RDMA transport is closed", status=-1008)
+                raise E.ClosedError("the RDMA transport is closed")
             st = self._peers.get(desc.name)
             if st is not None and st.instance != desc.instance_id:
                 self._drop_peer(desc.name)
@@ -553,7 +553,7 @@ class RdmaTransport(Transport):
             reply = json.loads(raw)
             if "endpoints" not in reply:
                 raise E.TransferError(f"{desc.name} refused the RDMA connection: "
-                                      f"{reply.get('reply_msg', reply)}", status=-104)
+                                      f"{reply.get('reply_msg', reply)}", status=E.ERR_REJECT_HANDSHAKE)
             out = []
             for (dev, qps, psns), ep in zip(mine, reply["endpoints"]):
                 mtu = min(dev.mtu, int(ep["mtu"]), self.mtu_cap)

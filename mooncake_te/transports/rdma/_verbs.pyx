@@ -14,7 +14,7 @@ Everything that can block or pin memory (registration, QP state changes, post an
 loops) runs with the GIL released.
 """
 from cpython.exc cimport PyErr_CheckSignals
-from libc.errno cimport errno
+from libc.errno cimport errno, EIO, ENOSYS, ENODEV, ENOMEM
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t, uintptr_t
 from libc.stdlib cimport malloc, free
 from libc.string cimport memset, memcpy
@@ -24,9 +24,12 @@ import weakref
 
 import numpy as np
 
-from mooncake_te.core._regions cimport Regions
+from mooncake_te.core._core cimport Regions, NativeBatch, Resource, check_errno
+from mooncake_te.core.capi cimport mte_core_import
 from mooncake_te.transports.rdma.libibverbs cimport *
 from mooncake_te.transports.rdma.librdma cimport *
+
+mte_core_import()
 
 ACCESS_LOCAL_WRITE = IBV_ACCESS_LOCAL_WRITE
 ACCESS_REMOTE_WRITE = IBV_ACCESS_REMOTE_WRITE
@@ -47,15 +50,14 @@ _GID_TYPES = {IBV_GID_TYPE_IB: "IB", IBV_GID_TYPE_ROCE_V1: "RoCE v1",
               IBV_GID_TYPE_ROCE_V2: "RoCE v2"}
 
 
-class VerbsError(OSError):
-    """A verbs call failed; ``errno`` and the call are in the message."""
+from mooncake_te.errors import InvalidArgumentError, VerbsError  # VerbsError: also an OSError
 
 
 cdef _fail(str what, int err=0):
     e = err if err else errno
     if e == 0:
-        e = 5      # EIO: verbs returned NULL without setting errno
-    raise VerbsError(e, f"{what}: {os.strerror(e)}")
+        e = EIO    # verbs returned NULL without setting errno
+    check_errno(-e, what, VerbsError)
 
 
 def wc_status_str(int status):
@@ -70,7 +72,7 @@ def mtu_bytes(int mtu_enum):
 def mtu_enum(int nbytes):
     """The ``ibv_mtu`` value for 256..4096 bytes (ValueError otherwise)."""
     if nbytes not in _MTU_ENUM:
-        raise ValueError(f"an RDMA path MTU is one of 256, 512, 1024, 2048, 4096; got {nbytes}")
+        raise InvalidArgumentError(f"an RDMA path MTU is one of 256, 512, 1024, 2048, 4096; got {nbytes}")
     return _MTU_ENUM[nbytes]
 
 
@@ -80,7 +82,7 @@ def device_names():
     cdef ibv_device **lst = ibv_get_device_list(&n)
     if lst == NULL:
         e = errno
-        if e == 38:       # ENOSYS: no kernel support at all (no ib_uverbs)
+        if e == ENOSYS:   # no kernel support at all (no ib_uverbs)
             return []
         _fail("ibv_get_device_list", e)
     try:
@@ -89,37 +91,8 @@ def device_names():
         ibv_free_device_list(lst)
 
 
-cdef class _Node:
-    """Parent/child bookkeeping shared by every verbs object."""
-    cdef object __weakref__
-    cdef list _children
-    cdef int _pid
-    cdef public object parent
-
-    def __cinit__(self, *args, **kwargs):
-        self._children = []
-        self._pid = os.getpid()
-
-    cdef _adopt(self, child):
-        self._children = [r for r in self._children if r() is not None]
-        self._children.append(weakref.ref(child))
-
-    cdef _close_children(self):
-        kids, self._children = self._children, []
-        for r in reversed(kids):
-            c = r()
-            if c is not None:
-                c.close()
-
-    cdef bint _owner(self):
-        return self._pid == os.getpid()
-
-
-cdef class Context(_Node):
+cdef class Context(Resource):
     """An open verbs device (``ibv_open_device``)."""
-    cdef ibv_context *ctx
-    cdef readonly str name
-    cdef readonly dict attr
 
     def __init__(self, str name):
         cdef int n = 0, i
@@ -133,9 +106,10 @@ cdef class Context(_Node):
                     self.ctx = ibv_open_device(lst[i])
                     if self.ctx == NULL:
                         _fail(f"ibv_open_device({name})")
+                    self._opened()
                     break
             else:
-                raise VerbsError(19, f"no verbs device named {name!r}")   # ENODEV
+                raise VerbsError(ENODEV, f"no verbs device named {name!r}")
         finally:
             ibv_free_device_list(lst)
         self.name = name
@@ -148,13 +122,9 @@ cdef class Context(_Node):
                      "max_qp_init_rd_atom": a.max_qp_init_rd_atom,
                      "phys_port_cnt": a.phys_port_cnt}
 
-    @property
-    def closed(self):
-        return self.ctx == NULL
-
     cdef ibv_context *_get(self) except NULL:
         if self.ctx == NULL:
-            raise ValueError(f"context {self.name} is closed")
+            self._raise_closed(f"context {self.name}")
         return self.ctx
 
     def query_port(self, int port=1):
@@ -183,74 +153,52 @@ cdef class Context(_Node):
             return None
         return raw, _GID_TYPES.get(e.gid_type, str(e.gid_type)), e.ndev_ifindex
 
-    def close(self):
-        if self.ctx != NULL:
-            self._close_children()
-            if self._owner():
-                ibv_close_device(self.ctx)
-            self.ctx = NULL
-
-    def __dealloc__(self):
-        if self.ctx != NULL and self._owner():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        if self.ctx != NULL and owner:
             ibv_close_device(self.ctx)
         self.ctx = NULL
+        return 0
 
     def __repr__(self):
         return f"<Context {self.name}{' closed' if self.ctx == NULL else ''}>"
 
 
-cdef class PD(_Node):
+cdef class PD(Resource):
     """A protection domain (``ibv_alloc_pd``)."""
-    cdef ibv_pd *pd
-    cdef readonly Context context
 
     def __init__(self, Context context):
         cdef ibv_context *c = context._get()
         self.pd = ibv_alloc_pd(c)
         if self.pd == NULL:
             _fail(f"ibv_alloc_pd({context.name})")
+        self._opened()
         self.context = context
         self.parent = context
         context._adopt(self)
 
     cdef ibv_pd *_get(self) except NULL:
         if self.pd == NULL:
-            raise ValueError("protection domain is closed")
+            self._raise_closed("protection domain")
         return self.pd
 
-    @property
-    def closed(self):
-        return self.pd == NULL
-
-    def close(self):
-        if self.pd != NULL:
-            self._close_children()
-            if self._owner():
-                ibv_dealloc_pd(self.pd)
-            self.pd = NULL
-
-    def __dealloc__(self):
-        if self.pd != NULL and self._owner():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        if self.pd != NULL and owner:
             ibv_dealloc_pd(self.pd)
         self.pd = NULL
+        return 0
 
 
-cdef class MR(_Node):
+cdef class MR(Resource):
     """A memory region: ``MR(pd, address, length, access)`` pins and registers host
     memory (or device memory under nvidia-peermem); :meth:`dmabuf` registers a dma-buf
     (GPU memory). The GIL is released while the kernel pins the pages."""
-    cdef ibv_mr *mr
-    cdef readonly PD pd
-    cdef readonly uint64_t address
-    cdef readonly uint64_t length
-    cdef readonly int access
 
     def __init__(self, PD pd, uint64_t address, uint64_t length, int access, *, int dmabuf_fd=-1,
                  uint64_t dmabuf_offset=0):
         cdef ibv_pd *p = pd._get()
         cdef int e = 0
         if length == 0:
-            raise ValueError("cannot register 0 bytes")
+            raise InvalidArgumentError("cannot register 0 bytes")
         with nogil:
             if dmabuf_fd >= 0:
                 self.mr = ibv_reg_dmabuf_mr(p, dmabuf_offset, length, address, dmabuf_fd, access)
@@ -261,6 +209,7 @@ cdef class MR(_Node):
         if self.mr == NULL:
             _fail(f"{'ibv_reg_dmabuf_mr' if dmabuf_fd >= 0 else 'ibv_reg_mr'}"
                   f"({pd.context.name}, {address:#x}, {length})", e)
+        self._opened()
         self.pd = pd
         self.parent = pd
         self.address, self.length, self.access = address, length, access
@@ -279,33 +228,23 @@ cdef class MR(_Node):
     def rkey(self):
         return self.mr.rkey if self.mr != NULL else 0
 
-    @property
-    def closed(self):
-        return self.mr == NULL
-
-    def close(self):
+    cdef int _release(self, bint owner, bint finalizing) except -1:
         cdef ibv_mr *m = self.mr
-        if m != NULL:
-            self.mr = NULL
-            if self._owner():
-                with nogil:
-                    ibv_dereg_mr(m)
-
-    def __dealloc__(self):
-        if self.mr != NULL and self._owner():
-            ibv_dereg_mr(self.mr)
         self.mr = NULL
+        if m != NULL and owner:
+            with nogil:                      # unpinning many pages takes a while
+                ibv_dereg_mr(m)
+        return 0
 
 
-cdef class CompChannel(_Node):
+cdef class CompChannel(Resource):
     """A completion channel (``ibv_create_comp_channel``): what a poller sleeps on."""
-    cdef ibv_comp_channel *ch
-    cdef readonly Context context
 
     def __init__(self, Context context):
         self.ch = ibv_create_comp_channel(context._get())
         if self.ch == NULL:
             _fail(f"ibv_create_comp_channel({context.name})")
+        self._opened()
         self.context = context
         self.parent = context
         context._adopt(self)
@@ -314,36 +253,27 @@ cdef class CompChannel(_Node):
     def fd(self):
         return self.ch.fd if self.ch != NULL else -1
 
-    def close(self):
-        if self.ch != NULL:
-            self._close_children()
-            if self._owner():
-                ibv_destroy_comp_channel(self.ch)
-            self.ch = NULL
-
-    def __dealloc__(self):
-        if self.ch != NULL and self._owner():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        if self.ch != NULL and owner:
             ibv_destroy_comp_channel(self.ch)
         self.ch = NULL
+        return 0
 
 
-cdef class CQ(_Node):
+cdef class CQ(Resource):
     """A completion queue (``ibv_create_cq``), optionally on a :class:`CompChannel`."""
-    cdef ibv_cq *cq
-    cdef readonly Context context
-    cdef readonly CompChannel channel
-    cdef readonly int cqe
 
     def __init__(self, Context context, int cqe=4096, CompChannel channel=None):
         cdef ibv_comp_channel *ch = NULL
         if channel is not None:
             ch = channel.ch
             if ch == NULL:
-                raise ValueError("completion channel is closed")
+                channel._raise_closed("completion channel")
         cqe = min(cqe, context.attr["max_cqe"])
         self.cq = ibv_create_cq(context._get(), cqe, NULL, ch, 0)
         if self.cq == NULL:
             _fail(f"ibv_create_cq({context.name}, {cqe})")
+        self._opened()
         self.cqe = self.cq.cqe
         self.context = context
         self.channel = channel
@@ -354,7 +284,7 @@ cdef class CQ(_Node):
 
     cdef ibv_cq *_get(self) except NULL:
         if self.cq == NULL:
-            raise ValueError("completion queue is closed")
+            self._raise_closed("completion queue")
         return self.cq
 
     def poll(self, int max_entries=16, double timeout=0.0):
@@ -381,27 +311,16 @@ cdef class CQ(_Node):
         finally:
             free(wc)
 
-    def close(self):
-        if self.cq != NULL:
-            self._close_children()
-            if self._owner():
-                ibv_destroy_cq(self.cq)
-            self.cq = NULL
-
-    def __dealloc__(self):
-        if self.cq != NULL and self._owner():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        if self.cq != NULL and owner:
             ibv_destroy_cq(self.cq)
         self.cq = NULL
+        return 0
 
 
-cdef class QP(_Node):
+cdef class QP(Resource):
     """A reliable-connected queue pair. ``init`` -> ``rtr`` -> ``rts`` connects it to a
     remote QP (whose number, PSN, GID and LID came from the handshake)."""
-    cdef ibv_qp *qp
-    cdef readonly PD pd
-    cdef readonly CQ cq
-    cdef readonly int max_send_wr
-    cdef readonly int port
 
     def __init__(self, PD pd, CQ cq, int max_send_wr=256, int max_sge=1, int max_rd_atomic=16):
         cdef ibv_qp_init_attr a
@@ -418,6 +337,7 @@ cdef class QP(_Node):
             self.qp = ibv_create_qp(p, &a)
         if self.qp == NULL:
             _fail(f"ibv_create_qp({pd.context.name})")
+        self._opened()
         self.max_send_wr = a.cap.max_send_wr
         self.pd = pd
         self.cq = cq
@@ -428,17 +348,12 @@ cdef class QP(_Node):
 
     cdef ibv_qp *_get(self) except NULL:
         if self.qp == NULL:
-            raise ValueError("queue pair is closed")
+            self._raise_closed("queue pair")
         return self.qp
 
     @property
     def qp_num(self):
         return self.qp.qp_num if self.qp != NULL else 0
-
-    @property
-    def address(self):
-        """The ``struct ibv_qp *`` (for the data path)."""
-        return <uintptr_t>self.qp
 
     @property
     def state(self):
@@ -489,7 +404,7 @@ cdef class QP(_Node):
         a.ah_attr.port_num = self.port
         if gid is not None and gid != b"\0" * 16:
             if len(gid) != 16:
-                raise ValueError("a GID is 16 bytes")
+                raise InvalidArgumentError("a GID is 16 bytes")
             a.ah_attr.is_global = 1
             memcpy(a.ah_attr.grh.dgid.raw, <const char *>gid, 16)
             a.ah_attr.grh.sgid_index = sgid_index
@@ -542,32 +457,23 @@ cdef class QP(_Node):
         if rc != 0:
             _fail("ibv_post_send", rc)
 
-    def close(self):
+    cdef int _release(self, bint owner, bint finalizing) except -1:
         cdef ibv_qp *q = self.qp
-        if q != NULL:
-            self.qp = NULL
-            if self._owner():
-                with nogil:
-                    ibv_destroy_qp(q)
-
-    def __dealloc__(self):
-        if self.qp != NULL and self._owner():
-            ibv_destroy_qp(self.qp)
         self.qp = NULL
+        if q != NULL and owner:
+            with nogil:
+                ibv_destroy_qp(q)
+        return 0
 
 
 # --------------------------------------------------------------------------- data path
 
-cdef class DataPath(_Node):
+cdef class DataPath(Resource):
     """The native data path of one engine (src/rdma/rdma.c): a polling thread per
     device, the local key table and the peers. Adopted by every Context it polls, so
     closing a Context stops it first."""
-    cdef mte_rdma_t *r
-    cdef readonly Regions regions
-    cdef list _keep
-    cdef readonly int ndev
 
-    def __init__(self, uintptr_t batch_ops, Regions regions, uint64_t slice_size,
+    def __init__(self, Regions regions, uint64_t slice_size,
                  int retry_count, bint multi_nic=True, int pause_ms=30000, int spin_us=50):
         cdef mte_rdma_params_t prm
         cdef int err = 0
@@ -576,26 +482,26 @@ cdef class DataPath(_Node):
         prm.multi_nic = multi_nic
         prm.pause_ms = pause_ms
         prm.spin_us = spin_us
-        self.r = mte_rdma_new(<const mte_batch_ops_t *>batch_ops, regions.t, &prm, &err)
+        self.r = mte_rdma_new(regions.t, &prm, &err)
         if self.r == NULL:
-            raise OSError(-err, f"cannot start the RDMA data path: {os.strerror(-err)}")
+            check_errno(err if err < 0 else -ENOMEM, "cannot start the RDMA data path")
+        self._opened()
         self.regions = regions
         self._keep = []
         self.ndev = 0
 
     cdef mte_rdma_t *_get(self) except NULL:
         if self.r == NULL:
-            raise ValueError("the RDMA data path is closed")
+            self._raise_closed("the RDMA data path")
         return self.r
 
     def add_device(self, int idx, CQ cq):
         """Poll ``cq`` (created on a CompChannel) as device ``idx``."""
         cdef int rc
         if cq.channel is None:
-            raise ValueError("the data path sleeps on a completion channel: create the CQ with one")
+            raise InvalidArgumentError("the data path sleeps on a completion channel: create the CQ with one")
         rc = mte_rdma_add_device(self._get(), idx, cq.context.ctx, cq.cq, cq.channel.ch, cq.cqe)
-        if rc != 0:
-            raise OSError(-rc, f"cannot add device {idx} to the data path")
+        check_errno(rc, f"cannot add device {idx} to the data path")
         self._keep.append(cq)
         cq.context._adopt(self)
         cq._adopt(self)
@@ -603,19 +509,17 @@ cdef class DataPath(_Node):
 
     def start(self):
         rc = mte_rdma_start(self._get())
-        if rc != 0:
-            raise OSError(-rc, "cannot start the RDMA polling threads")
+        check_errno(rc, "cannot start the RDMA polling threads")
 
     def add_mr(self, uint64_t address, uint64_t length, lkeys, uint64_t pref, uint64_t avail):
         cdef uint32_t keys[64]
         cdef int i, n = len(lkeys)
         if n > MTE_RDMA_MAX_DEV:
-            raise ValueError("too many devices")
+            raise InvalidArgumentError("too many devices")
         for i in range(n):
             keys[i] = lkeys[i]
         rc = mte_rdma_mr_add(self._get(), address, length, keys, n, pref, avail)
-        if rc != 0:
-            raise OSError(-rc, "cannot add memory keys")
+        check_errno(rc, "cannot add memory keys")
 
     def remove_mr(self, uint64_t address):
         if self.r != NULL:
@@ -638,38 +542,28 @@ cdef class DataPath(_Node):
             with nogil:
                 mte_rdma_stop(self.r, wait_ms)
 
-    def close(self):
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        # Children (the peers) are closed first by Resource.close.
         cdef mte_rdma_t *r = self.r
-        if r != NULL:
-            self._close_children()            # peers
-            self.r = NULL
-            if self._owner():
-                with nogil:
-                    mte_rdma_stop(r, 2000)
-                    mte_rdma_free(r)
-            self._keep = []
-
-    def __dealloc__(self):
-        if self.r != NULL and self._owner():
-            with nogil:
-                mte_rdma_stop(self.r, 0)
-                mte_rdma_free(self.r)
+        cdef int wait_ms = 0 if finalizing else 2000
         self.r = NULL
+        if r != NULL and owner:
+            with nogil:
+                mte_rdma_stop(r, wait_ms)
+                mte_rdma_free(r)
+        if not finalizing:
+            self._keep = []
+        return 0
 
 
-cdef class Peer(_Node):
+cdef class Peer(Resource):
     """One remote engine in the data path: its buffers (rkeys) and rails."""
-    cdef mte_rdma_peer_t *p
-    cdef readonly DataPath dp
-    cdef readonly int npdev
-    cdef dict _qps          # rail index -> list of QP (current)
-    cdef list _old          # retired QPs, freed once idle
-    cdef public object key
 
     def __init__(self, DataPath dp, int npdev):
         self.p = mte_rdma_peer_new(dp._get(), npdev)
         if self.p == NULL:
-            raise ValueError(f"cannot make a peer with {npdev} devices")
+            raise InvalidArgumentError(f"cannot make a peer with {npdev} devices")
+        self._opened()
         self.dp = dp
         self.parent = dp
         self.npdev = npdev
@@ -679,7 +573,7 @@ cdef class Peer(_Node):
 
     cdef mte_rdma_peer_t *_get(self) except NULL:
         if self.p == NULL:
-            raise ValueError("peer is closed")
+            self._raise_closed("RDMA peer")
         return self.p
 
     def set_buffers(self, const uint64_t[::1] addrs, const uint64_t[::1] lens,
@@ -688,27 +582,25 @@ cdef class Peer(_Node):
         cdef size_t n = addrs.shape[0]
         cdef mte_rdma_peer_t *p = self._get()
         if <size_t>rkeys.shape[0] != n * <size_t>self.npdev:
-            raise ValueError("rkeys must hold npdev keys per buffer")
+            raise InvalidArgumentError("rkeys must hold npdev keys per buffer")
         if n == 0:
             rc = mte_rdma_peer_set_buffers(p, 0, NULL, NULL, NULL, NULL, NULL, NULL)
         else:
             rc = mte_rdma_peer_set_buffers(p, n, &addrs[0], &lens[0], &access[0], &rkeys[0],
                                            &pref[0], &avail[0])
-        if rc != 0:
-            raise OSError(-rc, "cannot set the peer's buffers")
+        check_errno(rc, "cannot set the peer's buffers")
 
     def add_rail(self, int ldev, int pdev, list qps, int max_wr):
         cdef ibv_qp *arr[64]
         cdef int i, n = len(qps)
         cdef QP q
         if n == 0 or n > MTE_RDMA_MAX_QP:
-            raise ValueError(f"a rail has 1 to {MTE_RDMA_MAX_QP} queue pairs")
+            raise InvalidArgumentError(f"a rail has 1 to {MTE_RDMA_MAX_QP} queue pairs")
         for i in range(n):
             q = qps[i]
             arr[i] = q._get()
         rc = mte_rdma_peer_add_rail(self._get(), ldev, pdev, arr, n, max_wr)
-        if rc < 0:
-            raise OSError(-rc, "cannot add a rail")
+        check_errno(rc, "cannot add a rail")
         self._qps[rc] = list(qps)
         return rc
 
@@ -717,13 +609,12 @@ cdef class Peer(_Node):
         cdef int i, n = len(qps)
         cdef QP q
         if n == 0 or n > MTE_RDMA_MAX_QP:
-            raise ValueError(f"a rail has 1 to {MTE_RDMA_MAX_QP} queue pairs")
+            raise InvalidArgumentError(f"a rail has 1 to {MTE_RDMA_MAX_QP} queue pairs")
         for i in range(n):
             q = qps[i]
             arr[i] = q._get()
         rc = mte_rdma_rail_reconnect(self._get(), rail, arr, n)
-        if rc != 0:
-            raise OSError(-rc, "cannot reconnect a rail")
+        check_errno(rc, "cannot reconnect a rail")
         self._old += self._qps.get(rail, [])
         self._qps[rail] = list(qps)
         self.reap()
@@ -769,7 +660,7 @@ cdef class Peer(_Node):
             res.append((q, [(outs[k], dead[k]) for k in range(max(n, 0))]))
         return res
 
-    def submit(self, uintptr_t batch, int op, const uint64_t[::1] local,
+    def submit(self, NativeBatch batch, int op, const uint64_t[::1] local,
                const uint64_t[::1] remote, const uint64_t[::1] lens, uint32_t first):
         cdef uint32_t n = local.shape[0]
         cdef int stride = 1 if lens.shape[0] == n else 0
@@ -778,7 +669,7 @@ cdef class Peer(_Node):
         if n == 0:
             return 0
         with nogil:
-            rc = mte_rdma_submit(p, <mte_batch_t *>batch, op, &local[0], &remote[0], &lens[0],
+            rc = mte_rdma_submit(p, batch.b, op, &local[0], &remote[0], &lens[0],
                                  stride, first, n)
         return rc
 
@@ -788,13 +679,19 @@ cdef class Peer(_Node):
                 mte_rdma_peer_shutdown(self.p)
 
     def close(self, int wait_ms=2000):
+        """Wait up to ``wait_ms`` for posted work, free the peer, close its queue pairs."""
+        self._wait_ms = wait_ms
+        Resource.close(self)
+
+    cdef int _release(self, bint owner, bint finalizing) except -1:
         cdef mte_rdma_peer_t *p = self.p
+        cdef int wait_ms = 0 if finalizing else self._wait_ms
         cdef QP q
-        if p != NULL:
-            self.p = NULL
-            if self._owner():
-                with nogil:
-                    mte_rdma_peer_free(p, wait_ms)
+        self.p = NULL
+        if p != NULL and owner:
+            with nogil:
+                mte_rdma_peer_free(p, wait_ms)
+        if not finalizing:
             for qs in self._qps.values():
                 for q in qs:
                     q.close()
@@ -802,9 +699,4 @@ cdef class Peer(_Node):
                 q.close()
             self._qps = {}
             self._old = []
-
-    def __dealloc__(self):
-        if self.p != NULL and self._owner():
-            with nogil:
-                mte_rdma_peer_free(self.p, 0)
-        self.p = NULL
+        return 0

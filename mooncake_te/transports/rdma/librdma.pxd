@@ -1,14 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # Declarations of src/rdma/rdma.h (the native data path), nothing else.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int64_t
-from mooncake_te.core.libregions cimport mte_regions_t
+from mooncake_te.core.libcore cimport mte_regions_t, mte_batch_t
 from mooncake_te.transports.rdma.libibverbs cimport ibv_context, ibv_cq, ibv_comp_channel, ibv_qp
 
 cdef extern from "rdma/rdma.h" nogil:
-    ctypedef struct mte_batch_t:
-        pass
-    ctypedef struct mte_batch_ops_t:
-        uint32_t version
     int MTE_OP_WRITE, MTE_OP_READ
     int MTE_RDMA_MAX_DEV, MTE_RDMA_MAX_QP, MTE_RDMA_MAX_RAILS
     ctypedef struct mte_rdma_t:
@@ -22,8 +18,7 @@ cdef extern from "rdma/rdma.h" nogil:
         int pause_ms
         int spin_us
 
-    mte_rdma_t *mte_rdma_new(const mte_batch_ops_t *ops, mte_regions_t *regions,
-                             const mte_rdma_params_t *params, int *err)
+    mte_rdma_t *mte_rdma_new(mte_regions_t *regions, const mte_rdma_params_t *params, int *err)
     int mte_rdma_add_device(mte_rdma_t *r, int idx, ibv_context *ctx, ibv_cq *cq,
                             ibv_comp_channel *channel, int cqe)
     int mte_rdma_start(mte_rdma_t *r)

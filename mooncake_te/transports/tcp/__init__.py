@@ -17,7 +17,8 @@ import numpy as np
 
 from ...errors import TransferError
 from ..base import Capabilities, Transport
-from ._tcp import NativeBatch, Peer, TcpServer, now_ns, READ, WRITE  # noqa: F401
+from ...core import HOST_ID, NativeBatch, now_ns, OP_READ as READ, OP_WRITE as WRITE  # noqa: F401
+from ._tcp import Peer, TcpServer
 
 
 class TcpTransport(Transport):
@@ -144,16 +145,3 @@ class TcpTransport(Transport):
             p.close()
         self.server.close()
 
-
-def _host_id() -> str:
-    """Same kernel boot, same PID namespace (pids mean the same) and same network namespace
-    (abstract unix sockets are per network namespace)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}/{os.stat('/proc/self/ns/net').st_ino}"
-    except OSError:
-        return ""
-
-
-HOST_ID = _host_id()

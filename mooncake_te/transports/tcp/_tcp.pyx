@@ -1,44 +1,34 @@
 # SPDX-License-Identifier: Apache-2.0
 # cython: language_level=3, boundscheck=False, wraparound=False
-"""Thin one-to-one layer over src/tcp/tcp.c: the server, peers and native batches.
+"""Thin one-to-one layer over src/tcp/ (tcp.h): the server and peers.
 
 Everything that moves bytes or waits runs with the GIL released; the facade in
 ``mooncake_te.transports.tcp`` and ``mooncake_te.engine`` carries the domain words.
 """
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_t
+import errno
 import os
 import numpy as np
 
-from mooncake_te.core._regions cimport Regions
+from mooncake_te.core._core cimport Regions, NativeBatch, Resource, check_errno
+from mooncake_te.core.capi cimport mte_core_import
+from mooncake_te.core.libcore cimport *
 from mooncake_te.transports.tcp.libtcp cimport *
 
-WRITE = MTE_OP_WRITE
-READ = MTE_OP_READ
+from mooncake_te.core._core import hmac_sha256, now_ns, OP_READ as READ, OP_WRITE as WRITE  # noqa: F401
+
+from mooncake_te.errors import InvalidArgumentError
+
+mte_core_import()
 
 
-def now_ns():
-    return mte_now_ns()
-
-
-def hmac_sha256(bytes key, bytes data):
-    """The data path's HMAC-SHA256 (src/core/hmac_sha256.c), exposed for tests."""
-    cdef const void *parts[1]
-    cdef size_t lens[1]
-    cdef unsigned char out[32]
-    parts[0] = <const char *>data
-    lens[0] = len(data)
-    mte_hmac_sha256(<const char *>key, len(key), parts, lens, 1, out)
-    return bytes(out[:32])
-
-
-cdef class TcpServer:
+cdef class TcpServer(Resource):
     """Accepts data connections and applies peers' requests to registered memory."""
     cdef mte_tcp_t *t
     cdef readonly Regions regions
     cdef readonly int port
     cdef readonly str uds_name
-    cdef int pid
 
     def __cinit__(self, Regions regions, str bind_host, int port, str name,
                   uint64_t instance, int stall_ms=30000, bytes token=b""):
@@ -49,29 +39,24 @@ cdef class TcpServer:
         cdef const char *tp = token
         cdef size_t tl = len(token)
         if tl > 256:
-            raise ValueError("auth token longer than 256 bytes")
+            raise InvalidArgumentError("auth token longer than 256 bytes")
         self.regions = regions
         with nogil:
             self.t = mte_tcp_new(regions.t, hp, port, np_, instance, stall_ms, tp, tl, &err)
         if self.t == NULL:
-            raise OSError(-err, f"cannot listen for TCP data connections on {bind_host}:{port}: "
-                                f"{os.strerror(-err)}")
+            check_errno(err if err < 0 else -errno.EIO,
+                        f"cannot listen for TCP data connections on {bind_host}:{port}")
+        self._opened()
         self.port = mte_tcp_port(self.t)
         self.uds_name = mte_tcp_uds_name(self.t).decode()
-        self.pid = os.getpid()
 
-    def close(self):
-        if self.t != NULL:
-            if self.pid == os.getpid():      # fork-safe: a child must not tear down our threads
-                with nogil:
-                    mte_tcp_free(self.t)
-            self.t = NULL
-
-    def __dealloc__(self):
-        if self.t != NULL and self.pid == os.getpid():
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        cdef mte_tcp_t *t = self.t
+        self.t = NULL
+        if t != NULL and owner:           # a forked child must not tear down our threads
             with nogil:
-                mte_tcp_free(self.t)
-            self.t = NULL
+                mte_tcp_free(t)
+        return 0
 
     @property
     def auth_failures(self):
@@ -98,7 +83,7 @@ cdef class TcpServer:
         return out
 
 
-cdef class Peer:
+cdef class Peer(Resource):
     """Client side of one remote engine: lanes (connections), their workers, a queue."""
     cdef mte_peer_t *p
     cdef readonly TcpServer server
@@ -106,7 +91,6 @@ cdef class Peer:
     cdef readonly int port
     cdef readonly int lanes
     cdef readonly str uds
-    cdef int pid
     cdef public object key       # the facade's identity of the peer incarnation
 
     def __cinit__(self, TcpServer server, str host, int port, uint64_t expect_instance,
@@ -115,10 +99,12 @@ cdef class Peer:
         cdef bytes h = host.encode(), u = uds.encode()
         self.server = server
         self.host, self.port, self.lanes, self.uds = host, port, lanes, uds
+        if server.t == NULL:
+            server._raise_closed("the TCP server")
         self.p = mte_peer_new(server.t, h, port, u, expect_instance, lanes, slice_size, &err)
         if self.p == NULL:
             raise MemoryError(f"cannot start lanes to {host}:{port} (error {err})")
-        self.pid = os.getpid()
+        self._opened()
 
     @property
     def seen_instance(self):
@@ -144,13 +130,13 @@ cdef class Peer:
         cdef uint64_t nbytes
         cdef int32_t err
         if self.p == NULL:
-            raise RuntimeError("peer is closed")
+            self._raise_closed(f"the TCP peer {self.host}:{self.port}")
         b = mte_batch_new(1, deadline_ns)
         if b == NULL:
             raise MemoryError()
         try:
             with nogil:
-                rc = mte_batch_submit(b, self.p, op, &local, &remote, &length, 0, 0, 1, 1)
+                rc = mte_tcp_submit(self.p, b, op, &local, &remote, &length, 0, 0, 1, 1)
                 mte_batch_seal(b)
             if rc != 0:
                 return rc
@@ -167,145 +153,51 @@ cdef class Peer:
                     mte_batch_expire(b)
                     break
             mte_batch_status(b, &state, &nbytes, &err)
-            if state == 1:
+            if state == MTE_ST_COMPLETED:
                 return 0
-            return err if err != 0 else (-801 if state == 3 else -800)
+            return err if err != 0 else (MTE_E_TIMEOUT if state == MTE_ST_TIMEOUT
+                                         else MTE_E_FAILED)
         finally:
             # Our reference; the in-flight one goes when the batch's slices finish (an
             # expired batch frees itself then).
             mte_batch_unref(b)
 
-    def shutdown(self):
-        if self.p != NULL and self.pid == os.getpid():
-            with nogil:
-                mte_peer_shutdown(self.p)
-
-    def close(self):
-        if self.p != NULL:
-            if self.pid == os.getpid():
-                with nogil:
-                    mte_peer_free(self.p)
-            self.p = NULL
-
-    def __dealloc__(self):
-        if self.p != NULL and self.pid == os.getpid():
-            with nogil:
-                mte_peer_free(self.p)
-            self.p = NULL
-
-
-cdef class NativeBatch:
-    """A batch of requests in flight; per-request state lives in C."""
-    cdef mte_batch_t *b
-    cdef readonly uint32_t size
-    cdef list _keep          # peers named by this batch stay alive while it lives
-
-    def __cinit__(self, uint32_t n, int64_t deadline_ns):
-        self.b = mte_batch_new(n, deadline_ns)
-        if self.b == NULL:
-            raise MemoryError(f"cannot allocate a batch of {n} requests")
-        self.size = n
-        self._keep = []
-
-    def __dealloc__(self):
-        if self.b != NULL:
-            mte_batch_unref(self.b)
-            self.b = NULL
-
-    def submit(self, Peer peer, int op, const uint64_t[::1] local, const uint64_t[::1] remote,
-               const uint64_t[::1] lens, uint32_t first, bint run_inline=False):
+    def submit(self, NativeBatch batch, int op, const uint64_t[::1] local,
+               const uint64_t[::1] remote, const uint64_t[::1] lens, uint32_t first,
+               bint run_inline=False):
+        """Queue requests [first, first+len(local)) of ``batch``; 0 or a status code."""
         cdef uint32_t n = local.shape[0]
         cdef int stride = 1 if lens.shape[0] == n else 0
         cdef int rc = 0
-        if peer.p == NULL:
-            raise RuntimeError("peer is closed")
+        if self.p == NULL:
+            self._raise_closed(f"the TCP peer {self.host}:{self.port}")
         if n == 0:
             return 0
-        self._keep.append(peer)
+        batch._keep.append(self)
         with nogil:
-            rc = mte_batch_submit(self.b, peer.p, op, &local[0], &remote[0], &lens[0], stride,
-                                  first, n, run_inline)
+            rc = mte_tcp_submit(self.p, batch.b, op, &local[0], &remote[0], &lens[0], stride,
+                                first, n, run_inline)
         return rc
 
-    def add_notify(self, Peer peer, bytes msg):
-        self._keep.append(peer)
-        return mte_batch_add_notify(self.b, peer.p, <const char *>msg, len(msg))
+    def add_notify(self, NativeBatch batch, bytes msg):
+        """Deliver ``msg`` once every request of ``batch`` succeeded; 0 or a status code."""
+        if self.p == NULL:
+            self._raise_closed(f"the TCP peer {self.host}:{self.port}")
+        batch._keep.append(self)
+        return mte_tcp_add_notify(self.p, batch.b, <const char *>msg, len(msg))
 
-    def abandon(self, uint32_t first, uint32_t n):
-        """Requests [first, first+n) will never be submitted: count them canceled."""
-        with nogil:
-            mte_batch_abandon(self.b, first, n)
-
-    def seal(self):
-        with nogil:
-            mte_batch_seal(self.b)
-
-    def wait(self, int64_t deadline_ns):
-        """True when finished, False once ``deadline_ns`` (monotonic) passed; Ctrl-C works."""
-        cdef int64_t step
-        cdef int done = 0
-        while True:
-            step = mte_now_ns() + 100000000      # wake every 100 ms to look at signals
-            if deadline_ns < step:
-                step = deadline_ns
+    def shutdown(self):
+        """Stop the lanes and fail what is queued; the peer is freed by close() or, once
+        no batch names it any more, by the garbage collector (no ResourceWarning then)."""
+        if self.p != NULL and self._owner():
             with nogil:
-                done = mte_batch_wait(self.b, step)
-            if done:
-                return True
-            PyErr_CheckSignals()
-            if mte_now_ns() >= deadline_ns:
-                return False
+                mte_peer_shutdown(self.p)
+        self._detached()
 
-    def done(self):
-        return mte_batch_done(self.b) != 0
-
-    def cancel(self):
-        mte_batch_cancel(self.b)
-
-    def expire(self):
-        mte_batch_expire(self.b)
-
-    def status(self):
-        """(states uint8[n], transferred uint64[n], errors int32[n])."""
-        states = np.empty(self.size, dtype=np.uint8)
-        nbytes = np.empty(self.size, dtype=np.uint64)
-        errs = np.empty(self.size, dtype=np.int32)
-        cdef uint8_t[::1] s = states
-        cdef uint64_t[::1] t = nbytes
-        cdef int32_t[::1] e = errs
-        if self.size:
-            mte_batch_status(self.b, &s[0], &t[0], &e[0])
-        return states, nbytes, errs
-
-    @property
-    def notify_error(self):
-        return mte_batch_notify_error(self.b)
-
-    @property
-    def address(self):
-        """The ``mte_batch_t *`` for other transports' C code (see tcp.h: completing
-        requests from other transports); valid while this object lives."""
-        return <uintptr_t>self.b
-
-    def keep(self, obj):
-        """Keep ``obj`` (a connection, a staging buffer) alive as long as the batch."""
-        self._keep.append(obj)
-
-    def begin(self, uint32_t idx, uint32_t slices):
-        """Request ``idx`` will finish after ``slices`` calls of :meth:`finish`."""
-        mte_batch_begin(self.b, idx, slices)
-
-    def finish(self, uint32_t idx, uint64_t nbytes, int err=0):
-        """One slice of request ``idx`` is done (``err`` 0 or a negative status code)."""
-        with nogil:
-            mte_batch_slice_done(self.b, idx, nbytes, err)
-
-    @property
-    def stopped(self):
-        """True once the batch was canceled or its deadline passed."""
-        return mte_batch_stopped(self.b) != 0
-
-
-def batch_ops_address():
-    """Address of the ``mte_batch_ops_t`` table (tcp.h) for other extension modules."""
-    return <uintptr_t>mte_batch_ops()
+    cdef int _release(self, bint owner, bint finalizing) except -1:
+        cdef mte_peer_t *p = self.p
+        self.p = NULL
+        if p != NULL and owner:
+            with nogil:
+                mte_peer_free(p)
+        return 0

@@ -1,15 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # Declarations of src/tcp/tcp.h, nothing else.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
-from mooncake_te.core.libregions cimport mte_regions_t
+from mooncake_te.core.libcore cimport mte_regions_t, mte_batch_t
 
 cdef extern from "tcp/tcp.h" nogil:
-    int MTE_OP_WRITE, MTE_OP_READ
     ctypedef struct mte_tcp_t:
         pass
     ctypedef struct mte_peer_t:
-        pass
-    ctypedef struct mte_batch_t:
         pass
     ctypedef struct mte_notif_t:
         mte_notif_t *next
@@ -33,30 +30,7 @@ cdef extern from "tcp/tcp.h" nogil:
     uint64_t mte_peer_seen_instance(const mte_peer_t *p)
     int mte_peer_broken(const mte_peer_t *p)
     int mte_peer_cma(const mte_peer_t *p)
-    mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns)
-    void mte_batch_unref(mte_batch_t *b)
-    int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *local,
-                         const uint64_t *remote, const uint64_t *lens, int len_stride,
-                         uint32_t first, uint32_t n, int run_inline)
-    int mte_batch_add_notify(mte_batch_t *b, mte_peer_t *p, const void *msg, size_t len)
-    void mte_batch_abandon(mte_batch_t *b, uint32_t first, uint32_t n)
-    void mte_batch_seal(mte_batch_t *b)
-    int mte_batch_wait(mte_batch_t *b, int64_t deadline_ns)
-    int mte_batch_done(mte_batch_t *b)
-    void mte_batch_cancel(mte_batch_t *b)
-    void mte_batch_expire(mte_batch_t *b)
-    uint32_t mte_batch_size(const mte_batch_t *b)
-    void mte_batch_status(mte_batch_t *b, uint8_t *states, uint64_t *bytes, int32_t *errs)
-    int32_t mte_batch_notify_error(const mte_batch_t *b)
-    int64_t mte_now_ns()
-    void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices)
-    void mte_batch_slice_done(mte_batch_t *b, uint32_t idx, uint64_t len, int err)
-    int mte_batch_stopped(const mte_batch_t *b)
-    ctypedef struct mte_batch_ops_t:
-        uint32_t version
-    const mte_batch_ops_t *mte_batch_ops()
-
-
-cdef extern from "core/hmac_sha256.h" nogil:
-    void mte_hmac_sha256(const void *key, size_t key_len, const void *const parts[],
-                         const size_t lens[], int nparts, uint8_t *out)
+    int mte_tcp_submit(mte_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
+                       const uint64_t *remote, const uint64_t *lens, int len_stride,
+                       uint32_t first, uint32_t n, int run_inline)
+    int mte_tcp_add_notify(mte_peer_t *p, mte_batch_t *b, const void *msg, size_t len)

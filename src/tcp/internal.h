@@ -1,0 +1,40 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* What the TCP transport's client (client.c) and server (server.c) share: the engine's
+ * endpoint, with its identity, token and region table. */
+#ifndef MTE_TCP_INTERNAL_H
+#define MTE_TCP_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "tcp.h"
+#include "wire.h"
+
+#define MTE_TCP_RBUF_SIZE (256u << 10)
+#define MTE_TCP_SMALL_READ (16u << 10)   /* READ replies up to this size are coalesced */
+
+struct conn;
+
+struct mte_tcp {
+    mte_regions_t *regions;
+    int listen_fd;
+    int uds_fd;                  /* same-host listener (abstract unix socket), or -1 */
+    char uds_name[108];
+    pthread_t uds_thread;
+    int port;
+    char name[256];
+    uint64_t instance;
+    int stall_ms;
+    uint8_t token[256];          /* shared secret; token_len 0 = no authentication */
+    size_t token_len;
+    atomic_ullong auth_failures;
+    pthread_t accept_thread;
+    atomic_int closing;
+    pthread_mutex_t mu;          /* guards conns, nconns, notifs */
+    pthread_cond_t cv;
+    struct conn *conns;
+    int nconns;
+    mte_notif_t *notif_head, *notif_tail;
+};
+
+#endif

@@ -1,0 +1,617 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+/* The TCP transport's server side: the listeners (TCP and the same-host unix socket),
+ * one thread per connection, the connection's handshake (conn_handshake) and the
+ * handlers of the five request ops, and received notifications (tcp.h, wire.h). */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#define OBUF_SIZE (256u << 10)
+#define REQ_SIZE MTE_WIRE_REQ_SIZE
+#define RESP_SIZE MTE_WIRE_RESP_SIZE
+#define CMA_EXTRA MTE_WIRE_CMA_EXTRA
+#define RBUF_SIZE MTE_TCP_RBUF_SIZE
+#define SMALL_READ MTE_TCP_SMALL_READ
+
+static int sink_sock(void *ctx, const uint8_t *p, size_t n) { return mte_sock_send_all(ctx, p, n); }
+static int source_sock(void *ctx, uint8_t *p, size_t n) { return mte_sock_recv_into(ctx, p, n); }
+
+typedef struct conn {
+    struct conn *next;
+    mte_tcp_t *tcp;
+    int fd;
+    int64_t stall_since;        /* when the current message started waiting on the wire */
+    int mid_message;
+    pid_t peer_pid;             /* unix connections: the client's pid, from SO_PEERCRED */
+    int cma;                    /* we can copy to and from the client's memory */
+    char peer_name[256];
+} conn_t;
+
+static int conn_stop(void *ctx)
+{
+    conn_t *c = ctx;
+    if (atomic_load(&c->tcp->closing))
+        return MTE_E_CLOSED;
+    /* A peer that stops sending mid-message, or trickles it, must not pin our regions
+     * for ever: a message gets stall_ms from its start (checked after every recv). */
+    if (c->mid_message && c->stall_since &&
+        mte_now_ns() - c->stall_since > (int64_t)c->tcp->stall_ms * 1000000LL)
+        return MTE_E_TIMEOUT;
+    return 0;
+}
+
+typedef struct {
+    mte_sockio_t *io;
+    uint8_t *buf;
+    size_t len;
+} obuf_t;
+
+static int oflush(obuf_t *o)
+{
+    if (!o->len)
+        return 0;
+    int e = mte_sock_send_all(o->io, o->buf, o->len);
+    o->len = 0;
+    return e;
+}
+
+static void oresp(obuf_t *o, int32_t st, uint64_t seq, uint64_t len)
+{
+    mte_wire_resp_t r = {.status = st, .seq = seq, .len = len};
+    mte_wire_resp_encode(o->buf + o->len, &r);
+    o->len += RESP_SIZE;
+}
+
+static int32_t reject_code(int why)
+{
+    return why == -EACCES ? MTE_E_REMOTE_ACCESS : MTE_E_REMOTE_NOT_REG;
+}
+
+/* Moves len bytes between our region at `ours` and the client's memory at `theirs`
+ * with process_vm_readv/writev(2): one copy, no socket. pull: client -> us (a WRITE). */
+static int32_t cma_copy(pid_t pid, uint64_t ours, uint64_t theirs, uint64_t len, int pull)
+{
+    uint64_t done = 0;
+    while (done < len) {
+        struct iovec l = {(void *)(uintptr_t)(ours + done), (size_t)(len - done)};
+        struct iovec r = {(void *)(uintptr_t)(theirs + done), (size_t)(len - done)};
+        ssize_t k = pull ? process_vm_readv(pid, &l, 1, &r, 1, 0)
+                         : process_vm_writev(pid, &l, 1, &r, 1, 0);
+        if (k <= 0) {
+            if (k < 0 && errno == EINTR)
+                continue;
+            return MTE_E_CMA;        /* the client's address is not mapped (or it is gone) */
+        }
+        done += (uint64_t)k;
+    }
+    return 0;
+}
+
+typedef struct {
+    pid_t pid;
+    uint64_t addr;              /* the client's memory, advanced chunk by chunk */
+} cma_ctx_t;
+
+static int cma_source(void *ctx, uint8_t *p, size_t n)
+{
+    cma_ctx_t *x = ctx;
+    int32_t e = cma_copy(x->pid, (uint64_t)(uintptr_t)p, x->addr, n, 1);
+    x->addr += n;
+    return e;
+}
+
+static int cma_sink(void *ctx, const uint8_t *p, size_t n)
+{
+    cma_ctx_t *x = ctx;
+    int32_t e = cma_copy(x->pid, (uint64_t)(uintptr_t)p, x->addr, n, 0);
+    x->addr += n;
+    return e;
+}
+
+
+/* A connection's state while it serves requests. */
+typedef struct {
+    conn_t *c;
+    mte_tcp_t *t;
+    mte_sockio_t io;
+    obuf_t o;
+    mte_stage_t *stage;         /* pinned staging for our GPU regions, made on first use */
+} serve_t;
+
+/* The hello (wire.h) and, with a token, the mutual proof. 0 when requests may follow. */
+static int conn_handshake(serve_t *s)
+{
+    conn_t *c = s->c;
+    mte_tcp_t *t = s->t;
+    mte_sockio_t *io = &s->io;
+    c->mid_message = 1;
+    c->stall_since = mte_now_ns();
+    if (mte_sock_fill(io, MTE_WIRE_HELLO_SIZE))
+        return -1;
+    mte_hello_t h;
+    int32_t status = mte_wire_hello_decode(io->buf + io->pos, &h);
+    io->pos += MTE_WIRE_HELLO_SIZE;
+    uint32_t nl = h.name_len;
+    if (status || h.version != MTE_WIRE_VERSION || nl > MTE_WIRE_NAME_MAX)
+        status = MTE_E_PROTOCOL;
+    else if (!!(h.flags & MTE_WIRE_HELLO_AUTH) != !!t->token_len)
+        status = MTE_E_AUTH;           /* one side has a token, the other has none */
+    if (status != MTE_E_PROTOCOL) {
+        if (mte_sock_fill(io, nl))
+            return -1;
+        memcpy(c->peer_name, io->buf + io->pos, nl);
+        c->peer_name[nl] = 0;
+        io->pos += nl;
+    }
+    mte_hello_reply_t r = {.status = status, .instance = t->instance};
+    if (status == 0 && c->peer_pid > 0 && h.probe_addr) {
+        /* Can we reach the client's memory? Read the value it offered and compare. */
+        uint64_t got = 0;
+        struct iovec l = {&got, 8}, rv = {(void *)(uintptr_t)h.probe_addr, 8};
+        c->cma = process_vm_readv(c->peer_pid, &l, 1, &rv, 1, 0) == 8 &&
+                 memcmp(&got, h.probe_value, 8) == 0;
+        r.flags = c->cma ? MTE_WIRE_REPLY_CMA : 0;
+    }
+    if (status == 0 && t->token_len) {
+        uint8_t inst_le[8];
+        mte_wire_put64(inst_le, t->instance);
+        mte_wire_nonce(r.nonce);
+        mte_wire_proof(t->token, t->token_len, MTE_WIRE_SERVER_LABEL, h.nonce, r.nonce,
+                       inst_le, 8, r.proof);
+    }
+    uint8_t reply[MTE_WIRE_REPLY_SIZE];
+    mte_wire_reply_encode(reply, &r);
+    if (mte_sock_send_all(io, reply, MTE_WIRE_REPLY_SIZE) || status != 0) {
+        if (status == MTE_E_AUTH)
+            atomic_fetch_add(&t->auth_failures, 1);
+        return -1;
+    }
+    if (t->token_len) {
+        uint8_t expect[MTE_SHA256_LEN], fin[MTE_WIRE_FIN_SIZE];
+        if (mte_sock_fill(io, MTE_SHA256_LEN))
+            return -1;
+        mte_wire_proof(t->token, t->token_len, MTE_WIRE_CLIENT_LABEL, r.nonce, h.nonce,
+                       c->peer_name, nl, expect);
+        int bad = mte_ct_compare(expect, io->buf + io->pos, MTE_SHA256_LEN) != 0;
+        io->pos += MTE_SHA256_LEN;
+        mte_wire_fin_encode(fin, bad ? MTE_E_AUTH : 0);
+        mte_sock_send_all(io, fin, MTE_WIRE_FIN_SIZE);
+        if (bad) {
+            /* Nothing this peer sent is applied: the connection ends here. */
+            atomic_fetch_add(&t->auth_failures, 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The op handlers: each answers its request (coalesced in s->o) and returns 0, or
+ * nonzero when the stream is out of step and the connection must be dropped. */
+
+static int serve_write(serve_t *s, const mte_wire_req_t *q)
+{
+    int why = 0;
+    mte_region_t *r = q->len ? mte_regions_pin(s->t->regions, q->addr, q->len,
+                                               MTE_ACC_REMOTE_WRITE, &why) : NULL;
+    int32_t st = r ? 0 : reject_code(why ? why : -ENOENT);
+    int d = r ? mte_region_device(r) : -1, e;
+    if (d >= 0 && mte_stage_get(&s->stage)) {
+        /* Acknowledged below only once the bytes are in device memory. */
+        int cuda_err = 0;
+        e = mte_stage_in(s->stage, d, (uint8_t *)(uintptr_t)q->addr, q->len, source_sock, &s->io,
+                         1, &cuda_err);
+        st = cuda_err;
+    } else {
+        if (d >= 0)
+            st = MTE_E_NOMEM;
+        e = mte_sock_recv_into(&s->io, r && d < 0 ? (uint8_t *)(uintptr_t)q->addr : NULL,
+                               q->len);
+    }
+    if (r)
+        mte_region_unpin(r);
+    if (e)
+        return e;
+    s->io.readahead = q->len >= MTE_DIRECT_RECV ? 0 : RBUF_SIZE;
+    oresp(&s->o, st, q->seq, 0);
+    return 0;
+}
+
+static int serve_read(serve_t *s, const mte_wire_req_t *q)
+{
+    int why = 0;
+    obuf_t *o = &s->o;
+    uint64_t addr = q->addr, len = q->len;
+    mte_region_t *r = len ? mte_regions_pin(s->t->regions, addr, len, MTE_ACC_REMOTE_READ,
+                                            &why) : NULL;
+    if (!r) {
+        oresp(o, reject_code(why ? why : -ENOENT), q->seq, 0);
+        return 0;
+    }
+    int e = 0, d = mte_region_device(r);
+    if (d >= 0) {
+        if (!mte_stage_get(&s->stage)) {
+            mte_region_unpin(r);
+            oresp(o, MTE_E_NOMEM, q->seq, 0);
+            return 0;
+        }
+        oresp(o, 0, q->seq, len);
+        e = oflush(o);
+        if (!e)
+            e = mte_stage_out(s->stage, d, (const uint8_t *)(uintptr_t)addr, len, sink_sock,
+                              &s->io);
+    } else if (len <= SMALL_READ) {
+        if (o->len + RESP_SIZE + len > OBUF_SIZE)
+            e = oflush(o);
+        if (!e) {
+            oresp(o, 0, q->seq, len);
+            memcpy(o->buf + o->len, (void *)(uintptr_t)addr, len);
+            o->len += len;
+        }
+    } else {
+        oresp(o, 0, q->seq, len);
+        struct iovec iov[2] = {{o->buf, o->len}, {(void *)(uintptr_t)addr, len}};
+        e = mte_sock_send_iov(&s->io, iov, 2);
+        o->len = 0;
+    }
+    mte_region_unpin(r);
+    return e;
+}
+
+/* Same host: we copy between our region and the client's memory ourselves. */
+static int serve_cma(serve_t *s, const mte_wire_req_t *q)
+{
+    conn_t *c = s->c;
+    mte_sockio_t *io = &s->io;
+    int why = 0;
+    if (mte_sock_fill(io, CMA_EXTRA))
+        return -1;
+    uint64_t peer_addr = mte_wire_get64(io->buf + io->pos);
+    io->pos += CMA_EXTRA;
+    uint64_t addr = q->addr, len = q->len;
+    int pull = q->op == MTE_OP_WRITE_CMA;
+    mte_region_t *r = len ? mte_regions_pin(s->t->regions, addr, len, pull ?
+                                            MTE_ACC_REMOTE_WRITE : MTE_ACC_REMOTE_READ,
+                                            &why) : NULL;
+    /* A client that hung up has released its memory: touch nothing of it. */
+    struct pollfd hup = {.fd = c->fd, .events = POLLRDHUP};
+    int gone = poll(&hup, 1, 0) > 0 && (hup.revents & (POLLRDHUP | POLLHUP | POLLERR));
+    int d = r ? mte_region_device(r) : -1;
+    int32_t st = gone ? MTE_E_CLOSED : !r ? reject_code(why ? why : -ENOENT) : 0;
+    if (!st && d < 0) {
+        st = cma_copy(c->peer_pid, addr, peer_addr, len, pull);
+    } else if (!st && !mte_stage_get(&s->stage)) {
+        st = MTE_E_NOMEM;
+    } else if (!st) {
+        /* Our region is GPU memory: the client's bytes pass through staging. */
+        cma_ctx_t x = {c->peer_pid, peer_addr};
+        int cuda_err = 0;
+        st = pull ? mte_stage_in(s->stage, d, (uint8_t *)(uintptr_t)addr, len, cma_source, &x,
+                                 0, &cuda_err)
+                  : mte_stage_out(s->stage, d, (const uint8_t *)(uintptr_t)addr, len,
+                                  cma_sink, &x);
+        if (!st)
+            st = cuda_err;
+    }
+    if (r)
+        mte_region_unpin(r);
+    oresp(&s->o, st, q->seq, 0);
+    return 0;
+}
+
+static int serve_notify(serve_t *s, const mte_wire_req_t *q)
+{
+    char *msg = malloc(q->len ? q->len : 1);
+    if (!msg || mte_sock_recv_into(&s->io, (uint8_t *)msg, q->len)) {
+        free(msg);
+        return -1;
+    }
+    mte_tcp_push_notification(s->t, s->c->peer_name, msg, q->len);
+    free(msg);
+    oresp(&s->o, 0, q->seq, 0);
+    return 0;
+}
+
+static void conn_serve(conn_t *c)
+{
+    serve_t s = {.c = c, .t = c->tcp,
+                 .io = {.fd = c->fd, .buf = malloc(RBUF_SIZE), .cap = RBUF_SIZE,
+                        .readahead = RBUF_SIZE, .stop = conn_stop, .ctx = c}};
+    s.o = (obuf_t){.io = &s.io, .buf = malloc(OBUF_SIZE), .len = 0};
+    mte_sockio_t *io = &s.io;
+    if (!io->buf || !s.o.buf || conn_handshake(&s))
+        goto out;
+    int served = 0;              /* requests since we last waited for the wire */
+    uint64_t last_len = 0;
+    for (;;) {
+        if (io->end - io->pos < REQ_SIZE) {
+            /* About to wait for the wire: push out the coalesced responses first. */
+            if (oflush(&s.o))
+                break;
+            c->mid_message = 0;
+            /* One small request answered: likely ping-pong, so poll for the next. */
+            io->spin = served == 1 && last_len <= SMALL_READ;
+            served = 0;
+            if (mte_sock_fill(io, REQ_SIZE))
+                break;
+            io->spin = 0;
+        }
+        c->mid_message = 1;
+        c->stall_since = mte_now_ns();
+        mte_wire_req_t q;
+        if (mte_wire_req_decode(io->buf + io->pos, &q))
+            break;
+        io->pos += REQ_SIZE;
+        served++;
+        last_len = q.len;
+        if (s.o.len + RESP_SIZE > OBUF_SIZE && oflush(&s.o))
+            break;
+        int e;
+        if (q.op == MTE_OP_WRITE)
+            e = serve_write(&s, &q);
+        else if (q.op == MTE_OP_READ)
+            e = serve_read(&s, &q);
+        else if ((q.op == MTE_OP_WRITE_CMA || q.op == MTE_OP_READ_CMA) && c->cma)
+            e = serve_cma(&s, &q);
+        else if (q.op == MTE_OP_NOTIFY && q.len <= MTE_NOTIFY_MAX)
+            e = serve_notify(&s, &q);
+        else
+            e = -1;    /* protocol violation: drop the connection */
+        if (e)
+            break;
+    }
+out:
+    mte_stage_free(s.stage);
+    free(io->buf);
+    free(s.o.buf);
+}
+
+static void *conn_main(void *arg)
+{
+    conn_t *c = arg;
+    mte_tcp_t *t = c->tcp;
+    conn_serve(c);
+    pthread_mutex_lock(&t->mu);
+    for (conn_t **pp = &t->conns; *pp; pp = &(*pp)->next) {
+        if (*pp == c) {
+            *pp = c->next;
+            break;
+        }
+    }
+    close(c->fd);
+    free(c);
+    t->nconns--;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
+{
+    for (;;) {
+        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (atomic_load(&t->closing))
+                break;
+            if (errno == EINTR || errno == ECONNABORTED || errno == EMFILE || errno == ENFILE) {
+                if (errno == EMFILE || errno == ENFILE)
+                    usleep(10000);
+                continue;
+            }
+            break;
+        }
+        mte_sock_set_tick(fd, 500);
+        conn_t *c = calloc(1, sizeof(*c));
+        if (!c) {
+            close(fd);
+            continue;
+        }
+        c->tcp = t;
+        c->fd = fd;
+        if (is_unix) {
+            struct ucred cred;
+            socklen_t cl = sizeof(cred);
+            /* Kernel-verified: the client cannot lie. Only a client of our own uid may have
+             * us copy into its memory (a privileged server must not become a way into
+             * other users' processes). */
+            if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0 &&
+                cred.uid == geteuid())
+                c->peer_pid = cred.pid;
+        }
+        pthread_mutex_lock(&t->mu);
+        if (atomic_load(&t->closing)) {
+            pthread_mutex_unlock(&t->mu);
+            close(fd);
+            free(c);
+            break;
+        }
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&th, &attr, conn_main, c) != 0) {
+            pthread_mutex_unlock(&t->mu);
+            pthread_attr_destroy(&attr);
+            close(fd);
+            free(c);
+            continue;
+        }
+        pthread_attr_destroy(&attr);
+        c->next = t->conns;
+        t->conns = c;
+        t->nconns++;
+        pthread_mutex_unlock(&t->mu);
+    }
+    return NULL;
+}
+
+static void *accept_main(void *arg)
+{
+    mte_tcp_t *t = arg;
+    return accept_loop(t, t->listen_fd, 0);
+}
+
+static void *accept_unix_main(void *arg)
+{
+    mte_tcp_t *t = arg;
+    return accept_loop(t, t->uds_fd, 1);
+}
+
+/* The same-host listener: an abstract unix socket named after our instance id. */
+static int listen_unix(mte_tcp_t *t)
+{
+    snprintf(t->uds_name, sizeof(t->uds_name), "mooncake_te.%d.%016llx", (int)getpid(),
+             (unsigned long long)t->instance);
+    return mte_sock_listen_unix(t->uds_name);
+}
+
+mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
+                       const char *name, uint64_t instance, int stall_ms,
+                       const void *token, size_t token_len, int *err)
+{
+    *err = 0;
+    if (token_len > 256) {
+        *err = -EINVAL;
+        return NULL;
+    }
+    char portstr[16];
+    snprintf(portstr, sizeof(portstr), "%d", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_PASSIVE}, *res = NULL;
+    int gai = getaddrinfo(bind_host && *bind_host ? bind_host : NULL, portstr, &hints, &res);
+    if (gai != 0) {
+        *err = -EADDRNOTAVAIL;
+        return NULL;
+    }
+    int fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        *err = -errno;
+        freeaddrinfo(res);
+        return NULL;
+    }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, res->ai_addr, res->ai_addrlen) < 0 || listen(fd, 128) < 0) {
+        *err = -errno;
+        close(fd);
+        freeaddrinfo(res);
+        return NULL;
+    }
+    freeaddrinfo(res);
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof(ss);
+    getsockname(fd, (struct sockaddr *)&ss, &sl);
+    mte_tcp_t *t = calloc(1, sizeof(*t));
+    if (!t) {
+        close(fd);
+        *err = -ENOMEM;
+        return NULL;
+    }
+    t->regions = regions;
+    t->listen_fd = fd;
+    t->port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                             : ((struct sockaddr_in *)&ss)->sin_port);
+    snprintf(t->name, sizeof(t->name), "%s", name ? name : "");
+    t->instance = instance;
+    t->stall_ms = stall_ms > 0 ? stall_ms : 30000;
+    if (token_len)
+        memcpy(t->token, token, token_len);
+    t->token_len = token_len;
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_cond_init(&t->cv, NULL);
+    if (pthread_create(&t->accept_thread, NULL, accept_main, t) != 0) {
+        close(fd);
+        free(t);
+        *err = -EAGAIN;
+        return NULL;
+    }
+    /* Same-host peers are optional: without the listener they simply use TCP. */
+    t->uds_fd = listen_unix(t);
+    if (t->uds_fd >= 0 && pthread_create(&t->uds_thread, NULL, accept_unix_main, t) != 0) {
+        close(t->uds_fd);
+        t->uds_fd = -1;
+    }
+    if (t->uds_fd < 0)
+        t->uds_name[0] = 0;
+    return t;
+}
+
+int mte_tcp_port(const mte_tcp_t *t) { return t->port; }
+const char *mte_tcp_uds_name(const mte_tcp_t *t) { return t->uds_name; }
+uint64_t mte_tcp_auth_failures(const mte_tcp_t *t) { return atomic_load(&t->auth_failures); }
+
+void mte_tcp_free(mte_tcp_t *t)
+{
+    if (!t)
+        return;
+    atomic_store(&t->closing, 1);
+    shutdown(t->listen_fd, SHUT_RDWR);
+    pthread_join(t->accept_thread, NULL);
+    close(t->listen_fd);
+    if (t->uds_fd >= 0) {
+        shutdown(t->uds_fd, SHUT_RDWR);
+        pthread_join(t->uds_thread, NULL);
+        close(t->uds_fd);
+    }
+    pthread_mutex_lock(&t->mu);
+    for (conn_t *c = t->conns; c; c = c->next)
+        shutdown(c->fd, SHUT_RDWR);
+    while (t->nconns > 0)
+        pthread_cond_wait(&t->cv, &t->mu);
+    pthread_mutex_unlock(&t->mu);
+    mte_notif_free(t->notif_head);
+    pthread_mutex_destroy(&t->mu);
+    pthread_cond_destroy(&t->cv);
+    free(t);
+}
+
+int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len)
+{
+    mte_notif_t *n = malloc(sizeof(*n) + len + 1);
+    if (!n)
+        return MTE_E_NOMEM;
+    n->next = NULL;
+    n->sender = strdup(sender ? sender : "");
+    n->len = len;
+    memcpy(n->msg, msg, len);
+    n->msg[len] = 0;
+    pthread_mutex_lock(&t->mu);
+    if (t->notif_tail)
+        t->notif_tail->next = n;
+    else
+        t->notif_head = n;
+    t->notif_tail = n;
+    pthread_mutex_unlock(&t->mu);
+    return 0;
+}
+
+mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t)
+{
+    pthread_mutex_lock(&t->mu);
+    mte_notif_t *n = t->notif_head;
+    t->notif_head = t->notif_tail = NULL;
+    pthread_mutex_unlock(&t->mu);
+    return n;
+}
+
+void mte_notif_free(mte_notif_t *n)
+{
+    while (n) {
+        mte_notif_t *nx = n->next;
+        free(n->sender);
+        free(n);
+        n = nx;
+    }
+}
