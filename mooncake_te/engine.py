@@ -169,7 +169,7 @@ class TransferEngine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise E.InvalidArgumentError("the engine is closed")
+            raise E.ClosedError("the engine is closed; create a new TransferEngine")
         if os.getpid() != self._pid:
             # The connections (and, same-host, the pid peers copy into) are the parent's.
             raise E.InvalidArgumentError("this engine belongs to the parent process; create "
