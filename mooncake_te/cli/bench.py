@@ -117,7 +117,8 @@ def run(args) -> int:
     except KeyboardInterrupt:
         return 130
     except (MooncakeError, VerifyError, RuntimeError, TimeoutError, ValueError) as e:
-        print(f"mooncake-te bench: {type(e).__name__}: {e}", file=sys.stderr)
+        from ..errors import describe
+        print(f"mooncake-te bench: {describe(e)}: {e}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, old)
