@@ -111,6 +111,25 @@ def _rebuild(cls, message, status, errno):
     return cls(message, status=status, errno=errno)
 
 
+# The classes the package exports at its top level (mooncake_te.__all__): the names users
+# catch. describe() names an error by the nearest of them.
+_TOP_LEVEL = ("TransferTimeoutError", "TransferCanceledError", "AddressOverlappedError",
+              "AddressNotRegisteredError", "SegmentNotFoundError", "MetadataError",
+              "DeviceNotFoundError", "TransportUnavailableError", "AuthenticationError",
+              "ConfigError", "InvalidArgumentError", "TransferError", "MooncakeError")
+
+
+def describe(e: BaseException) -> str:
+    """The error's kind for a one-line message: its class when that is one of the
+    top-level classes, else "<nearest top-level class> (<its class>)", e.g.
+    "TransferError (PeerRestartedError)"."""
+    name = type(e).__name__
+    if name in _TOP_LEVEL or not isinstance(e, MooncakeError):
+        return name
+    base = next(c.__name__ for c in type(e).__mro__ if c.__name__ in _TOP_LEVEL)
+    return f"{base} ({name})"
+
+
 def error_class(status: int) -> type:
     """The exception class of a status code; TransferError for a code nobody owns."""
     cls = _BY_STATUS.get(status)
@@ -211,7 +230,7 @@ class CrossMemoryAttachError(TransferError, status=ERR_CROSS_MEMORY):
     """Same host: the peer could not copy to or from this process's memory."""
 
 
-class CudaError(TransferError, status=ERR_CUDA):
+class CudaCopyError(TransferError, status=ERR_CUDA):
     """A CUDA copy of GPU memory failed (staging or IPC mapping)."""
 
 
@@ -268,4 +287,4 @@ class VerbsError(NativeOSError):
 
 
 __all__ = [name for name in dir() if name.endswith("Error") or name.startswith("ERR_")]
-__all__.append("error_class")
+__all__ += ["describe", "error_class"]

@@ -117,12 +117,8 @@ def run(args) -> int:
     except KeyboardInterrupt:
         return 130
     except (MooncakeError, VerifyError, RuntimeError, TimeoutError, ValueError) as e:
-        # A status code's own class names its family too (ConnectionLostError is a
-        # TransferError): scripts match on the family.
-        family = type(e).__bases__[0]
-        kind = type(e).__name__ + (f" ({family.__name__})" if isinstance(e, MooncakeError)
-                                   and family is not MooncakeError else "")
-        print(f"mooncake-te bench: {kind}: {e}", file=sys.stderr)
+        from ..errors import describe
+        print(f"mooncake-te bench: {describe(e)}: {e}", file=sys.stderr)
         return 1
     finally:
         signal.signal(signal.SIGTERM, old)
