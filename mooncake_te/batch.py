@@ -98,20 +98,29 @@ def _message(code, what, target, op, local, remote, length) -> str:
     if E.ERR_RDMA_PORT_DOWN <= code <= E.ERR_RDMA_WC_BASE - 1:
         return _rdma_message(code, what, target, op, remote, length)
     if code == E.ERR_OUT_OF_RANGE or E.ERR_STORAGE_BASE - 199 <= code <= E.ERR_STORAGE_BASE:
-        from .transports.nvmeof import error_message     # storage segments' own words
-        msg = error_message(code)
+        text = _status_text.get("storage")              # storage segments' own words
+        msg = text(code) if text else None
         if msg:
             return f"{what}: {msg}"
     return f"{what} failed (status {code})"
 
 
+# Texts that only a transport knows (libibverbs' work-completion strings, a storage
+# segment's errors). A transport registers them when it loads; nothing here imports a
+# transport (layering: the batch sits below the transports). A completion can only carry
+# such a code if that transport ran, so it has registered.
+_status_text: dict = {}
+
+
+def register_status_text(kind: str, fn) -> None:
+    """``kind``: "wc" (``fn(ibv_wc_status) -> str``) or "storage" (``fn(code) -> str|None``)."""
+    _status_text[kind] = fn
+
+
 def wc_status_text(status: int) -> str:
     """libibverbs' own text for a work-completion status (``ibv_wc_status_str``)."""
-    try:
-        from .transports.rdma._verbs import wc_status_str
-    except ImportError:          # no RDMA in this build: no completion can carry one
-        return f"status {status}"
-    return wc_status_str(status)
+    fn = _status_text.get("wc")
+    return fn(status) if fn else f"status {status}"
 
 
 def _rdma_message(code, what, target, op, remote, length) -> str:

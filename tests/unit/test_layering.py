@@ -36,13 +36,7 @@ LAYER = {
 }
 
 # Known exceptions, each with the reason and who removes it. Keep this empty.
-ALLOWED: dict = {
-    # batch.error_for words two transports' own status codes with texts those transports
-    # own (lazily, so a build without them still imports). Next step: transports register
-    # their texts with the core at import, and these two go.
-    ("mooncake_te.batch", "mooncake_te.transports.nvmeof"): "storage segments' status texts",
-    ("mooncake_te.batch", "mooncake_te.transports.rdma._verbs"): "ibv_wc_status_str",
-}
+ALLOWED: dict = {}
 
 
 def _modules():

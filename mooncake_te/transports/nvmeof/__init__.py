@@ -31,6 +31,7 @@ import numpy as np
 
 from ... import errors as E
 from ...metadata.storage import resolve, storage_descriptor, storage_name  # noqa: F401
+from ...batch import register_status_text
 from ..base import Capabilities, Transport
 from ._nvmeof import OUT_OF_RANGE, STORAGE_BASE, Device
 
@@ -53,6 +54,9 @@ def error_message(code: int) -> str | None:
         return "the byte range is outside the storage segment"
     return None
 
+
+
+register_status_text("storage", error_message)
 
 class StorageSegment:
     """A storage segment this engine publishes (returned by ``register_storage``)."""

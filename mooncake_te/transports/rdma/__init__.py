@@ -25,6 +25,7 @@ import numpy as np
 
 from ... import errors as E
 from ...metadata import framing
+from ...batch import register_status_text
 from ..base import Capabilities, Transport
 
 log = logging.getLogger("mooncake_te.rdma")
@@ -32,6 +33,7 @@ log = logging.getLogger("mooncake_te.rdma")
 try:
     from . import _verbs
     _IMPORT_ERROR = ""
+    register_status_text("wc", _verbs.wc_status_str)
 except ImportError as e:           # built without libibverbs-dev, or libibverbs.so missing
     _verbs = None
     _IMPORT_ERROR = str(e)
