@@ -12,11 +12,15 @@ from __future__ import annotations
 from . import engine  # noqa: F401
 from .engine import (  # noqa: F401
     P2PHANDSHAKE, SUPPORT_CUDA, SUPPORT_EFA, SUPPORT_HIP, SUPPORT_INTRA_NVLINK, SUPPORT_MNNVL,
-    SUPPORT_MUSA, Read, TransferEngine, TransferNotify, TransferOpcode, Write,
+    SUPPORT_MUSA, CoroRPCInterface, CudaUnavailableError, InnerTransferEngine, Read,
+    ReceivedData, ReceivedTensor, RpcInterface, SharedSegment, TransferEngine,
+    TransferNotify, TransferOpcode, Write, create_rpc_client, create_rpc_server,
 )
 
 __all__ = [
     "TransferEngine", "TransferOpcode", "TransferNotify", "Read", "Write", "P2PHANDSHAKE",
     "SUPPORT_CUDA", "SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_INTRA_NVLINK", "SUPPORT_MNNVL",
-    "SUPPORT_MUSA", "engine",
+    "SUPPORT_MUSA", "engine", "InnerTransferEngine", "RpcInterface", "CoroRPCInterface",
+    "ReceivedData", "ReceivedTensor", "create_rpc_client", "create_rpc_server",
+    "SharedSegment", "CudaUnavailableError",
 ]

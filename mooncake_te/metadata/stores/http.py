@@ -17,7 +17,7 @@ import logging
 from urllib.parse import urlsplit, urlunsplit, urlencode
 
 from ...errors import MetadataError, ERR_SOCKET
-from ._leased import LeasedStore, port_hint, split_options, ttl_from
+from ._leased import LeasedStore, is_rpc_meta, port_hint, split_options, ttl_from
 
 try:
     import requests as _requests
@@ -105,10 +105,11 @@ class HttpStore(LeasedStore):
         if resp.status_code == 404:
             msg += self._why_404()
         elif resp.status_code == 400 and "rpc_meta" in key:
-            # Mooncake's servers refuse a second, different rpc_meta value for one name
-            # (Mooncake PR #2311): two engines with one segment name.
-            msg += (" Another engine already published this segment name with a different "
-                    "address; give this engine another name, or delete the stale key.")
+            # Mooncake's servers refuse a second PUT of an rpc_meta key (Mooncake PR
+            # #2311); _put_rpc_meta only gets here when the holder is alive.
+            msg += (" The server refuses to replace an rpc_meta key, and the engine it "
+                    "names is alive: give this engine another segment name, or stop "
+                    "that engine.")
         elif resp.status_code in (401, 403):
             msg += " The server wants credentials this client does not send."
         return MetadataError(msg, status=ERR_SOCKET)
@@ -159,13 +160,61 @@ class HttpStore(LeasedStore):
             raise self._unexpected("DELETE", key, resp)
 
     def _put_leased(self, key: str, value: bytes) -> None:
-        self.put(key, value, headers={TTL_HEADER: f"{self.ttl:g}"})
+        if is_rpc_meta(key):
+            self._put_rpc_meta(key, value)
+        else:
+            self.put(key, value, headers={TTL_HEADER: f"{self.ttl:g}"})
+
+    def _put_rpc_meta(self, key: str, value: bytes) -> None:
+        """PUT ``rpc_meta`` without a TTL, as Mooncake's engine writes it: Mooncake's
+        HTTP server refuses any second PUT of the key, so it is written once and never
+        renewed (the segment's liveness is its ``ram`` key's TTL). A refusal is only an
+        error when the key names an engine that is alive: the same value is ours
+        already, and an address where nothing listens is a dead engine's leftover
+        (a SIGKILLed engine cannot delete it), replaced here."""
+        resp = self._request("PUT", key, data=value)
+        if resp.status_code == 200:
+            return
+        if resp.status_code != 400:
+            raise self._unexpected("PUT", key, resp)
+        held = self.get(key)
+        if held == value:
+            return
+        if held is not None and _rpc_alive(held):
+            raise self._unexpected("PUT", key, resp)
+        log.info("replacing %r: it names %s, where no engine listens any more", key,
+                 held[:100] if held else None)
+        self.delete(key)
+        resp = self._request("PUT", key, data=value)
+        if resp.status_code != 200:
+            raise self._unexpected("PUT", key, resp)
 
     def _renew(self, records: dict[str, bytes]) -> None:
-        # Re-PUT, not a bare "touch": a server restarted without persistence gets every
-        # live engine back within one renewal period.
+        # Re-PUT the ram keys, not a bare "touch": a server restarted without
+        # persistence gets every live engine back within one renewal period. rpc_meta
+        # is not re-written (see _put_rpc_meta); it is only put back when it is gone.
         for key, value in records.items():
-            self._put_leased(key, value)
+            if not is_rpc_meta(key):
+                self._put_leased(key, value)
+            elif self.get(key) is None:
+                self._put_rpc_meta(key, value)
 
     def _close_client(self) -> None:
         self._session.close()
+
+
+def _rpc_alive(raw: bytes, timeout: float = 1.0) -> bool:
+    """Whether something accepts connections at the address an rpc_meta value names
+    (an unreadable value counts as alive: we do not delete what we cannot judge)."""
+    import json
+    import socket
+    try:
+        d = json.loads(raw)
+        host, port = str(d["ip_or_host_name"]), int(d["rpc_port"])
+    except (ValueError, KeyError, TypeError):
+        return True
+    try:
+        socket.create_connection((host, port), timeout).close()
+    except OSError:
+        return False
+    return True
