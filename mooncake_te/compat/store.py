@@ -58,6 +58,13 @@ _MIB = 1 << 20
 DEFAULT_MAX_OBJECT = 4 * _MIB
 
 
+def default_max_object(segment_size: int) -> int:
+    """4 MiB, or less so that the segment holds at least 16 objects (a slot is the
+    object plus a 64-byte header, rounded up to 4 KiB)."""
+    slot = max(4096, min(DEFAULT_MAX_OBJECT + 4096, segment_size // 16) // 4096 * 4096)
+    return slot - 64
+
+
 def _parse_size(value) -> int:
     """``4194304``, ``"4MB"``, ``"64 KB"`` -> bytes (the units vLLM's config accepts)."""
     if isinstance(value, int):
@@ -199,7 +206,8 @@ class MooncakeDistributedStore:
         DRAM share of the pool; ``engine`` reuses a transfer engine (a
         :class:`mooncake_te.compat.TransferEngine`, a :class:`mooncake_te.TransferEngine`
         or a ``get_engine_ptr()`` handle). Beyond Mooncake: ``max_object_size`` (dict
-        key, or ``MC_STORE_MAX_OBJECT_SIZE``; default 4 MiB) is the largest object a
+        key, or ``MC_STORE_MAX_OBJECT_SIZE``; default 4 MiB, less when the
+        segment would hold fewer than 16) is the largest object a
         pool slot holds, ``ssd_offload_size`` (or ``MC_STORE_SSD_BYTES``; default 4x
         the segment) the SSD tier's size.
         """
@@ -264,7 +272,7 @@ class MooncakeDistributedStore:
                             "share objects between processes)", metadata)
         max_obj = _parse_size(extra.pop("max_object_size", None)
                               or os.environ.get("MC_STORE_MAX_OBJECT_SIZE")
-                              or DEFAULT_MAX_OBJECT)
+                              or default_max_object(segment_size))
         ssd_bytes = 0
         if ssd:
             if not ssd_path:
