@@ -17,7 +17,6 @@ name such as ``"float32"``, the bytes).
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import socket
@@ -27,6 +26,7 @@ import threading
 import numpy as np
 
 from .. import errors as E
+from ..metadata.framing import _recv_exact
 
 log = logging.getLogger("mooncake_te.compat")
 
@@ -85,18 +85,6 @@ def _split(address: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise E.InvalidArgumentError(f"address {address!r} is not host:port")
     return host.strip("[]") or "0.0.0.0", int(port)
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if not k:
-            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
-        got += k
-    return bytes(buf)
 
 
 def _tensor_bytes(tensor) -> tuple[bytes, list, str]:

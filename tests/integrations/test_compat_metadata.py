@@ -27,6 +27,13 @@ from mooncake_te.compat import TransferEngine
 
 pytestmark = pytest.mark.timeout(120)
 
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch):
+    # With a metadata server an engine's RPC endpoint is MC_TCP_BIND_ADDRESS, else the
+    # first LAN address (as in Mooncake); tests stay on loopback (targets inherit it).
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 MOONCAKE_LIKE = os.path.join(os.path.dirname(HERE), "mooncake_http_server.py")
 CAPACITY = 64 << 20

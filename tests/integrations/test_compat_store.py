@@ -22,6 +22,13 @@ from mooncake_te.compat.store import (INVALID_PARAMS, NO_AVAILABLE_HANDLE, OBJEC
                                       MooncakeDistributedStore, ReplicateConfig)
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch):
+    # With a metadata server an engine's RPC endpoint is MC_TCP_BIND_ADDRESS, else the
+    # first LAN address (as in Mooncake); tests stay on loopback (targets inherit it).
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
 MIB = 1 << 20
 
 

@@ -23,17 +23,15 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
-import time
 
 import pytest
 
-from servers import HttpMetadataServer, _serve, free_port
-from test_vllm_e2e import ROOT, _env, tiny_model, vllm_python  # noqa: F401  (fixtures)
+from servers import HttpMetadataServer, free_port
+from test_vllm_e2e import (ROOT, STEP_TIMEOUT, _env, _Procs, tiny_model,  # noqa: F401
+                           vllm_python)
 
 DRIVER = os.path.join(ROOT, "tests", "integrations", "vllm_mooncake_driver.py")
-STEP_TIMEOUT = 300
 MAX_TOKENS = 8
 
 pytestmark = pytest.mark.timeout(1800)
@@ -63,10 +61,12 @@ def prompts(tmp_path_factory):
     return path
 
 
-class _Run:
+class _Run(_Procs):
+    """``_Procs`` of the P/D test, starting this module's driver."""
+
     def __init__(self, py, model, d, prompts):
-        self.py, self.model, self.dir, self.prompts = py, model, d, prompts
-        self.procs = {}
+        super().__init__(py, model, d, None)
+        self.prompts = prompts
 
     def start(self, role, env=None, *extra):
         log = open(os.path.join(self.dir, f"{role}.log"), "w")
@@ -78,24 +78,9 @@ class _Run:
                                             start_new_session=True)
 
     def wait(self, role):
-        try:
-            rc = self.procs[role].wait(timeout=STEP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{role} still running after {STEP_TIMEOUT} s:\n"
-                                 f"{self.tail(role)}") from None
-        assert rc == 0, f"{role} exited with {rc}:\n{self.tail(role)}"
+        super().wait(role)
         with open(os.path.join(self.dir, f"{role}.json")) as f:
             return json.load(f)
-
-    def tail(self, role, n=30):
-        with open(os.path.join(self.dir, f"{role}.log")) as f:
-            return "\n".join(f.read().splitlines()[-n:])
-
-    def kill_all(self):
-        for p in self.procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +121,10 @@ def test_builtin_mooncake_store_connector(shim, vllm_python, tiny_model, prompts
                        "master_server_address": "127.0.0.1:50051",
                        "global_segment_size": "64MB", "local_buffer_size": "16MB",
                        "protocol": "tcp", "device_name": ""}, f)
-        env = {"MOONCAKE_CONFIG_PATH": cfg, "MC_STORE_MAX_OBJECT_SIZE": "256KB"}
+        env = {"MOONCAKE_CONFIG_PATH": cfg, "MC_STORE_MAX_OBJECT_SIZE": "256KB",
+               # With a metadata server the RPC endpoint is MC_TCP_BIND_ADDRESS (else the
+               # first LAN address, as in Mooncake): keep it on loopback.
+               "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
         run = _Run(vllm_python, tiny_model, str(tmp_path), prompts)
         try:
             run.start("store-put", env)

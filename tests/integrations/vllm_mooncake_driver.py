@@ -32,19 +32,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+from vllm_pd_driver import dump, wait_for  # noqa: E402  (this script's directory)
 
-def wait_for(path, timeout):
-    t0 = time.monotonic()
-    while not os.path.exists(path):
-        if time.monotonic() - t0 > timeout:
-            sys.exit(f"timed out after {timeout} s waiting for {path}")
-        time.sleep(0.05)
-
-
-def dump(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
 
 
 def patch_cpu_device_index():
