@@ -823,7 +823,7 @@ class TransferEngine:
         """Write a batch after the work queued on CUDA stream ``stream_ptr``.
 
         Mooncake enqueues a host function on the stream (``cudaLaunchHostFunc``) that
-        submits and waits, and ``_exit(1)`` the process when the transfer fails. Here
+        submits and waits, and ends the process (``_exit(1)``) when the transfer fails. Here
         the call waits for the stream (``cuStreamSynchronize``), then runs the transfer
         through the engine's GPU paths and returns when it is done; a failure raises
         :class:`mooncake_te.errors.TransferError` instead of ending the process. So the
