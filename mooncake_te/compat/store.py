@@ -571,8 +571,9 @@ class MooncakeDistributedStore:
                     reps.append(ReplicaDescriptor("memory", self._eng.name,
                                                   cache.base + slot * cache.slot_size, n))
                 elif tier == "ssd":
+                    from ..kvcache.ssd import SLAB
                     reps.append(ReplicaDescriptor("local_disk", size=cache.ssd.index[kk][1],
-                                                  path=str(getattr(cache.ssd, "path", ""))))
+                                                  path=os.path.join(cache.ssd.dir, SLAB)))
                 elif self._remote:
                     rec = cache._index.lookup(kk)
                     if rec is not None:

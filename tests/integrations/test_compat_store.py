@@ -131,7 +131,9 @@ def test_ssd_tier_replica_is_local_disk(redis_server, tmp_path):
                  for k, d in descs.items()}
         assert kinds["o0"] == "disk" and kinds["o5"] == "mem", kinds
         assert descs["o0"][0].is_local_disk_replica()
-        assert descs["o0"][0].get_disk_descriptor().object_size == 60 << 10
+        disk = descs["o0"][0].get_disk_descriptor()
+        assert disk.object_size == 60 << 10 and os.path.isfile(disk.file_path)
+        assert disk.file_path.startswith(str(tmp_path))
         for k, v in blobs.items():                  # every object reads back, both tiers
             assert s.get(k) == v
     finally:
