@@ -5,7 +5,10 @@
 >>> from mooncake_te.compat import engine             # was: from mooncake import engine
 
 ``TransferEngine`` keeps the method names, arguments, defaults and return codes of
-``mooncake.engine.TransferEngine``; ``docs/compat.md`` lists where it differs.
+``mooncake.engine.TransferEngine``; :mod:`mooncake_te.compat.store` is Mooncake Store's
+``MooncakeDistributedStore`` over the KV pool; ``mooncake-te compat install`` makes
+``import mooncake.engine`` / ``mooncake.store`` resolve to them (:mod:`.shim`).
+``docs/compat.md`` lists every method and where it differs.
 """
 from __future__ import annotations
 
