@@ -12,7 +12,8 @@ only patch, and it is in the vLLM processes only.
 
 - P/D: a prefill instance (kv_producer) and a decode instance (kv_consumer) with
   MooncakeConnector, the KV pushed through mooncake_te's TransferEngine (P2PHANDSHAKE,
-  TCP); the decode output equals a run without a connector, token for token.
+  TCP); the decode output equals a run without a connector, token for token; with P's
+  registered KV overwritten by noise after prefill, it differs (D uses the moved KV).
 - Store: an instance with MooncakeStoreConnector stores its prompts' KV in
   ``mooncake.store`` (our store over the KV pool, index in our HTTP metadata server);
   a second instance, in another process, runs the same prompts and loads the prefixes
@@ -109,6 +110,24 @@ def test_builtin_mooncake_connector_pd(shim, vllm_python, tiny_model, prompts, b
     log = open(os.path.join(str(tmp_path), "D.log")).read()
     assert "KV load failure" not in log, run.tail("D")
     # The KV came from P: vLLM counts the remotely prefilled tokens as cached ones.
+    assert all(n > 0 for n in got["num_cached_tokens"]), got
+
+
+def test_pd_decode_uses_the_transferred_kv(shim, vllm_python, tiny_model, prompts, baseline,
+                                          tmp_path):
+    """P overwrites its registered KV with noise after prefill: D's output changes, so D
+    decodes from what mooncake_te moved, not from a recomputation."""
+    run = _Run(vllm_python, tiny_model, str(tmp_path), prompts)
+    bp = free_port()
+    try:
+        run.start("P", {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bp)}, "--bootstrap-port", str(bp),
+                  "--corrupt")
+        run.start("D", {"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())})
+        got = run.wait("D")
+        run.wait("P")
+    finally:
+        run.kill_all()
+    assert got["tokens"] != baseline
     assert all(n > 0 for n in got["num_cached_tokens"]), got
 
 

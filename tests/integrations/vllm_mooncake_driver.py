@@ -43,6 +43,22 @@ def patch_cpu_device_index():
         torch.accelerator.current_device_index = lambda: 0
 
 
+def corrupt_registered_kv():
+    """Fill every region the connector registered with our engine (the KV tensors) with
+    float noise: what D then decodes from is what mooncake_te moves out of them."""
+    import ctypes
+    import numpy as np
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    te = get_kv_transfer_group().connector_worker.engine      # mooncake.engine.TransferEngine
+    rng = np.random.default_rng(0)
+    regions = te.get_engine().regions
+    assert regions, "the connector registered no memory with the engine"
+    for r in regions:
+        n = r.length // 4
+        arr = np.ctypeslib.as_array((ctypes.c_float * n).from_address(r.address))
+        arr[:] = rng.standard_normal(n, dtype=np.float32) * 5
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", required=True,
@@ -53,6 +69,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--bootstrap-port", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=240)
+    ap.add_argument("--corrupt", action="store_true",
+                    help="P: overwrite the KV memory it registered with noise after prefill")
     a = ap.parse_args()
     prompts = json.load(open(a.prompts))
     patch_cpu_device_index()
@@ -95,6 +113,8 @@ def main():
         sps = [SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {
             "do_remote_decode": True, "transfer_id": t}}, **greedy) for t in tids]
         llm.generate(ps, sps, use_tqdm=False)
+        if a.corrupt:
+            corrupt_registered_kv()
         dump(os.path.join(a.dir, "handoff.json"), [{
             "do_remote_prefill": True, "transfer_id": t, "remote_engine_id": "compat-P",
             "remote_bootstrap_addr": f"http://127.0.0.1:{a.bootstrap_port}"} for t in tids])
