@@ -177,17 +177,37 @@ class HttpStore(LeasedStore):
             return
         if resp.status_code != 400:
             raise self._unexpected("PUT", key, resp)
-        held = self.get(key)
-        if held == value:
-            return
-        if held is not None and _rpc_alive(held):
+        if self.get(key) == value:
+            return                       # ours already (republished after a restart)
+        if not self._replace_stale_rpc_meta(key, value):
             raise self._unexpected("PUT", key, resp)
-        log.info("replacing %r: it names %s, where no engine listens any more", key,
-                 held[:100] if held else None)
-        self.delete(key)
         resp = self._request("PUT", key, data=value)
         if resp.status_code != 200:
             raise self._unexpected("PUT", key, resp)
+
+    def _replace_stale_rpc_meta(self, key: str, value: bytes) -> bool:
+        """Another ``rpc_meta`` holds our name: True (after deleting it) when the engine it
+        names is gone (nothing accepts connections at its RPC address), so a restarted
+        engine takes its name back; False when that engine is alive (or the value cannot
+        be read: we do not delete what we cannot judge)."""
+        import json
+        import socket
+        old = self.get(key)
+        if old is None:
+            return True                  # deleted meanwhile
+        try:
+            info = json.loads(old)
+            host, port = str(info["ip_or_host_name"]), int(info["rpc_port"])
+        except (ValueError, KeyError, TypeError):
+            return False
+        try:
+            socket.create_connection((host, port), 1.0).close()
+        except OSError:
+            log.info("segment name of %s was held by a dead engine at %s:%d; replacing its "
+                     "stale key", key, host, port)
+            self.delete(key)
+            return True
+        return False
 
     def _renew(self, records: dict[str, bytes]) -> None:
         # Re-PUT the ram keys, not a bare "touch": a server restarted without
@@ -201,20 +221,3 @@ class HttpStore(LeasedStore):
 
     def _close_client(self) -> None:
         self._session.close()
-
-
-def _rpc_alive(raw: bytes, timeout: float = 1.0) -> bool:
-    """Whether something accepts connections at the address an rpc_meta value names
-    (an unreadable value counts as alive: we do not delete what we cannot judge)."""
-    import json
-    import socket
-    try:
-        d = json.loads(raw)
-        host, port = str(d["ip_or_host_name"]), int(d["rpc_port"])
-    except (ValueError, KeyError, TypeError):
-        return True
-    try:
-        socket.create_connection((host, port), timeout).close()
-    except OSError:
-        return False
-    return True
