@@ -74,7 +74,14 @@ def collect() -> dict:
         "native": _native(),
         "optional": {m: _dist_version(m) for m in _OPTIONAL},
         "transports": transports,
+        "mooncake": _mooncake(),
     }
+
+
+def _mooncake() -> dict:
+    """Which ``mooncake`` package this Python imports (the real one, or our shim)."""
+    from mooncake_te.compat.shim import status
+    return status()
 
 
 def run(args) -> int:
@@ -94,6 +101,8 @@ def run(args) -> int:
     for mod, what in _OPTIONAL.items():
         v = info["optional"][mod]
         print(f"{mod:<11} {v or 'not installed'}  ({what})")
+    from .compat import describe
+    print(f"mooncake    {describe(info['mooncake'])}")
     print("transports:")
     for name, t in info["transports"].items():
         if t["available"]:

@@ -177,6 +177,40 @@ def _split_hostname(local_hostname: str) -> tuple[str, int]:
 _STATUS = object()      # guard: return the error's own (negative) Mooncake status code
 
 
+def _register(eng, address: int, length: int, location: str):
+    """``eng.register_address``, all or nothing: the engine adds the region before it
+    publishes the descriptor, so when the publish fails (the metadata store refused
+    it) the region is taken out again and the error raised; a failed call leaves
+    nothing registered, as Mooncake's ``registerLocalMemory`` rolls back."""
+    before = _region_at(eng, address)
+    try:
+        return eng.register_address(address, length, location=location)
+    except BaseException:
+        added = _region_at(eng, address)
+        if added is not None and added is not before:
+            _drop_region(eng, added)
+        raise
+
+
+def _region_at(eng, address: int):
+    """The region of ``eng`` that starts at ``address``, or None."""
+    for r in eng.regions:
+        if r.address == address:
+            return r
+    return None
+
+
+def _drop_region(eng, region) -> None:
+    """Withdraw ``region`` after a failed registration; the publish that follows may
+    fail too (the store that refused the first one), which must not hide the first
+    error."""
+    try:
+        eng.unregister(region)
+    except E.MooncakeError as e:
+        log.warning("rolled back the registration of %#x locally; the metadata store "
+                    "was not updated: %s", region.address, e)
+
+
 def _guard(failure):
     """Turn exceptions into Mooncake's return codes and log why.
 
@@ -358,7 +392,7 @@ class TransferEngine:
         self._p2p = conn == "p2p"
         self._rpc_port = eng.descriptor().rpc_port
         self._alloc = ManagedAllocator(
-            lambda a, n: eng.register_address(a, n, location="auto"),
+            lambda a, n: _register(eng, a, n, "auto"),
             lambda a: eng.unregister(a))
         log.info("initialized segment %s (%s, metadata %s)", eng.name, eng.protocol, conn)
         return 0
@@ -390,7 +424,7 @@ class TransferEngine:
         """
         addr = _uint(buffer_addr, "buffer_addr")
         cap = _uint(capacity, "capacity")
-        self._engine().register_address(addr, cap, location=self._location(location))
+        _register(self._engine(), addr, cap, self._location(location))
         return 0
 
     @_guard(_STATUS)
@@ -422,7 +456,7 @@ class TransferEngine:
         done = []
         try:
             for addr, cap in zip(addrs.tolist(), caps.tolist()):
-                done.append(eng.register_address(addr, cap, location=loc))
+                done.append(_register(eng, addr, cap, loc))
         except BaseException:
             for r in reversed(done):
                 try:
@@ -695,11 +729,13 @@ class TransferEngine:
             return -1
         return 0
 
-    @_guard(-1)
+    @_guard(0)
     def transfer_submit_write(self, target_hostname: str, buffer: int,
                               peer_buffer_address: int, length: int,
                               transport_hint: str = "") -> int:
-        """Start one write; an id for :meth:`transfer_check_status`, or -1."""
+        """Start one write; an id for :meth:`transfer_check_status`, or 0 when the
+        target cannot be opened or the submit fails (Mooncake PR #2433: ids are
+        unsigned, so 0 is the failure value; before it, -1 came back as 2**64-1)."""
         target = _str(target_hostname, "target_hostname")
         lens = [_uint(length, "length")]
         batch = self._submit(target, [_uint(buffer, "buffer")],
@@ -752,16 +788,158 @@ class TransferEngine:
         return [TransferNotify(n.sender, n.message.decode("utf-8", "replace")) for n in got]
 
     def get_local_topology(self, device_name: str | None = None) -> str:
-        """The NIC priority matrix as JSON: ``{"cpu:0": [[preferred], [available]], ...}``
-        (``{}`` when there are no RDMA devices), from :mod:`mooncake_te.topology`."""
+        """The NIC priority matrix as JSON: ``{"cpu:0": [[preferred], [available]], ...}``.
+
+        As Mooncake's classic engine (``Topology::discover``/``parse``): a file named by
+        ``MC_CUSTOM_TOPO_JSON`` is echoed as written (NICs it names need not exist
+        here); otherwise one ``"cpu:N"`` entry per NUMA node, ``[[], []]`` when there are
+        no RDMA NICs (or ``device_name`` filters them all out). May be called before
+        :meth:`initialize`.
+        """
+        return json.dumps(local_topology(device_name), indent=3)
+
+    # --- CUDA streams --------------------------------------------------------------------
+    def transfer_write_on_cuda(self, target_hostname: str, buffer: int,
+                               peer_buffer_address: int, length: int, stream_ptr: int = 0,
+                               transport_hint: str = "") -> None:
+        """Write ``length`` bytes once the work queued on CUDA stream ``stream_ptr``
+        before this call has finished (``buffer`` may be GPU memory registered with
+        :meth:`register_memory`). See :meth:`batch_transfer_write_on_cuda`."""
+        self._on_cuda(target_hostname, [buffer], [peer_buffer_address], [length],
+                      stream_ptr, Op.WRITE)
+
+    def transfer_read_on_cuda(self, target_hostname: str, buffer: int,
+                              peer_buffer_address: int, length: int, stream_ptr: int = 0,
+                              transport_hint: str = "") -> None:
+        """Read ``length`` bytes into ``buffer`` after the work queued on ``stream_ptr``."""
+        self._on_cuda(target_hostname, [buffer], [peer_buffer_address], [length],
+                      stream_ptr, Op.READ)
+
+    def batch_transfer_write_on_cuda(self, target_hostname: str, buffers,
+                                     peer_buffer_addresses, lengths, stream_ptr: int = 0,
+                                     transport_hint: str = "") -> None:
+        """Write a batch after the work queued on CUDA stream ``stream_ptr``.
+
+        Mooncake enqueues a host function on the stream (``cudaLaunchHostFunc``) that
+        submits and waits, and ends the process (``_exit(1)``) when the transfer fails. Here
+        the call waits for the stream (``cuStreamSynchronize``), then runs the transfer
+        through the engine's GPU paths and returns when it is done; a failure raises
+        :class:`mooncake_te.errors.TransferError` instead of ending the process. So the
+        data is in place when the call returns, which is at least as strong an
+        ordering as Mooncake's for work queued later on the stream.
+
+        Raises
+        ------
+        CudaUnavailableError
+            This machine has no usable CUDA driver (Mooncake's non-CUDA builds do not
+            have the method at all).
+        """
+        self._on_cuda(target_hostname, buffers, peer_buffer_addresses, lengths,
+                      stream_ptr, Op.WRITE)
+
+    def batch_transfer_read_on_cuda(self, target_hostname: str, buffers,
+                                    peer_buffer_addresses, lengths, stream_ptr: int = 0,
+                                    transport_hint: str = "") -> None:
+        """Read a batch after the work queued on ``stream_ptr``; see
+        :meth:`batch_transfer_write_on_cuda`."""
+        self._on_cuda(target_hostname, buffers, peer_buffer_addresses, lengths,
+                      stream_ptr, Op.READ)
+
+    def _on_cuda(self, target, buffers, peers, lengths, stream_ptr, op) -> None:
+        target = _str(target, "target_hostname")
+        stream = _uint(stream_ptr, "stream_ptr")
+        from .. import cuda
+        ok, why = cuda.available()
+        if not ok:
+            raise CudaUnavailableError(
+                f"transfer_*_on_cuda needs CUDA, and this machine has none ({why}); use transfer_sync_write/read or batch_transfer_sync_write/read for host "
+                f"memory")
+        # Stream 0 is the legacy default stream, as in cudaLaunchHostFunc(0, ...).
+        cuda.synchronize_stream(stream or cuda.LEGACY_STREAM)
+        batch = self._submit(target, buffers, peers, lengths, op)
+        if batch is not None:
+            batch.wait()
+
+    def get_engine_ptr(self) -> int:
+        """A handle to this engine that :class:`mooncake_te.compat.store.
+        MooncakeDistributedStore` accepts (``setup(..., engine=...)``-style sharing, as
+        Mooncake Store reuses the transfer engine whose pointer it is given). Only
+        meaningful inside this process; 0 before :meth:`initialize`."""
+        if self._eng is None:
+            log.error("get_engine_ptr: the engine is not initialized")
+            return 0
+        return _ENGINES.handle(self._eng)
+
+
+class CudaUnavailableError(E.DeviceNotFoundError, RuntimeError):
+    """A ``*_on_cuda`` method was called on a machine without a usable CUDA driver.
+    Also a ``RuntimeError``, which is what Mooncake raises from these methods."""
+
+
+class _EngineHandles:
+    """Integer handles for engines (``get_engine_ptr``): Mooncake returns the C++
+    pointer; a Python object has no stable address to hand out that another component
+    could dereference safely, so the handle is a key into this table, resolved by
+    :func:`engine_from_ptr`. Entries are weak: a closed, collected engine resolves to
+    None."""
+
+    def __init__(self):
+        import weakref
+        self._lock = threading.Lock()
+        self._by_handle: "weakref.WeakValueDictionary[int, _Engine]" = weakref.WeakValueDictionary()
+
+    def handle(self, eng) -> int:
+        h = id(eng)
+        with self._lock:
+            self._by_handle[h] = eng
+        return h
+
+    def resolve(self, handle: int):
+        with self._lock:
+            return self._by_handle.get(int(handle))
+
+
+_ENGINES = _EngineHandles()
+
+
+def engine_from_ptr(handle: int):
+    """The :class:`mooncake_te.TransferEngine` behind a :meth:`TransferEngine.get_engine_ptr`
+    handle, or None when it is unknown or was collected."""
+    return _ENGINES.resolve(handle)
+
+
+def local_topology(device_name: str | None = None) -> dict:
+    """The matrix :meth:`TransferEngine.get_local_topology` prints, as a dict."""
+    from ..topology.matrix import (ENV_CUSTOM_TOPO, build_priority_matrix,
+                                   load_priority_matrix)
+    from ..topology.discover import discover
+    custom = os.environ.get(ENV_CUSTOM_TOPO)
+    if custom:
         try:
-            from ..topology import local_priority_matrix
-        except ImportError as e:            # pragma: no cover - the package ships it
-            log.warning("get_local_topology: topology discovery unavailable (%s)", e)
-            return json.dumps({"cpu:0": [[], []]})
-        try:
-            matrix = local_priority_matrix(devices=device_name or None)
-        except (E.MooncakeError, OSError) as e:
-            log.error("get_local_topology: %s", e)
-            return "{}"
-        return json.dumps(matrix)
+            # Topology::parse keeps what the file says; only the shape is checked.
+            return load_priority_matrix(custom)
+        except E.MooncakeError as e:
+            log.warning("get_local_topology: %s; discovering instead (as Mooncake falls "
+                        "back when the file cannot be loaded)", e)
+    try:
+        topo = discover()
+    except (E.MooncakeError, OSError) as e:
+        log.error("get_local_topology: %s", e)
+        return {}
+    try:
+        matrix = build_priority_matrix(topo, device_name or None)
+    except E.MooncakeError as e:         # a device_name that names no NIC here
+        log.warning("get_local_topology: %s", e)
+        matrix = {}
+    if not matrix:
+        # No RDMA NIC: discoverCpuTopology still lists every NUMA node, with no NICs.
+        matrix = {node.location: [[], []] for node in topo.numa_nodes}
+    return matrix
+
+
+# The module's other names, as pybind11 registers them next to TransferEngine.
+InnerTransferEngine = _Engine       # what get_engine() returns (Mooncake: the C++ engine)
+from .rpc import (  # noqa: E402,F401
+    CoroRPCInterface, ReceivedData, ReceivedTensor, RpcInterface, SharedSegment,
+    create_rpc_client, create_rpc_server,
+)

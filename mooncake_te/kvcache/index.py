@@ -23,6 +23,7 @@ from ..metadata.base import KeyValueBackend, key_prefix
 log = logging.getLogger("mooncake_te.kvcache")
 
 _DELETE = object()
+_DROP = object()
 
 
 class OwnerIndex:
@@ -63,6 +64,12 @@ class OwnerIndex:
             self._pending[key] = _DELETE
             self._cv.notify()
 
+    def drop(self, key: bytes) -> None:
+        """Delete ``key``'s record whoever owns it (the object was removed)."""
+        with self._cv:
+            self._pending[key] = _DROP
+            self._cv.notify()
+
     def lookup(self, key: bytes):
         """``(owner, addr, length)`` of another engine holding ``key``, or None."""
         try:
@@ -94,7 +101,9 @@ class OwnerIndex:
                 self._busy = True
             for key, op in batch.items():
                 try:
-                    if op is _DELETE:
+                    if op is _DROP:
+                        self.store.delete(self._key(key))
+                    elif op is _DELETE:
                         # Only our own record: another owner may have published since.
                         raw = self.store.get(self._key(key))
                         if raw and json.loads(raw).get("owner") == self.owner:

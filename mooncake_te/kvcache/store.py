@@ -471,6 +471,56 @@ class KVCache:
             self._c["get_misses"] += sum(1 for r in res if r is None)
         return res
 
+    # --- object-store helpers (used by mooncake_te.compat.store) -------------------------
+    def size_of(self, key, remote: bool = False) -> "int | None":
+        """Payload bytes of ``key`` held here (or, with ``remote=True``, by a peer in the
+        owner index); None when nobody holds it. Touches nothing, counts nothing."""
+        self._check_open()
+        k = as_key(key)
+        with self._lock:
+            ent = self._dram.get(k)
+            if ent is not None:
+                return ent[1]
+            if self.ssd is not None and k in self.ssd:
+                return self.ssd.index[k][1]
+        if remote and self._index is not None:
+            rec = self._index.lookup(k)
+            if rec is not None:
+                return rec[2]
+        return None
+
+    def remove(self, keys, index: bool = True) -> int:
+        """Drop blocks from both tiers; returns how many this cache held. The slot's
+        header is cleared first, so a peer reading it meanwhile sees no record. With
+        ``index=True`` the owner-index record of each key is deleted too, whoever owns it,
+        so no cache finds the block through the index any more."""
+        self._check_open()
+        n = 0
+        with self._lock:
+            for k in (as_key(x) for x in keys):
+                held = False
+                ent = self._dram.get(k)
+                if ent is not None:
+                    off = ent[0] * self.slot_size
+                    self._mv[off:off + 4] = b"\0\0\0\0"
+                    self._drop_dram(k, ent[0])
+                    held = True
+                if self.ssd is not None and k in self.ssd:
+                    self.ssd.remove(k)
+                    held = True
+                n += held
+                if index and self._index is not None:
+                    self._index.drop(k)
+        return n
+
+    def keys(self) -> list:
+        """Every key this cache holds (DRAM and SSD), as 16-byte keys."""
+        with self._lock:
+            ks = list(self._dram)
+            if self.ssd is not None:
+                ks += [k for k in self.ssd.index if k not in self._dram]
+            return ks
+
     # --- the round machinery ------------------------------------------------------------
     def _reset_round(self) -> None:
         self._assigned: set = set()

@@ -204,7 +204,9 @@ def test_module_surface():
                    "transfer_check_status", "allocate_managed_buffer", "free_managed_buffer",
                    "write_bytes_to_buffer", "read_bytes_from_buffer",
                    "get_first_buffer_address", "get_local_topology", "get_notifies",
-                   "send_probe", "get_engine"):
+                   "send_probe", "get_engine", "get_engine_ptr", "transfer_write_on_cuda",
+                   "transfer_read_on_cuda", "batch_transfer_write_on_cuda",
+                   "batch_transfer_read_on_cuda"):
         assert callable(getattr(TransferEngine, method)), method
 
 
@@ -327,7 +329,8 @@ def test_unregistered_local_memory_is_refused(target, initiator):
     assert initiator.transfer_sync_read(target.name, addr, target.buf, 64) == -1
     assert initiator.batch_transfer_sync_write(target.name, [addr], [target.buf], [64]) == -1
     assert initiator.batch_transfer_async_write(target.name, [addr], [target.buf], [64]) == 0
-    assert initiator.transfer_submit_write(target.name, addr, target.buf, 64) == -1
+    # 0 on a failed submit (Mooncake PR #2433; ids are unsigned)
+    assert initiator.transfer_submit_write(target.name, addr, target.buf, 64) == 0
     # Registering it makes it usable; unregistering twice is ERR_ADDRESS_NOT_REGISTERED.
     assert initiator.register_memory(addr, len(scratch)) == 0
     scratch[:5] = b"12345"
@@ -364,7 +367,7 @@ def test_unknown_segment(initiator):
     assert initiator.transfer_sync_read(nobody, src, 0x1000, 8) == -1
     assert initiator.batch_transfer_sync_write(nobody, [src], [0x1000], [8]) == -1
     assert initiator.batch_transfer_async_read(nobody, [src], [0x1000], [8]) == 0
-    assert initiator.transfer_submit_write(nobody, src, 0x1000, 8) == -1
+    assert initiator.transfer_submit_write(nobody, src, 0x1000, 8) == 0     # PR #2433
     assert initiator.get_first_buffer_address(nobody) == 0
     assert initiator.send_probe(nobody) == -1
     assert initiator.transfer_sync_write("no-port-here", src, 0x1000, 8) == -1
@@ -373,7 +376,7 @@ def test_unknown_segment(initiator):
 def test_bad_lengths_and_ids(target, initiator):
     src, dst = initiator.src, target.buf
     assert initiator.transfer_sync_write(target.name, src, dst, 0) == -1
-    assert initiator.transfer_submit_write(target.name, src, dst, 0) == -1
+    assert initiator.transfer_submit_write(target.name, src, dst, 0) == 0
     assert initiator.batch_transfer_sync_write(target.name, [src, src], [dst], [8, 8]) == -1
     assert initiator.batch_transfer_async_write(target.name, [src], [dst], [8, 8]) == 0
     assert initiator.batch_transfer_sync_write(target.name, [src], [dst], [0]) == -1

@@ -99,6 +99,11 @@ def identify_http(host: str, port: int, timeout: float = 1.0) -> str:
 _GARBAGE = object()
 
 
+def is_rpc_meta(key: str) -> bool:
+    """Whether ``key`` is a ``mooncake/[<cluster>/]rpc_meta/<name>`` key."""
+    return "/rpc_meta/" in key
+
+
 def _instance_of(raw: bytes | None):
     """The ``instance_id`` in a stored descriptor; None if missing, _GARBAGE if unreadable."""
     if raw is None:
@@ -139,6 +144,7 @@ class LeasedStore(KeyValueBackend):
         #: restarted (new instance id) or vanished (None); see :meth:`_check_peers`
         self.on_change = None
         self._seen: dict[str, str] = {}        # watched peer -> instance id last seen
+        self._rpc_written: dict[str, bytes] = {}   # rpc_meta key -> value the store has
         self._watch_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -166,8 +172,25 @@ class LeasedStore(KeyValueBackend):
             # them as soon as it is back.
             self._owned[desc.name] = records
             for key, value in records.items():
-                self._put_leased(key, value)
+                if is_rpc_meta(key):
+                    self._publish_rpc_meta(key, value)
+                else:
+                    self._put_leased(key, value)
         self._start_renewer()
+
+    def _publish_rpc_meta(self, key: str, value: bytes) -> None:
+        """Write ``rpc_meta`` once, and again only when it changes, as Mooncake's engine
+        does (it writes the key at init and deletes it at shutdown): Mooncake's HTTP
+        metadata server refuses a second PUT of an rpc_meta key, so re-writing it on
+        every descriptor publish broke every registration after the first."""
+        old = self._rpc_written.get(key)
+        if old == value:
+            return
+        if old is not None:
+            self.delete(key)         # changed: Mooncake's server refuses an overwrite
+            self._rpc_written.pop(key, None)
+        self._put_leased(key, value)
+        self._rpc_written[key] = value
 
     def unpublish(self, name: str) -> None:
         with self._lock:
@@ -175,6 +198,7 @@ class LeasedStore(KeyValueBackend):
             keys = list(records) if records else [ram_key(name, self.cluster_id),
                                                     rpc_meta_key(name, self.cluster_id)]
             for key in keys:
+                self._rpc_written.pop(key, None)
                 self.delete(key)
 
     def fetch(self, name: str, timeout: float) -> SegmentDescriptor:
@@ -255,6 +279,7 @@ class LeasedStore(KeyValueBackend):
                 for name in list(self._owned):
                     records = self._owned.pop(name)
                     for key in records:
+                        self._rpc_written.pop(key, None)
                         self.delete(key)
                 self._release()
         except MetadataError as e:

@@ -17,7 +17,7 @@ import logging
 from urllib.parse import urlsplit, urlunsplit, urlencode
 
 from ...errors import MetadataError, ERR_SOCKET
-from ._leased import LeasedStore, port_hint, split_options, ttl_from
+from ._leased import LeasedStore, is_rpc_meta, port_hint, split_options, ttl_from
 
 try:
     import requests as _requests
@@ -105,10 +105,11 @@ class HttpStore(LeasedStore):
         if resp.status_code == 404:
             msg += self._why_404()
         elif resp.status_code == 400 and "rpc_meta" in key:
-            # Mooncake's servers refuse a second, different rpc_meta value for one name
-            # (Mooncake PR #2311): two engines with one segment name.
-            msg += (" Another engine already published this segment name with a different "
-                    "address; give this engine another name, or delete the stale key.")
+            # Mooncake's servers refuse a second PUT of an rpc_meta key (Mooncake PR
+            # #2311); _put_rpc_meta only gets here when the holder is alive.
+            msg += (" The server refuses to replace an rpc_meta key, and the engine it "
+                    "names is alive: give this engine another segment name, or stop "
+                    "that engine.")
         elif resp.status_code in (401, 403):
             msg += " The server wants credentials this client does not send."
         return MetadataError(msg, status=ERR_SOCKET)
@@ -159,13 +160,64 @@ class HttpStore(LeasedStore):
             raise self._unexpected("DELETE", key, resp)
 
     def _put_leased(self, key: str, value: bytes) -> None:
-        self.put(key, value, headers={TTL_HEADER: f"{self.ttl:g}"})
+        if is_rpc_meta(key):
+            self._put_rpc_meta(key, value)
+        else:
+            self.put(key, value, headers={TTL_HEADER: f"{self.ttl:g}"})
+
+    def _put_rpc_meta(self, key: str, value: bytes) -> None:
+        """PUT ``rpc_meta`` without a TTL, as Mooncake's engine writes it: Mooncake's
+        HTTP server refuses any second PUT of the key, so it is written once and never
+        renewed (the segment's liveness is its ``ram`` key's TTL). A refusal is only an
+        error when the key names an engine that is alive: the same value is ours
+        already, and an address where nothing listens is a dead engine's leftover
+        (a SIGKILLed engine cannot delete it), replaced here."""
+        resp = self._request("PUT", key, data=value)
+        if resp.status_code == 200:
+            return
+        if resp.status_code != 400:
+            raise self._unexpected("PUT", key, resp)
+        if self.get(key) == value:
+            return                       # ours already (republished after a restart)
+        if not self._replace_stale_rpc_meta(key, value):
+            raise self._unexpected("PUT", key, resp)
+        resp = self._request("PUT", key, data=value)
+        if resp.status_code != 200:
+            raise self._unexpected("PUT", key, resp)
+
+    def _replace_stale_rpc_meta(self, key: str, value: bytes) -> bool:
+        """Another ``rpc_meta`` holds our name: True (after deleting it) when the engine it
+        names is gone (nothing accepts connections at its RPC address), so a restarted
+        engine takes its name back; False when that engine is alive (or the value cannot
+        be read: we do not delete what we cannot judge)."""
+        import json
+        import socket
+        old = self.get(key)
+        if old is None:
+            return True                  # deleted meanwhile
+        try:
+            info = json.loads(old)
+            host, port = str(info["ip_or_host_name"]), int(info["rpc_port"])
+        except (ValueError, KeyError, TypeError):
+            return False
+        try:
+            socket.create_connection((host, port), 1.0).close()
+        except OSError:
+            log.info("segment name of %s was held by a dead engine at %s:%d; replacing its "
+                     "stale key", key, host, port)
+            self.delete(key)
+            return True
+        return False
 
     def _renew(self, records: dict[str, bytes]) -> None:
-        # Re-PUT, not a bare "touch": a server restarted without persistence gets every
-        # live engine back within one renewal period.
+        # Re-PUT the ram keys, not a bare "touch": a server restarted without
+        # persistence gets every live engine back within one renewal period. rpc_meta
+        # is not re-written (see _put_rpc_meta); it is only put back when it is gone.
         for key, value in records.items():
-            self._put_leased(key, value)
+            if not is_rpc_meta(key):
+                self._put_leased(key, value)
+            elif self.get(key) is None:
+                self._put_rpc_meta(key, value)
 
     def _close_client(self) -> None:
         self._session.close()

@@ -14,7 +14,7 @@ import os
 from urllib.parse import urlsplit, unquote
 
 from ...errors import MetadataError, ERR_SOCKET
-from ._leased import LeasedStore, identify_http, port_hint, split_options, ttl_from
+from ._leased import is_rpc_meta, LeasedStore, identify_http, port_hint, split_options, ttl_from
 
 try:
     import redis as _redis
@@ -113,9 +113,21 @@ class RedisStore(LeasedStore):
     def _renew(self, records: dict[str, bytes]) -> None:
         def go():
             pipe = self._client.pipeline(transaction=False)
+            rpc = [k for k in records if is_rpc_meta(k)]
+            for key in rpc:
+                # rpc_meta is written once (LeasedStore._publish_rpc_meta): renewing
+                # extends its lifetime; it is SET again only when the store lost it.
+                pipe.expire(key, self._ex)
             for key, value in records.items():
-                pipe.set(key, value, ex=self._ex)
-            pipe.execute()
+                if not is_rpc_meta(key):
+                    pipe.set(key, value, ex=self._ex)
+            kept = pipe.execute()[:len(rpc)]
+            lost = [k for k, ok in zip(rpc, kept) if not ok]
+            if lost:
+                pipe = self._client.pipeline(transaction=False)
+                for key in lost:
+                    pipe.set(key, records[key], ex=self._ex)
+                pipe.execute()
         self._call("renewing keys", go)
 
     def _close_client(self) -> None:

@@ -1,0 +1,615 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``mooncake.store`` on mooncake_te: ``MooncakeDistributedStore`` over our KV pool.
+
+Mooncake Store (``mooncake-integration/store/store_py.cpp``, documented in
+``docs/source/api-reference/python/mooncake-store.md`` of kvcache-ai/Mooncake) is an
+object store: string keys, byte values, replicas placed by a master service in the
+memory segments every client contributes (``global_segment_size``), read with one-sided
+transfers. Here the same API runs on :class:`mooncake_te.kvcache.KVCache`:
+
+- **Data**: each process's share lives in its KV pool's DRAM tier (registered with its
+  engine, so peers READ it one-sided) and, with ``enable_ssd_offload``, its SSD tier.
+  A ``put`` stores the object in the putting process's own pool (Mooncake's
+  ``prefer_alloc_in_same_node`` placement); a ``get`` of an object another process
+  holds reads it from that holder's DRAM tier, checks the slot header's key and CRC,
+  and keeps a copy.
+- **Index, placement, leases**: in the metadata store the engines already use (etcd,
+  redis, or an HTTP metadata server): the KV pool's owner index, one record per object
+  (``mooncake/kvcache/<tenant>/<key hash>`` -> holder, address, length). There is no
+  master process: ``master_server_address`` is accepted and not contacted (when
+  ``metadata_server`` is ``P2PHANDSHAKE``, which has no store, a
+  ``master_server_address`` written as a store URL such as ``redis://host:6379`` holds
+  the index instead). A stale record (the holder evicted the object or died) costs one
+  failed read and counts as a miss, never returns wrong bytes, so records need no lease.
+
+Return codes are Mooncake Store's (``mooncake-store/include/types.h``): 0 success,
+-704 ``OBJECT_NOT_FOUND``, -600 ``INVALID_PARAMS``, -200 ``NO_AVAILABLE_HANDLE``
+(the object does not fit a pool slot), -800 ``TRANSFER_FAIL``, -1 ``INTERNAL_ERROR``.
+A put of a key that exists succeeds without rewriting it, as Mooncake's ``PutStart``
+treats ``OBJECT_ALREADY_EXISTS``. ``docs/compat.md`` lists every method and where the
+semantics differ.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import socket
+import threading
+
+import numpy as np
+
+from .. import errors as E
+from ..kvcache.keys import as_key
+
+log = logging.getLogger("mooncake_te.compat.store")
+
+OK = 0
+INTERNAL_ERROR = -1
+BUFFER_OVERFLOW = -10
+NO_AVAILABLE_HANDLE = -200
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+TRANSFER_FAIL = -800
+
+_MIB = 1 << 20
+#: largest object by default; a KV pool slot holds one object (MC_STORE_MAX_OBJECT_SIZE)
+DEFAULT_MAX_OBJECT = 4 * _MIB
+
+
+def default_max_object(segment_size: int) -> int:
+    """4 MiB, or less so that the segment holds at least 16 objects (a slot is the
+    object plus a 64-byte header, rounded up to 4 KiB)."""
+    slot = max(4096, min(DEFAULT_MAX_OBJECT + 4096, segment_size // 16) // 4096 * 4096)
+    return slot - 64
+
+
+def _parse_size(value) -> int:
+    """``4194304``, ``"4MB"``, ``"64 KB"`` -> bytes (the units vLLM's config accepts)."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([\d.]+)\s*(gb|mb|kb|b)?\s*", str(value).lower())
+    if not m:
+        raise E.InvalidArgumentError(f"size {value!r} is not a number of bytes (e.g. 4MB)")
+    mult = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1, None: 1}[m.group(2)]
+    return int(float(m.group(1)) * mult)
+
+
+class ReplicateConfig:
+    """Mooncake's ``ReplicateConfig``: how a put places its replicas.
+
+    Every field is accepted; placement follows it where this store can: one memory
+    replica, in the putting process's pool (``replica_num`` above 1, NVMe-oF and DFS
+    replicas are not made). ``preferred_segment`` is honoured when it names this
+    process's segment and otherwise falls back to it, as Mooncake falls back when the
+    preferred segment has no room. ``group_ids`` are recorded and do not change
+    placement.
+    """
+
+    def __init__(self):
+        self.replica_num = 1
+        self.nof_replica_num = 0
+        self.dfs_replica_num = 0
+        self.with_soft_pin = False
+        self.with_hard_pin = False
+        self.preferred_segment = ""
+        self.preferred_segments: list = []
+        self.prefer_alloc_in_same_node = False
+        self.group_ids: list = []
+
+    def __repr__(self) -> str:
+        return (f"ReplicateConfig(replica_num={self.replica_num}, preferred_segment="
+                f"{self.preferred_segment!r}, group_ids={len(self.group_ids)} ids)")
+
+
+class MemoryDescriptor:
+    """Where a memory replica lives: ``buffer_descriptor`` (segment, address, size)."""
+
+    def __init__(self, segment: str, address: int, size: int):
+        self.buffer_descriptor = BufferDescriptor(segment, address, size)
+
+
+class BufferDescriptor:
+    def __init__(self, segment: str, address: int, size: int):
+        self.transport_endpoint_ = segment
+        self.segment_name = segment
+        self.buffer_address_ = address
+        self.size_ = size
+
+    def __repr__(self) -> str:
+        return f"BufferDescriptor({self.segment_name!r}, {self.buffer_address_:#x}, {self.size_})"
+
+
+class DiskDescriptor:
+    """Where a disk replica lives: ``file_path`` and ``object_size``."""
+
+    def __init__(self, file_path: str, object_size: int):
+        self.file_path = file_path
+        self.object_size = object_size
+
+
+class ReplicaDescriptor:
+    """One replica of an object, as ``batch_get_replica_desc`` returns them (Mooncake's
+    ``Replica::Descriptor``): ``status`` and the predicates vLLM's connector calls."""
+
+    def __init__(self, kind: str, segment: str = "", address: int = 0, size: int = 0,
+                 path: str = ""):
+        self._kind = kind             # "memory", "local_disk"
+        self.status = "COMPLETE"
+        self._mem = MemoryDescriptor(segment, address, size) if kind == "memory" else None
+        self._disk = DiskDescriptor(path, size) if kind != "memory" else None
+
+    def is_memory_replica(self) -> bool:
+        return self._kind == "memory"
+
+    def is_disk_replica(self) -> bool:
+        return False                  # a shared-filesystem replica: never made here
+
+    def is_local_disk_replica(self) -> bool:
+        return self._kind == "local_disk"
+
+    def get_memory_descriptor(self) -> MemoryDescriptor:
+        if self._mem is None:
+            raise E.InvalidArgumentError("not a memory replica (check is_memory_replica())")
+        return self._mem
+
+    def get_disk_descriptor(self) -> DiskDescriptor:
+        if self._disk is None:
+            raise E.InvalidArgumentError("not a disk replica (check is_local_disk_replica())")
+        return self._disk
+
+    def __repr__(self) -> str:
+        return f"<ReplicaDescriptor {self._kind} {self.status}>"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MooncakeDistributedStore:
+    """Drop-in for ``mooncake.store.MooncakeDistributedStore`` (see the module
+    docstring). Create it, call :meth:`setup` (0 on success), then put and get.
+
+    Examples
+    --------
+    >>> s = MooncakeDistributedStore()                                # doctest: +SKIP
+    >>> s.setup("127.0.0.1", "redis://127.0.0.1:6379", 64 << 20, 16 << 20, "tcp", "",
+    ...         "127.0.0.1:50051")
+    0
+    >>> s.put("k", b"v"), s.get("k")
+    (0, b'v')
+    """
+
+    def __init__(self):
+        self._cache = None
+        self._te = None              # a compat TransferEngine we created (closed by us)
+        self._eng = None
+        self._remote = False
+        self._lock = threading.Lock()
+        self._buffers: dict[int, object] = {}
+        self._warned_preferred = False
+
+    # --- set-up --------------------------------------------------------------------------
+    def setup(self, local_hostname, metadata_server: str = "", global_segment_size=16 * _MIB,
+              local_buffer_size=16 * _MIB, protocol: str = "tcp", rdma_devices: str = "",
+              master_server_addr: str = "127.0.0.1:50051", engine=None,
+              enable_ssd_offload: bool = False, ssd_offload_path: str = "",
+              tenant_id: str = "default", enable_client_http_server: bool = False,
+              client_http_port: int = 9300, **extra) -> int:
+        """Start the store; 0, or -1 (the reason is logged).
+
+        Takes Mooncake's positional arguments or one dict (``setup({"local_hostname":
+        ..., "metadata_server": ...})``). ``global_segment_size`` is this process's
+        DRAM share of the pool; ``engine`` reuses a transfer engine (a
+        :class:`mooncake_te.compat.TransferEngine`, a :class:`mooncake_te.TransferEngine`
+        or a ``get_engine_ptr()`` handle). Beyond Mooncake: ``max_object_size`` (dict
+        key, or ``MC_STORE_MAX_OBJECT_SIZE``; default 4 MiB, less when the
+        segment would hold fewer than 16) is the largest object a
+        pool slot holds, ``ssd_offload_size`` (or ``MC_STORE_SSD_BYTES``; default 4x
+        the segment) the SSD tier's size.
+        """
+        if isinstance(local_hostname, dict):
+            cfg = dict(local_hostname)
+            try:
+                local_hostname = cfg.pop("local_hostname")
+                metadata_server = cfg.pop("metadata_server")
+            except KeyError as e:
+                log.error("setup: the config dict needs %s", e)
+                return -1
+            return self.setup(local_hostname, metadata_server, **cfg)
+        try:
+            self._setup(str(local_hostname), str(metadata_server),
+                        _parse_size(global_segment_size), protocol or "tcp",
+                        rdma_devices or "", str(master_server_addr or ""), engine,
+                        bool(enable_ssd_offload), ssd_offload_path or "",
+                        str(tenant_id or "default"), extra)
+        except Exception as e:
+            log.error("setup: %s: %s", type(e).__name__, e)
+            self.close()
+            return -1
+        return 0
+
+    def _setup(self, hostname, metadata, segment_size, protocol, devices, master, engine,
+               ssd, ssd_path, tenant, extra) -> None:
+        from ..kvcache import KVCache
+        from ..metadata.base import KeyValueBackend
+        from .engine import TransferEngine as CompatEngine, engine_from_ptr
+        if self._cache is not None:
+            raise E.InvalidArgumentError("setup was called already; close() first")
+        if engine is None:
+            te = CompatEngine()
+            if metadata.strip().upper() != "P2PHANDSHAKE" and ":" not in hostname.strip("[]"):
+                # A store segment needs a name unique in the cluster; Mooncake's client
+                # adds a port to a bare host the same way.
+                hostname = f"{hostname}:{_free_port()}"
+            if te.initialize(hostname, metadata, protocol, devices) != 0:
+                raise E.MetadataError(f"the transfer engine did not start with "
+                                      f"local_hostname={hostname!r}, metadata_server="
+                                      f"{metadata!r} (see the mooncake_te.compat log)")
+            self._te, eng = te, te.get_engine()
+        elif isinstance(engine, int):
+            eng = engine_from_ptr(engine)
+            if eng is None:
+                raise E.InvalidArgumentError(f"engine handle {engine:#x} is not one "
+                                             f"get_engine_ptr() returned, or its engine "
+                                             f"was closed")
+        else:
+            eng = engine.get_engine() if hasattr(engine, "get_engine") else engine
+            if eng is None:
+                raise E.InvalidArgumentError("the engine passed is not initialized")
+        self._eng = eng
+        index = None
+        if not isinstance(getattr(eng, "metadata", None), KeyValueBackend):
+            if "://" in master:
+                index = master        # P2PHANDSHAKE: the index lives where master says
+            else:
+                log.warning("metadata_server %r has no store for the object index: this "
+                            "store only sees its own objects (give metadata_server, or "
+                            "master_server_address, as etcd://, redis:// or http:// URL to "
+                            "share objects between processes)", metadata)
+        max_obj = _parse_size(extra.pop("max_object_size", None)
+                              or os.environ.get("MC_STORE_MAX_OBJECT_SIZE")
+                              or default_max_object(segment_size))
+        ssd_bytes = 0
+        if ssd:
+            if not ssd_path:
+                raise E.InvalidArgumentError("enable_ssd_offload needs ssd_offload_path")
+            ssd_bytes = _parse_size(extra.pop("ssd_offload_size", None)
+                                    or os.environ.get("MC_STORE_SSD_BYTES")
+                                    or 4 * segment_size)
+        for k in extra:
+            log.info("setup: %s=%r accepted and not used by this store", k, extra[k])
+        self._cache = KVCache(block_bytes=max_obj, dram_bytes=segment_size,
+                              ssd_bytes=ssd_bytes, cache_dir=ssd_path or None,
+                              engine=eng, index=index, namespace=f"store/{tenant}",
+                              log_interval_s=0)
+        self._remote = self._cache._index is not None
+        self.max_object_size = max_obj
+        log.info("store segment %s: %d slots of %d bytes, ssd %d bytes, index %s",
+                 eng.name, self._cache.dram_slots, max_obj, ssd_bytes,
+                 "shared" if self._remote else "local only")
+
+    def _c(self):
+        if self._cache is None:
+            raise E.InvalidArgumentError("the store is not set up; call setup(...) first "
+                                         "and check it returns 0")
+        return self._cache
+
+    def close(self) -> int:
+        """Withdraw this process's objects from the index, release the pool and the
+        engine this store started. 0. Idempotent."""
+        cache, self._cache = self._cache, None
+        if cache is not None:
+            try:
+                cache.close()
+            except E.MooncakeError as e:
+                log.warning("close: %s", e)
+        eng = self._eng
+        self._eng = None
+        for addr in list(self._buffers):
+            region = self._buffers.pop(addr)
+            try:
+                if eng is not None and not getattr(eng, "_closed", True):
+                    eng.unregister(region)
+            except E.MooncakeError:
+                pass
+        te, self._te = self._te, None
+        if te is not None:
+            te.close()
+        return 0
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def get_hostname(self) -> str:
+        """This store's segment name (peers find its objects under it)."""
+        return self._eng.name if self._eng is not None else ""
+
+    # --- buffers -------------------------------------------------------------------------
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Register memory for the zero-copy calls (``put_from``, ``get_into``, the batch
+        and multi-buffer forms). 0, or a negative code."""
+        try:
+            eng = self._eng
+            if eng is None:
+                self._c()
+            region = eng.register_address(int(buffer_ptr), int(size), access="local")
+        except E.MooncakeError as e:
+            log.error("register_buffer(%#x, %d): %s", buffer_ptr, size, e)
+            return e.status if isinstance(e.status, int) and e.status < 0 else INVALID_PARAMS
+        with self._lock:
+            self._buffers[int(buffer_ptr)] = region
+        return OK
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        with self._lock:
+            region = self._buffers.pop(int(buffer_ptr), None)
+        if region is None:
+            log.error("unregister_buffer: %#x was not registered with register_buffer",
+                      buffer_ptr)
+            return INVALID_PARAMS
+        try:
+            self._eng.unregister(region)
+        except E.MooncakeError as e:
+            log.error("unregister_buffer(%#x): %s", buffer_ptr, e)
+            return INTERNAL_ERROR
+        return OK
+
+    # --- the core: put and get of gathered / scattered objects ---------------------------
+    def _check_config(self, config) -> None:
+        seg = getattr(config, "preferred_segment", "") if config is not None else ""
+        if seg and self._eng is not None and seg != self._eng.name and not self._warned_preferred:
+            self._warned_preferred = True
+            log.warning("preferred_segment %r is not this process's segment %r; objects "
+                        "are stored in this process's pool (Mooncake's fallback when the "
+                        "preferred segment cannot take them)", seg, self._eng.name)
+
+    def _put_many(self, keys, datas, config=None) -> list:
+        """Store ``datas[i]`` (bytes-like) under ``keys[i]``; a code per key."""
+        cache = self._c()
+        self._check_config(config)
+        out = [OK] * len(keys)
+        ks, blocks, where = [], [], []
+        for i, (k, d) in enumerate(zip(keys, datas)):
+            n = memoryview(d).nbytes
+            if n == 0 or n > cache.block_bytes:
+                log.error("put %r: %d bytes; objects are 1 to %d bytes (max_object_size / "
+                          "MC_STORE_MAX_OBJECT_SIZE)", k, n, cache.block_bytes)
+                out[i] = INVALID_PARAMS if n == 0 else NO_AVAILABLE_HANDLE
+                continue
+            ks.append(_key(k))
+            blocks.append(d)
+            where.append(i)
+        if ks:
+            try:
+                cache.put(ks, blocks)
+            except E.MooncakeError as e:
+                log.error("put of %d objects: %s", len(ks), e)
+                for i in where:
+                    out[i] = INTERNAL_ERROR
+        return out
+
+    def _get_many(self, keys, sizes=None) -> list:
+        """Each object as a numpy array, or an int code (negative) when it is missing or
+        larger than ``sizes[i]``."""
+        cache = self._c()
+        ks = [_key(k) for k in keys]
+        got = cache.get(ks, remote=self._remote)
+        out = []
+        for i, g in enumerate(got):
+            if g is None:
+                out.append(OBJECT_NOT_FOUND)
+            elif sizes is not None and g.nbytes > sizes[i]:
+                log.error("get %r: the object is %d bytes, the buffer %d", keys[i],
+                          g.nbytes, sizes[i])
+                out.append(INVALID_PARAMS)
+            else:
+                out.append(g)
+        return out
+
+    # --- the everyday API ---------------------------------------------------------------
+    def put(self, key: str, value, config: ReplicateConfig | None = None) -> int:
+        """Store ``value`` (bytes-like) under ``key``. 0, or a negative code; a key that
+        exists is left as it is and 0 returned (Mooncake's put semantics)."""
+        return self._guard(lambda: self._put_many([key], [value], config)[0], INTERNAL_ERROR)
+
+    def put_batch(self, keys, values, config: ReplicateConfig | None = None) -> int:
+        """Store several objects; 0 when every one was stored, else the first error."""
+        def go():
+            if len(keys) != len(values):
+                raise E.InvalidArgumentError(f"{len(keys)} keys but {len(values)} values")
+            bad = [c for c in self._put_many(list(keys), list(values), config) if c]
+            return bad[0] if bad else OK
+        return self._guard(go, INVALID_PARAMS)
+
+    def get(self, key: str) -> bytes:
+        """The object's bytes, ``b""`` when it does not exist."""
+        def go():
+            g = self._get_many([key])[0]
+            return b"" if isinstance(g, int) else g.tobytes()
+        return self._guard(go, b"")
+
+    def get_batch(self, keys) -> list:
+        """Each object's bytes, ``b""`` for a missing one."""
+        def go():
+            return [b"" if isinstance(g, int) else g.tobytes() for g in self._get_many(keys)]
+        return self._guard(go, [b""] * len(keys))
+
+    def put_from(self, key: str, buffer_ptr: int, size: int,
+                 config: ReplicateConfig | None = None) -> int:
+        """Store ``size`` bytes at ``buffer_ptr`` under ``key``. 0 or a negative code."""
+        return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
+
+    def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
+        """Copy the object into ``buffer_ptr`` (``size`` bytes there); bytes read, or a
+        negative code (-704 missing, -600 buffer too small)."""
+        return self.batch_get_into([key], [buffer_ptr], [size])[0]
+
+    def batch_put_from(self, keys, buffer_ptrs, sizes,
+                       config: ReplicateConfig | None = None) -> list:
+        """``put_from`` for several keys; a code per key."""
+        return self.batch_put_from_multi_buffers(keys, [[p] for p in buffer_ptrs],
+                                                 [[s] for s in sizes], config)
+
+    def batch_get_into(self, keys, buffer_ptrs, sizes) -> list:
+        """``get_into`` for several keys; bytes read (or a negative code) per key."""
+        return self.batch_get_into_multi_buffers(keys, [[p] for p in buffer_ptrs],
+                                                 [[s] for s in sizes])
+
+    def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
+                                     config: ReplicateConfig | None = None) -> list:
+        """Object ``i`` is the concatenation of ``all_sizes[i][j]`` bytes at
+        ``all_buffer_ptrs[i][j]`` (one piece per layer, as vLLM lays it out). A code per
+        key: 0 stored (or existed already), negative on error."""
+        def go():
+            _same_len(keys, all_buffer_ptrs, all_sizes)
+            datas = []
+            for ptrs, lens in zip(all_buffer_ptrs, all_sizes):
+                if len(ptrs) != len(lens):
+                    raise E.InvalidArgumentError(f"{len(ptrs)} buffers but {len(lens)} sizes")
+                total = int(sum(int(n) for n in lens))
+                buf = np.empty(total, np.uint8)
+                off = 0
+                for p, n in zip(ptrs, lens):
+                    ctypes.memmove(buf.ctypes.data + off, int(p), int(n))
+                    off += int(n)
+                datas.append(buf)
+            return self._put_many(list(keys), datas, config)
+        return self._guard(go, [INVALID_PARAMS] * len(keys))
+
+    def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
+                                     prefer_same_node: bool = False) -> list:
+        """Scatter object ``i`` over ``all_buffer_ptrs[i]`` (``all_sizes[i][j]`` bytes
+        each, in order). Bytes read per key, or a negative code (-704 missing)."""
+        def go():
+            _same_len(keys, all_buffer_ptrs, all_sizes)
+            totals = [int(sum(int(n) for n in lens)) for lens in all_sizes]
+            got = self._get_many(keys, totals)
+            out = []
+            for g, ptrs, lens in zip(got, all_buffer_ptrs, all_sizes):
+                if isinstance(g, int):
+                    out.append(g)
+                    continue
+                src, left = g.ctypes.data, g.nbytes
+                for p, n in zip(ptrs, lens):
+                    k = min(int(n), left)
+                    if k <= 0:
+                        break
+                    ctypes.memmove(int(p), src, k)
+                    src += k
+                    left -= k
+                out.append(g.nbytes)
+            return out
+        return self._guard(go, [INVALID_PARAMS] * len(keys))
+
+    # --- existence, size, removal -------------------------------------------------------
+    def is_exist(self, key: str) -> int:
+        """1 exists (here or, through the index, in another process), 0 not, -1 error."""
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys) -> list:
+        def go():
+            cache = self._c()
+            return [1 if cache.size_of(_key(k), remote=self._remote) is not None else 0
+                    for k in keys]
+        return self._guard(go, [-1] * len(keys))
+
+    def get_size(self, key: str) -> int:
+        """The object's size in bytes, or -704 when it does not exist."""
+        def go():
+            n = self._c().size_of(_key(key), remote=self._remote)
+            return OBJECT_NOT_FOUND if n is None else n
+        return self._guard(go, INTERNAL_ERROR)
+
+    def remove(self, key: str, force: bool = False) -> int:
+        """Remove the object: this process's copies and the index record, so no process
+        finds it through the index any more. 0, or -704 when nobody held it."""
+        return self.batch_remove([key], force)[0]
+
+    def batch_remove(self, keys, force: bool = False) -> list:
+        def go():
+            cache = self._c()
+            out = []
+            for k in keys:
+                kk = _key(k)
+                known = cache.size_of(kk, remote=self._remote) is not None
+                cache.remove([kk])
+                out.append(OK if known else OBJECT_NOT_FOUND)
+            cache.flush_index()
+            return out
+        return self._guard(go, [INTERNAL_ERROR] * len(keys))
+
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every object this process holds (both tiers, and their index records);
+        the number removed, or -1. ``force`` is accepted (no leases to skip here)."""
+        def go():
+            cache = self._c()
+            n = cache.remove(cache.keys())
+            cache.flush_index()
+            return n
+        return self._guard(go, -1)
+
+    def batch_get_replica_desc(self, keys) -> dict:
+        """``{key: [ReplicaDescriptor, ...]}``: a memory replica where a process's DRAM
+        tier holds it, a local-disk replica where this process's SSD tier does; an empty
+        list for a missing key."""
+        def go():
+            cache = self._c()
+            out = {}
+            for k in keys:
+                kk = as_key(_key(k))
+                reps = []
+                tier = cache.tier(kk)
+                if tier == "dram":
+                    slot, n = cache._dram[kk]
+                    reps.append(ReplicaDescriptor("memory", self._eng.name,
+                                                  cache.base + slot * cache.slot_size, n))
+                elif tier == "ssd":
+                    from ..kvcache.ssd import SLAB
+                    reps.append(ReplicaDescriptor("local_disk", size=cache.ssd.index[kk][1],
+                                                  path=os.path.join(cache.ssd.dir, SLAB)))
+                elif self._remote:
+                    rec = cache._index.lookup(kk)
+                    if rec is not None:
+                        reps.append(ReplicaDescriptor("memory", rec[0], rec[1], rec[2]))
+                out[k] = reps
+            return out
+        return self._guard(go, {})
+
+    def get_replica_desc(self, key: str) -> list:
+        return self.batch_get_replica_desc([key]).get(key, [])
+
+    def _guard(self, fn, failure):
+        try:
+            return fn()
+        except E.MooncakeError as e:
+            log.error("%s", e)
+            return failure
+        except (TypeError, ValueError, OverflowError) as e:
+            log.error("%s: %s", type(e).__name__, e)
+            return failure
+
+
+def _key(key) -> bytes:
+    """A store key (str) as the pool's 16-byte key (BLAKE2b-128 of its UTF-8 form)."""
+    if isinstance(key, bytes):
+        key = key.decode("utf-8", "surrogateescape")
+    if not isinstance(key, str) or not key:
+        raise E.InvalidArgumentError(f"a store key is a non-empty str, got {key!r}")
+    return as_key(key.encode())
+
+
+def _same_len(keys, ptrs, sizes) -> None:
+    if not (len(keys) == len(ptrs) == len(sizes)):
+        raise E.InvalidArgumentError(f"{len(keys)} keys, {len(ptrs)} buffer lists and "
+                                     f"{len(sizes)} size lists must be as many")
+
+
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ReplicaDescriptor",
+           "MemoryDescriptor", "DiskDescriptor"]
