@@ -71,12 +71,9 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             lookup = root = None
             if pool.enabled:
-                from .pool import PoolLookup, lookup_address, namespace_root
+                from .pool import PoolLookup, lookup_address
                 lookup = PoolLookup(lookup_address(self._engine_id, 0))
-                mc = vllm_config.model_config
-                root = namespace_root(f"{mc.model}|{mc.dtype}|"
-                                      f"{vllm_config.cache_config.cache_dtype}",
-                                      self.block_size)
+                root = pool_root(vllm_config)
             self._scheduler = SchedulerSide(
                 block_size=self.block_size, is_producer=self.is_producer,
                 is_consumer=self.is_consumer, engine_name=f"{self.host}:{self.port}",
@@ -205,6 +202,15 @@ class MooncakeTEConnector(KVConnectorBase_V1):
                 self.get_kv_connector_stats()
                 self._worker.hit_rate_log.maybe_log(force=True)
             self._worker.close()
+
+
+def pool_root(vllm_config) -> bytes:
+    """The pool's key root for this model, dtype, KV cache dtype and block size (the
+    worker's cache namespace adds the layout, TP size and rank)."""
+    from .pool import namespace_root
+    mc = vllm_config.model_config
+    return namespace_root(f"{mc.model}|{mc.dtype}|{vllm_config.cache_config.cache_dtype}",
+                          int(vllm_config.cache_config.block_size))
 
 
 def _vllm_version() -> str:

@@ -92,12 +92,16 @@ class MooncakeTEPromMetrics(KVConnectorPromMetrics):
         for name, (key, doc) in _PROM.items():
             c = self._counter_cls(name=f"vllm:mooncake_te_{name}", documentation=doc,
                                   labelnames=labelnames)
-            self._counters[key] = self.make_per_engine(c)
+            self._counters[key] = self._per_engine(c)
         self._gauges = {}
         for name, (key, doc) in _PROM_GAUGES.items():
             g = self._gauge_cls(name=f"vllm:mooncake_te_{name}", documentation=doc,
-                                labelnames=labelnames, multiprocess_mode="mostrecent")
-            self._gauges[key] = self.make_per_engine(g)
+                                labelnames=labelnames)
+            self._gauges[key] = self._per_engine(g)
+
+    def _per_engine(self, metric) -> dict:
+        return {idx: metric.labels(*values)
+                for idx, values in self.per_engine_labelvalues.items()}
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0):
         for key, per_engine in self._counters.items():
