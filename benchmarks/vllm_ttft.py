@@ -20,7 +20,7 @@ same request size in the same run.
 
 Run (it builds ``.venv-vllm`` with scripts/vllm-env.sh if missing)::
 
-    .venv/bin/python benchmarks/vllm_ttft.py --requests 40
+    .venv/bin/python benchmarks/vllm_ttft.py --start 3900 --requests 60
     .venv/bin/python benchmarks/vllm_ttft.py --trace path/to/trace.jsonl --modes vllm,dram
 
 The child processes (``--child``) run in the vLLM environment.
@@ -53,12 +53,15 @@ def default_trace() -> str:
     return os.path.join(ROOT, "benchmarks", "data", "mooncake-traces", "synthetic_trace.jsonl")
 
 
-def load_requests(path: str, n: int, tokens_per_hash: int, max_blocks: int):
-    """``[(hash_ids, token ids)]`` of the first ``n`` requests, capped at ``max_blocks``."""
+def load_requests(path: str, n: int, tokens_per_hash: int, max_blocks: int, start: int = 0):
+    """``[(hash_ids, token ids)]`` of requests ``start .. start+n-1``, each capped at
+    ``max_blocks`` blocks."""
     import numpy as np
     out = []
     with open(path) as f:
-        for line in f:
+        for i, line in enumerate(f):
+            if i < start:
+                continue
             if len(out) >= n:
                 break
             r = json.loads(line)
@@ -239,11 +242,14 @@ def bench_read(block_bytes: int) -> "float | None":
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=default_trace())
-    ap.add_argument("--requests", type=int, default=40, help="first N requests of the trace")
+    ap.add_argument("--requests", type=int, default=60, help="N requests of the trace")
+    ap.add_argument("--start", type=int, default=3900,
+                    help="first request (default 3900: synthetic_trace.jsonl's reuse is "
+                         "in its last requests; its first 40 share no block)")
     ap.add_argument("--tokens-per-hash", type=int, default=BLOCK)
     ap.add_argument("--max-blocks", type=int, default=62, help="cap per request (blocks)")
     ap.add_argument("--kv-mb", type=int, default=96, help="vLLM's own KV cache (MiB)")
-    ap.add_argument("--dram-mb", type=int, default=512, help="pool DRAM tier (MiB)")
+    ap.add_argument("--dram-mb", type=int, default=384, help="pool DRAM tier (MiB)")
     ap.add_argument("--ssd-mb", type=int, default=1024, help="pool SSD tier (MiB)")
     ap.add_argument("--small-dram-mb", type=int, default=64,
                     help="DRAM tier in the dram+ssd mode (MiB)")
@@ -273,7 +279,7 @@ def main():
     model = os.path.join(work, "model")
     subprocess.run([py, os.path.abspath(__file__), "--make-model", model], check=True,
                    env=_env())
-    reqs = load_requests(a.trace, a.requests, a.tokens_per_hash, a.max_blocks)
+    reqs = load_requests(a.trace, a.requests, a.tokens_per_hash, a.max_blocks, a.start)
     tok_file = os.path.join(work, "requests.json")
     json.dump([t for _, t in reqs], open(tok_file, "w"))
     # The same requests as a trace for `mooncake-te trace replay` (hash ids as given).

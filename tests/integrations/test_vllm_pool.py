@@ -341,3 +341,16 @@ def test_hit_rate_line():
     assert line.startswith("kv cache hit rate: 60.0% of 10 prompt blocks in 2 requests "
                            "(vllm 20.0%, dram 30.0%, ssd 10.0%, remote 0.0%, miss 40.0%)")
     assert "blocks stored 7" in line
+
+
+def test_prefault_keeps_every_byte():
+    from mooncake_te.integrations.vllm.worker import _prefault
+    import mmap
+    mm = mmap.mmap(-1, 64 * 4096)
+    buf = np.frombuffer(mm, dtype=np.uint8)[100:]          # not page aligned
+    rng = np.random.default_rng(3)
+    buf[:] = rng.integers(0, 256, len(buf), dtype=np.uint8)
+    want = buf.copy()
+    assert _prefault(buf) == len(buf)
+    assert np.array_equal(buf, want)
+    del buf

@@ -211,6 +211,19 @@ def test_a_dram_tier_serves_a_prefix_vllm_evicted(scenario):
     assert "blocks stored 102" in line, line
 
 
+def test_counters_reach_vllms_log_and_prometheus(scenario):
+    m = scenario["A"]["vllm_metrics"]
+    (line,) = m["log"]
+    assert line.startswith("KV Transfer metrics: kv cache hit rate=")
+    assert "blocks stored=102" in line and "blocks loaded=15" in line
+    prom = dict(x.rsplit(" ", 1) for x in m["prometheus"])
+    lab = '{engine="0",model_name="tiny"}'
+    assert float(prom["vllm:mooncake_te_blocks_stored_total" + lab]) == 102
+    assert float(prom["vllm:mooncake_te_pool_hit_blocks_dram_total" + lab]) == 15
+    assert float(prom["vllm:mooncake_te_bytes_loaded_total" + lab]) == 15 * 2 * (2 * BS * 64 * 4)
+    assert float(prom["vllm:mooncake_te_failed_loads_total" + lab]) == 0
+
+
 def test_c_second_instance_reads_the_first_ones_pool(scenario):
     b = scenario["B"]["steps"]["remote"]
     assert b["tokens"][0] == _base(scenario, "L")

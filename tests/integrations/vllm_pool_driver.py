@@ -79,7 +79,9 @@ def main():
             cause = cause.__cause__ or cause.__context__
             msg += f"\ncaused by {type(cause).__name__}: {cause}"
         dump(out + ".json", {"error": msg})
-        sys.exit(3)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(3)                              # vLLM's threads would keep us alive
     init_s = time.monotonic() - t0
     conn = None
     keys_of = lambda toks: []                    # noqa: E731
@@ -124,10 +126,30 @@ def main():
     if conn is not None:
         results["stats"] = dict(conn.stats)
         results["stats"].pop("requests", None)
+        results["vllm_metrics"] = vllm_metrics(llm, results["stats"]["pool"])
         dump(out + ".json", results)
     del llm                                      # shutdown persists the DRAM tier to SSD
     results["exited"] = True
     dump(out + ".json", results)
+
+
+def vllm_metrics(llm, data):
+    """Feed the connector's counters through vLLM's own stats path: the periodic log
+    line (KVConnectorLogging) and the Prometheus exposition (KVConnectorProm), as
+    ``vllm serve`` does with what workers report."""
+    from prometheus_client import REGISTRY, generate_latest
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorLogging, KVConnectorProm)
+    cfg = llm.llm_engine.vllm_config
+    lines = []
+    logging_ = KVConnectorLogging(cfg.kv_transfer_config)
+    logging_.observe(data)
+    logging_.log(log_fn=lambda fmt, *args: lines.append(fmt % args))
+    prom = KVConnectorProm(cfg, ["model_name", "engine"], {0: ["tiny", "0"]})
+    prom.observe(data, 0)
+    text = generate_latest(REGISTRY).decode()
+    return {"log": lines, "prometheus": [x for x in text.splitlines()
+                                         if x.startswith("vllm:mooncake_te_")]}
 
 
 if __name__ == "__main__":
