@@ -22,6 +22,7 @@ from mooncake_te.integrations.vllm.pool import (
 from mooncake_te.integrations.vllm.scheduler import SchedulerSide
 from mooncake_te.integrations.vllm.settings import parse_extra_config
 from mooncake_te.kvcache import prefix_hashes
+from test_vllm_connector import Blocks  # noqa: E402  (KVCacheBlocks accessors)
 
 BS = 32
 
@@ -275,17 +276,6 @@ class Req:
         self.all_token_ids = list(toks)
         self.kv_transfer_params, self.status = params, status
         self.num_computed_tokens = computed
-
-
-class Blocks:
-    def __init__(self, ids, cached=0):
-        self.ids, self.cached = ids, cached
-
-    def get_block_ids(self):
-        return (list(self.ids),)
-
-    def get_unhashed_block_ids(self):
-        return list(self.ids[self.cached:])
 
 
 def test_scheduler_loads_the_pools_prefix_after_vllms_own_hit():

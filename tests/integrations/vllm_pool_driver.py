@@ -19,21 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-
-def dump(path, obj):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f)
-    os.replace(path + ".tmp", path)
-
-
-def wait_for(path, timeout, step=None):
-    t0 = time.monotonic()
-    while not os.path.exists(path):
-        if time.monotonic() - t0 > timeout:
-            sys.exit(f"timed out after {timeout} s waiting for {path}")
-        if step:
-            step()
-        time.sleep(0.05)
+from vllm_pd_driver import dump, wait_for  # noqa: E402  (same directory)
 
 
 def main():

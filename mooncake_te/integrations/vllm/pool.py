@@ -36,6 +36,7 @@ import numpy as np
 from ...errors import ConfigError, MooncakeError
 from ...kvcache import KVCache, as_key, prefix_hashes
 from ...kvcache.keys import KEY_BYTES
+from ...metadata.framing import _recv_exact
 
 log = logging.getLogger("mooncake_te.integrations.vllm")
 
@@ -276,16 +277,6 @@ _REP = struct.Struct("<III")          # dram, ssd, remote blocks of the prefix
 def lookup_address(engine_id: str, tp_rank: int = 0) -> str:
     """The abstract ``AF_UNIX`` name the worker of ``engine_id`` answers lookups on."""
     return f"\0mooncake_te/vllm-pool/{engine_id}/{int(tp_rank)}"
-
-
-def _recv_exact(sock, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("the pool lookup socket closed")
-        buf += chunk
-    return bytes(buf)
 
 
 class PoolLookup:
