@@ -129,6 +129,33 @@ def child(a) -> None:
         (o,) = llm.generate([{"prompt_token_ids": toks}], sp, use_tqdm=False)
         return time.perf_counter() - t, o
 
+    if a.role == "fullhit":
+        # One long prompt: computed, then from vLLM's own prefix cache, then (vLLM's cache
+        # reset) from the pool; a second process on the same cache_dir reads it from SSD.
+        toks = reqs[0]
+        gen(reqs[1][:64])                         # warm-up, unrelated
+        out = {}
+        if not a.ssd_only:
+            out["miss"] = gen(toks)[0]
+            settle()
+            out["vllm"] = statistics.median(gen(toks)[0] for _ in range(3))
+            dram = []
+            for _ in range(3):
+                for _ in range(50):             # refused while blocks are still held
+                    if llm.reset_prefix_cache() is not False:
+                        break
+                    llm.llm_engine.step()
+                    time.sleep(0.02)
+                dt, o = gen(toks)
+                dram.append(dt)
+                out["dram_cached"] = o.num_cached_tokens
+            out["dram"] = statistics.median(dram)
+        else:
+            dt, o = gen(toks)
+            out["ssd"], out["ssd_cached"] = dt, o.num_cached_tokens
+        out["pool"] = dict(conn.stats.get("pool", {}))
+        say(out)
+        return
     if a.role in ("vllm", "both"):
         res = []
         for toks in reqs:
@@ -223,7 +250,8 @@ def predicted(trace_req_file, capacity_blocks):
 def bench_read(block_bytes: int) -> "float | None":
     """``mooncake-te bench`` READ GB/s at ``block_bytes`` requests (same host, auto)."""
     r = subprocess.run([sys.executable, "-m", "mooncake_te", "bench", "--op", "read",
-                        "--block-sizes", str(block_bytes), "--duration", "2", "--json",
+                        "--block-sizes", f"{max(4, block_bytes >> 10)}K", "--duration", "2",
+                        "--json",
                         "--no-progress"], capture_output=True, text=True, env=_env(),
                        timeout=300)
     if r.returncode != 0:
@@ -232,9 +260,7 @@ def bench_read(block_bytes: int) -> "float | None":
         d = json.loads(r.stdout)
     except ValueError:
         return None
-    rows = d.get("results") or d.get("rows") or []
-    gbps = [x.get("gbps") or x.get("GB/s") or x.get("throughput_gbps") for x in rows
-            if x.get("op", "read") == "read"]
+    gbps = [p.get("gbps") for p in d.get("points", []) if p.get("op") == "read"]
     gbps = [g for g in gbps if g]
     return max(gbps) if gbps else None
 
@@ -253,7 +279,7 @@ def main():
     ap.add_argument("--ssd-mb", type=int, default=1024, help="pool SSD tier (MiB)")
     ap.add_argument("--small-dram-mb", type=int, default=64,
                     help="DRAM tier in the dram+ssd mode (MiB)")
-    ap.add_argument("--modes", default="vllm,dram,ssd,pd,pd-pool")
+    ap.add_argument("--modes", default="vllm,dram,ssd,pd,pd-pool,fullhit")
     ap.add_argument("--venv", default=os.path.join(ROOT, ".venv-vllm"))
     ap.add_argument("--work", default=None, help="directory for the model, cache, logs")
     ap.add_argument("--json", default=None, help="write the results here too")
@@ -264,6 +290,7 @@ def main():
     ap.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--max-model-len", type=int, default=2048, help=argparse.SUPPRESS)
     ap.add_argument("--make-model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ssd-only", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.make_model:
         return make_model(a.make_model)
@@ -306,6 +333,33 @@ def main():
     try:
         for mode in modes:
             t0 = time.monotonic()
+            if mode == "fullhit":
+                cd = os.path.join(work, "cache-fullhit")
+                extra = json.dumps({"kvcache": {"dram_cache_gb": gb(a.dram_mb),
+                                                "ssd_cache_gb": gb(a.ssd_mb),
+                                                "cache_dir": cd, "block_size": BLOCK}})
+                longest = max(range(len(reqs)), key=lambda i: len(reqs[i][1]))
+                order = [reqs[longest][1]] + [t for i, (_, t) in enumerate(reqs)
+                                              if i != longest]
+                json.dump(order, open(tok_file + ".fullhit", "w"))
+                fargs = ["--model", model, "--trace", tok_file + ".fullhit",
+                         "--max-model-len", str(max_len), "--role", "fullhit",
+                         "--extra", extra, "--kv-mb", str(a.kv_mb)]
+                c = Child(py, fargs + ["--kv-port", str(_free_port())], log)
+                r = c.read()
+                c.p.wait(timeout=120)
+                c = Child(py, fargs + ["--kv-port", str(_free_port()), "--ssd-only"], log)
+                r.update({k: v for k, v in c.read().items() if k != "pool"})
+                c.p.wait(timeout=120)
+                r["tokens"] = len(order[0])
+                rows[mode] = r
+                print(f"full-prefix hit, {r['tokens']} tokens: computed {r['miss']*1e3:.0f} ms, "
+                      f"vLLM's prefix cache {r['vllm']*1e3:.0f} ms, pool DRAM "
+                      f"{r['dram']*1e3:.0f} ms ({r['dram'] / r['vllm']:.2f}x vLLM's, "
+                      f"{r['dram_cached']} tokens cached), pool SSD after a restart "
+                      f"{r['ssd']*1e3:.0f} ms ({r['ssd'] / r['vllm']:.2f}x, "
+                      f"{r['ssd_cached']} cached)", flush=True)
+                continue
             if mode in ("vllm", "dram", "ssd"):
                 pool = {}
                 if mode == "dram":
@@ -395,11 +449,13 @@ def main():
     finally:
         if md_srv is not None:
             md_srv.terminate()
-    same = {m: outs[m] == outs[modes[0]] for m in outs}
-    print(f"\ngreedy outputs identical to {modes[0]}: {same}")
+    same = {m: outs[m] == outs[next(iter(outs))] for m in outs}
+    print(f"\ngreedy outputs identical to {next(iter(outs), None)}: {same}")
     print(f"\n{'mode':8} {'TTFT p50':>9} {'p90':>8} {'mean':>8} {'tok/s':>8} {'vllm':>6} "
           f"{'dram':>6} {'ssd':>6} {'remote':>6} {'total':>6} {'predicted':>9}")
     for m, r in rows.items():
+        if m == "fullhit":
+            continue
         tot = r["vllm"] + r["dram"] + r["ssd"] + r["remote"]
         pr = r.get("predicted")
         print(f"{m:8} {r['ttft_p50']*1e3:8.0f}ms {r['ttft_p90']*1e3:6.0f}ms "
