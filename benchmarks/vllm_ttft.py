@@ -101,7 +101,7 @@ def child(a) -> None:
         kw["kv_transfer_config"] = dict(
             kv_connector="MooncakeTEConnector",
             kv_connector_module_path="mooncake_te.integrations.vllm",
-            kv_role={"both": "kv_both", "P": "kv_producer", "D": "kv_consumer"}[a.role],
+            kv_role={"P": "kv_producer", "D": "kv_consumer"}.get(a.role, "kv_both"),
             kv_port=a.kv_port, kv_load_failure_policy="recompute",
             kv_connector_extra_config=json.loads(a.extra))
     llm = LLM(**kw)
@@ -414,13 +414,14 @@ def main():
                                       "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)],
                           log)
                 P.read(), D.read()
-                ttft, dts, loads, outs[mode] = [], [], [], []
+                ttft, dts, loads, outs[mode], pcached = [], [], [], [], 0
                 for i in range(len(reqs)):
                     P.send({"i": i})
                     pr = P.read()
                     D.send({"i": i, "params": pr["params"]})
                     dr = D.read()
                     ttft.append(pr["ttft"] + dr["ttft"])
+                    pcached += pr["cached"] // BLOCK
                     dts.append(dr["ttft"])
                     loads.append(dr["last"])
                     outs[mode].append(dr["out"])
@@ -437,7 +438,7 @@ def main():
                           default={})
                 row = dict(ttft_p50=pct(ttft, .5), ttft_p90=pct(ttft, .9),
                            ttft_mean=statistics.mean(ttft), tok_s=toks / sum(ttft),
-                           decode_p50=pct(dts, .5), vllm=0.0,
+                           decode_p50=pct(dts, .5), vllm=pcached / asked,
                            dram=p.get("hit_dram", 0) / asked, ssd=p.get("hit_ssd", 0) / asked,
                            remote=p.get("hit_remote", 0) / asked,
                            pd_gbps=(ds["bytes_read"] / ds["transfer_s"] / 1e9)
