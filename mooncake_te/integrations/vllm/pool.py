@@ -21,15 +21,16 @@ never waits for a save; a load runs while the request waits in WAITING_FOR_REMOT
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import logging
-import os
 import queue
 import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -387,13 +388,6 @@ class PoolLoadSpec:
     tiers: tuple = (0, 0, 0)          # what the scheduler's lookup saw: dram, ssd, remote
 
 
-@dataclass
-class PoolCounters:
-    """What the pool did since the last :meth:`PoolWorker.take_counters`."""
-
-    values: dict = field(default_factory=dict)
-
-
 COUNTER_NAMES = ("blocks_saved", "bytes_saved", "blocks_save_skipped", "blocks_dropped",
                  "save_s", "blocks_loaded", "bytes_loaded", "load_s", "loads",
                  "loaded_dram", "loaded_ssd", "loaded_remote", "failed_loads",
@@ -442,6 +436,10 @@ class PoolWorker:
         self._loader.start()
         self._server = _LookupServer(lookup_address, self.lookup)
         self._closed = False
+        # A process that exits without vLLM shutting the connector down (a script that
+        # just returns) still writes its DRAM tier to cache_dir for the next start.
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().close())
         s = self.cache.stats()
         self.log.info("mooncake_te connector: KV pool of %d blocks of %d KiB in DRAM "
                       "(%.2f GiB)%s%s, %s", s["dram_capacity_blocks"],
