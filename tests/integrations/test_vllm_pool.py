@@ -344,3 +344,28 @@ def test_prefault_keeps_every_byte():
     assert _prefault(buf) == len(buf)
     assert np.array_equal(buf, want)
     del buf
+
+
+def test_a_process_that_exits_without_closing_still_persists(tmp_path):
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys, pathlib, uuid; sys.path.insert(0, {here!r})\n"
+            "from test_vllm_pool import HostKV, _settings\n"
+            "from mooncake_te.integrations.vllm.pool import (PoolWorker, SaveSpec, "
+            "block_keys, namespace_root, lookup_address)\n"
+            "kv = HostKV()\n"
+            f"p = PoolWorker(_settings(pathlib.Path({str(tmp_path)!r}), dram_blocks=4, "
+            "ssd_blocks=8), kv.layout, None, 'test-ns', lookup_address(uuid.uuid4().hex))\n"
+            "p.save(SaveSpec('r', block_keys(list(range(96)), 32, namespace_root('m', 32)), "
+            "[0, 1, 2]))\np.flush()\n")                        # no close(): exit
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    pool, addr = _pool(_settings(tmp_path, dram_blocks=4, ssd_blocks=8), HostKV())
+    look = PoolLookup(addr)
+    try:
+        keys = block_keys(list(range(96)), BS, namespace_root("m", BS))
+        assert look.lookup(keys) == (0, 3, 0)
+    finally:
+        look.close()
+        pool.close()

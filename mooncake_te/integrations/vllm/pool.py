@@ -437,9 +437,13 @@ class PoolWorker:
         self._server = _LookupServer(lookup_address, self.lookup)
         self._closed = False
         # A process that exits without vLLM shutting the connector down (a script that
-        # just returns) still writes its DRAM tier to cache_dir for the next start.
+        # just returns) still writes its DRAM tier to cache_dir for the next start. It
+        # must run before concurrent.futures refuses new work at interpreter shutdown (the
+        # SSD tier's I/O pool), i.e. among threading's exit hooks, which run in reverse
+        # order of registration and before atexit's.
         ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().close())
+        hook = lambda: ref() is not None and ref().close()      # noqa: E731
+        getattr(threading, "_register_atexit", atexit.register)(hook)
         s = self.cache.stats()
         self.log.info("mooncake_te connector: KV pool of %d blocks of %d KiB in DRAM "
                       "(%.2f GiB)%s%s, %s", s["dram_capacity_blocks"],
