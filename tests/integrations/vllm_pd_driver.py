@@ -114,7 +114,18 @@ def main():
                 g = torch.Generator().manual_seed(i)
                 for kv in conn.kv_caches.values():
                     kv.copy_(torch.randn(kv.shape, generator=g, dtype=kv.dtype) * 5)
-            results["phases"].append({"gen_s": gen_s})
+            pool = conn._worker.pool if conn._worker is not None else None
+            if pool is not None:
+                # Stores reach the worker with the next step and run on its saver
+                # thread: let them land (and reach the index) before the handoff, so the
+                # consumer finds the blocks in the pool.
+                for _ in range(5):
+                    step()
+                    time.sleep(0.02)
+                pool.flush()
+                pool.cache.flush_index()
+            results["phases"].append({"gen_s": gen_s,
+                                      "num_cached_tokens": [o.num_cached_tokens for o in outs]})
             results["stats"] = stats()
             dump(role_out, results)
             dump(os.path.join(a.dir, f"handoff-{i}.json"),

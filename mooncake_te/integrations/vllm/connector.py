@@ -63,11 +63,22 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         self.is_consumer = bool(cfg.is_kv_consumer)
         self._kv_cache_config = kv_cache_config
         self._scheduler = self._worker = None
+        # [kvcache]: refuse a block size vLLM does not run with, or a cache_dir that cannot
+        # be written, here at start (both roles), not at the first request.
+        pool = self.settings.pool
+        pool.check(self.block_size)
+        self._engine_id = str(cfg.engine_id or f"{self.host}:{self.port}")
         if role == KVConnectorRole.SCHEDULER:
+            lookup = root = None
+            if pool.enabled:
+                from .pool import PoolLookup, lookup_address
+                lookup = PoolLookup(lookup_address(self._engine_id, 0))
+                root = pool_root(vllm_config)
             self._scheduler = SchedulerSide(
                 block_size=self.block_size, is_producer=self.is_producer,
                 is_consumer=self.is_consumer, engine_name=f"{self.host}:{self.port}",
-                host=self.host, port=self.port, lease_s=self.settings.lease_s)
+                host=self.host, port=self.port, lease_s=self.settings.lease_s,
+                pool=lookup, pool_root=root)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -97,6 +108,8 @@ class MooncakeTEConnector(KVConnectorBase_V1):
             layout=f"block {list(first.shape[1:])}",
             num_layers=len(kv_caches), tp_size=get_tensor_model_parallel_world_size(),
             vllm_version=_vllm_version(), connector_version=__version__)
+        from .pool import lookup_address
+        self.settings.pool_lookup_address = lookup_address(self._engine_id, tp_rank)
         self._worker = WorkerSide(self.settings, compat, self.host, self.port + tp_rank,
                                   tp_rank, self.is_producer, self.is_consumer)
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
@@ -110,8 +123,13 @@ class MooncakeTEConnector(KVConnectorBase_V1):
     @property
     def stats(self) -> dict:
         """Counters and timings (worker side): registration, handshakes, reads,
-        descriptors before and after coalescing, leases, per-request records."""
-        return self._worker.stats if self._worker else {}
+        descriptors before and after coalescing, leases, per-request records; under
+        ``"pool"`` the pool's counters since start (lookups, hits per tier, blocks stored,
+        loaded, dropped, failed loads)."""
+        if not self._worker:
+            return {}
+        self.get_kv_connector_stats()          # fold in what happened since vLLM asked
+        return dict(self._worker.stats, pool=dict(self._worker.hit_rate_log.total))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -149,9 +167,50 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         out, self._failed_blocks = getattr(self, "_failed_blocks", set()), set()
         return out
 
+    # ------------------------------------------------------------------ statistics
+    def get_kv_connector_stats(self):
+        """The pool's and the P/D loads' counters since the last call (worker side);
+        vLLM aggregates them across workers, logs them and exports them to Prometheus."""
+        if self._worker is None:
+            return None
+        from .counters import take_worker_stats
+        from .stats import MooncakeTEStats
+        data = take_worker_stats(self._worker)
+        hr = self._worker.hit_rate_log
+        if data:
+            hr.add(data)
+        hr.maybe_log()
+        return MooncakeTEStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        from .stats import MooncakeTEStats
+        return MooncakeTEStats(data=data) if data is not None else MooncakeTEStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .stats import MooncakeTEPromMetrics
+        return MooncakeTEPromMetrics(vllm_config, metric_types, labelnames,
+                                     per_engine_labelvalues)
+
     def shutdown(self):
+        if self._scheduler is not None and self._scheduler.pool is not None:
+            self._scheduler.pool.close()
         if self._worker is not None:
+            if self._worker.pool is not None:
+                self._worker.pool.flush()
+                self.get_kv_connector_stats()
+                self._worker.hit_rate_log.maybe_log(force=True)
             self._worker.close()
+
+
+def pool_root(vllm_config) -> bytes:
+    """The pool's key root for this model, dtype, KV cache dtype and block size (the
+    worker's cache namespace adds the layout, TP size and rank)."""
+    from .pool import namespace_root
+    mc = vllm_config.model_config
+    return namespace_root(f"{mc.model}|{mc.dtype}|{vllm_config.cache_config.cache_dtype}",
+                          int(vllm_config.cache_config.block_size))
 
 
 def _vllm_version() -> str:

@@ -40,6 +40,11 @@ class Work:
     loads: list = field(default_factory=list)        # [LoadSpec]
     releases: list = field(default_factory=list)     # [(remote_engine, remote_request_id)]
     leases: list = field(default_factory=list)       # [request_id] on the producer
+    pool_loads: list = field(default_factory=list)   # [pool.PoolLoadSpec]
+    saves: list = field(default_factory=list)        # [pool.SaveSpec]
+    # One entry per request scheduled for the first time: (prompt blocks asked for,
+    # blocks vLLM's own prefix cache had, pool blocks found in dram, ssd, remote).
+    lookups: list = field(default_factory=list)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -48,11 +53,17 @@ def cdiv(a: int, b: int) -> int:
 
 class SchedulerSide:
     """vLLM-independent logic; ``request`` objects are vLLM ``Request``\\ s (duck-typed:
-    ``request_id``, ``prompt_token_ids``, ``kv_transfer_params``, ``status``)."""
+    ``request_id``, ``prompt_token_ids``, ``all_token_ids``, ``num_computed_tokens``,
+    ``kv_transfer_params``, ``status``).
+
+    With a pool (``pool`` a :class:`~.pool.PoolLookup`, ``pool_root`` the key root), a new
+    request's prompt is looked up beyond what vLLM's own prefix cache holds, and a finished
+    request's computed full blocks are handed to the worker to store.
+    """
 
     def __init__(self, *, block_size: int, is_producer: bool, is_consumer: bool,
                  engine_name: str, host: str, port: int, lease_s: float = 120.0,
-                 clock=time.time):
+                 clock=time.time, pool=None, pool_root: "bytes | None" = None):
         self.block_size = int(block_size)
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -61,61 +72,116 @@ class SchedulerSide:
         self.lease_s = float(lease_s)
         self._clock = clock
         self._work = Work()
+        self.pool = pool
+        self.pool_root = pool_root
+        self._looked: dict = {}         # request id -> (first block, (dram, ssd, remote))
+        self._keys: dict = {}           # request id -> keys of its prompt's full blocks
+
+    # -- pool -----------------------------------------------------------------------------
+    def _prompt_keys(self, request) -> list:
+        from .pool import block_keys
+        keys = self._keys.get(request.request_id)
+        if keys is None:
+            keys = block_keys(list(request.prompt_token_ids or ()), self.block_size,
+                              self.pool_root)
+            self._keys[request.request_id] = keys
+        return keys
+
+    def _pool_hit(self, request, num_computed_tokens: int) -> int:
+        """Blocks after vLLM's own prefix hit that the pool holds (0 without a pool)."""
+        if self.pool is None:
+            return 0
+        n_prompt = len(request.prompt_token_ids or ())
+        # As vLLM's own prefix cache: at least the prompt's last token is computed, so a
+        # block is loadable only if it ends before it.
+        last = (n_prompt - 1) // self.block_size
+        first = num_computed_tokens // self.block_size
+        if last <= first or num_computed_tokens % self.block_size:
+            self._looked[request.request_id] = (first, (0, 0, 0))
+            return 0
+        tiers = tuple(self.pool.lookup(self._prompt_keys(request)[first:last]))
+        self._looked[request.request_id] = (first, tiers)
+        return sum(tiers)
 
     # -- consumer -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        hit = self._pool_hit(request, num_computed_tokens)
         p = request.kv_transfer_params
         if self.is_consumer and p and p.get("do_remote_prefill"):
+            # The pool's blocks first, the producer's for the rest (update_state_after_alloc).
             n = min(len(request.prompt_token_ids or ()),
                     int(p.get("remote_num_tokens", 1 << 62))) - num_computed_tokens
             if n > 0:
                 return n, True
+        if hit:
+            return hit * self.block_size, True
         return 0, False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        looked = self._looked.pop(rid, None)
         p = request.kv_transfer_params
-        if not (self.is_consumer and p and p.get("do_remote_prefill")):
+        remote_prefill = bool(self.is_consumer and p and p.get("do_remote_prefill"))
+        all_ids = fresh = None
+        if num_external_tokens > 0:
+            all_ids = list(blocks.get_block_ids()[0])
+            fresh = list(blocks.get_unhashed_block_ids()) if hasattr(
+                blocks, "get_unhashed_block_ids") else all_ids
+        skip = len(all_ids) - len(fresh) if all_ids is not None else 0   # vLLM's own hits
+        pool_n = 0
+        if looked is not None and self.pool is not None:
+            first, tiers = looked
+            n_prompt = len(request.prompt_token_ids or ())
+            if num_external_tokens > 0 and first == skip:
+                pool_n = min(sum(tiers), len(fresh), num_external_tokens // self.block_size)
+            if pool_n:
+                from .pool import PoolLoadSpec
+                keys = self._prompt_keys(request)[skip:skip + pool_n]
+                self._work.pool_loads.append(PoolLoadSpec(rid, keys, fresh[:pool_n], tiers))
+            # Counted once per request, as vLLM counts its own prefix hits.
+            self._work.lookups.append((n_prompt // self.block_size, first,
+                                       *(_clip(tiers, pool_n) if pool_n else (0, 0, 0))))
+        if not remote_prefill:
             return
         p["do_remote_prefill"] = False          # load once, even if called again
-        engine, rid = p.get("remote_engine"), p.get("remote_request_id")
-        if not engine or rid is None:
+        engine, rid_remote = p.get("remote_engine"), p.get("remote_request_id")
+        if not engine or rid_remote is None:
             return
-        if num_external_tokens <= 0:
-            # Full local prefix hit: nothing to read, but the producer holds a lease.
-            self._work.releases.append((engine, rid))
+        if num_external_tokens <= 0 or pool_n >= len(fresh):
+            # Everything local or in the pool, but the producer holds a lease.
+            self._work.releases.append((engine, rid_remote))
             return
-        all_ids = list(blocks.get_block_ids()[0])
-        fresh = list(blocks.get_unhashed_block_ids()) if hasattr(
-            blocks, "get_unhashed_block_ids") else all_ids
-        skip = len(all_ids) - len(fresh)        # blocks already cached locally
         # Fewer remote blocks than local ones (a different prompt reached the two
         # instances) must not leave blocks unfilled but counted as computed: the worker's
         # plan() refuses unequal counts and the load is reported failed.
-        remote = list(p.get("remote_block_ids") or ())[skip:skip + len(fresh)]
+        remote = list(p.get("remote_block_ids") or ())[skip + pool_n:skip + len(fresh)]
         deadline = p.get("remote_lease_deadline")
-        self._work.loads.append(LoadSpec(request.request_id, fresh, remote,
-                                         engine, rid,
+        self._work.loads.append(LoadSpec(rid, fresh[pool_n:], remote, engine, rid_remote,
                                          float(deadline) if deadline is not None else None))
 
-    # -- producer -----------------------------------------------------------------------
+    # -- producer and pool --------------------------------------------------------------
     def request_finished(self, request, block_ids):
+        ids_all = list(block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple))
+                       else block_ids or ())
+        self._looked.pop(request.request_id, None)
+        self._keys.pop(request.request_id, None)
+        save = self._pool_save(request, ids_all)
         p = request.kv_transfer_params
         if not p:
-            return False, None
+            return save, None
         if p.get("do_remote_prefill") and p.get("remote_engine"):
             # A consumer request aborted before its blocks were allocated: the producer
             # still holds a lease; let it go.
             p["do_remote_prefill"] = False
             self._work.releases.append((p["remote_engine"], p.get("remote_request_id")))
-            return False, None
+            return save, None
         if not (self.is_producer and p.get("do_remote_decode")):
-            return False, None
+            return save, None
         status = getattr(request.status, "name", str(request.status))
         n_prompt = len(request.prompt_token_ids or ())
-        ids = list(block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple))
-                   else block_ids)[:cdiv(n_prompt, self.block_size)]
+        ids = ids_all[:cdiv(n_prompt, self.block_size)]
         if status not in _HANDOFF_STATES or not ids:
-            return False, None
+            return save, None
         self._work.leases.append(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
                       "remote_engine": self.engine_name,
@@ -125,6 +191,31 @@ class SchedulerSide:
                       "remote_lease_deadline": self._clock() + self.lease_s,
                       "remote_host": self.host, "remote_port": self.port}
 
+    def _pool_save(self, request, block_ids: list) -> bool:
+        """Queue the request's computed full blocks for the pool; True if the worker now
+        holds its blocks until they are copied (vLLM's delay_free)."""
+        if self.pool is None or not block_ids:
+            return False
+        from .pool import SaveSpec, block_keys
+        tokens = list(getattr(request, "all_token_ids", None) or request.prompt_token_ids
+                      or ())
+        computed = min(int(getattr(request, "num_computed_tokens", 0) or 0), len(tokens))
+        n = min(computed // self.block_size, len(block_ids))
+        if n <= 0:
+            return False
+        keys = block_keys(tokens, self.block_size, self.pool_root, stop=n)
+        self._work.saves.append(SaveSpec(request.request_id, keys, block_ids[:n]))
+        return True
+
     def take_work(self) -> Work:
         w, self._work = self._work, Work()
         return w
+
+
+def _clip(tiers, n: int) -> tuple:
+    """The first ``n`` blocks of a prefix found as ``(dram, ssd, remote)``, by tier."""
+    out = []
+    for t in tiers:
+        out.append(min(t, n))
+        n -= out[-1]
+    return tuple(out)

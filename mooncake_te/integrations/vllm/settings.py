@@ -31,6 +31,7 @@ ALIASES = {
     "transfer_timeout_s": ("transfer_timeout_s",),
     "handshake_timeout_s": ("handshake_timeout_s",),
     "enforce_handshake_compat": ("enforce_handshake_compat",),
+    "kvcache": ("kvcache",),
 }
 _KNOWN = {alias: key for key, names in ALIASES.items() for alias in names}
 
@@ -55,6 +56,8 @@ class ConnectorSettings:
     transfer_timeout_s: "float | None" = None
     handshake_timeout_s: float = 5.0
     enforce_handshake_compat: bool = True
+    pool: "object | None" = None                # pool.PoolSettings ([kvcache])
+    pool_lookup_address: str = ""              # set by the connector (engine id, rank)
 
     @property
     def timeout_s(self) -> float:
@@ -170,4 +173,11 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
             raise ConfigError(f"kv_connector_extra_config.enforce_handshake_compat = {v!r}: "
                               f"expected true or false")
         s.enforce_handshake_compat = v
+    kv = get.get("kvcache")
+    if kv is not None and not isinstance(kv, dict):
+        raise ConfigError(f"kv_connector_extra_config.kvcache = {kv!r}: expected a table of "
+                          f"[kvcache] keys (cache_dir, dram_cache_gb, ssd_cache_gb, "
+                          f"eviction_policy, block_size)")
+    from .pool import pool_settings
+    s.pool = pool_settings(s.config, s.config_path, kv)
     return s

@@ -70,6 +70,14 @@ class WorkerSide:
         self._recv_failed: dict = {}            # request id -> local block ids
         self._thread: "threading.Thread | None" = None
         self._closing = False
+        # The pool (settings.pool enabled): see pool.py.
+        self.pool = None
+        self.pool_namespace = None
+        self._holds: dict = {}                  # request id -> reasons its blocks stay
+        self._free_now: set = set()             # delay-freed requests nothing holds
+        self._parts: dict = {}                  # request id -> [loads pending, all ok]
+        self._lookups = [0, 0, 0, 0, 0, 0]      # asked, vLLM hit, dram, ssd, remote, requests
+        self.hit_rate_log = None
         self.stats = {"registration_s": 0.0, "registered_bytes": 0, "storages": 0,
                       "handshakes": 0, "handshake_s": 0.0, "refused_peers": 0,
                       "loads": 0, "load_failures": 0, "blocks_read": 0, "bytes_read": 0,
@@ -94,6 +102,14 @@ class WorkerSide:
         # only read it and the KV cache (the pull protocol never writes to a producer).
         self._blob = self.engine.register(blob, access="r")
         views = [_byte_view(t) for _, _, t in storages]
+        if self.is_consumer or self.settings.pool.enabled:
+            # vLLM allocates the CPU KV cache with calloc (torch.zeros): pages are mapped
+            # on first write, so the first load into each page would pay a fault per 4 KiB
+            # (the P/D READ ran at ~2 GB/s where warm memory takes 8-10). Fault them in now.
+            t1 = time.perf_counter()
+            n = sum(_prefault(v) for v in views if isinstance(v, np.ndarray))
+            self.stats["prefault_s"] = time.perf_counter() - t1
+            self.stats["prefault_bytes"] = n
         self.engine.register_many(views, access="r")
         self._scratch = np.zeros(handshake.MAX_BYTES, dtype=np.uint8)
         self._scratch_mr = self.engine.register(self._scratch, access="local")
@@ -104,6 +120,17 @@ class WorkerSide:
                  "(%d MiB) registered in %.1f ms", self.engine.name, self.engine.protocol,
                  len(self.layout), len(storages), self.stats["registered_bytes"] >> 20,
                  self.stats["registration_s"] * 1e3)
+        if self.settings.pool.enabled:
+            from .pool import PoolWorker
+            # Only byte-identical layouts share blocks: the compatibility hash names model,
+            # dtype, layout, layers and TP size; the rank picks this worker's shard.
+            self.pool_namespace = f"vllm-{self.compat_hash}-tp{self.tp_rank}"
+            self.pool = PoolWorker(self.settings.pool, self.layout, self.engine,
+                                   self.pool_namespace, self.settings.pool_lookup_address,
+                                   logger=log)
+        from .counters import HitRateLogger
+        self.hit_rate_log = HitRateLogger(log, self.settings.pool.log_interval_s
+                                          if self.settings.pool is not None else 10.0)
         if self.is_consumer:
             self._thread = threading.Thread(target=self._loader, name="mte-vllm-loader",
                                             daemon=True)
@@ -114,10 +141,57 @@ class WorkerSide:
         """Take this step's work from the scheduler (called from start_load_kv)."""
         for req_id in work.leases:
             self.leases.add(req_id)
+            self._holds[req_id] = self._holds.get(req_id, 0) + 1
+        for spec in getattr(work, "saves", ()):
+            if self.pool is not None and self.pool.save(spec):
+                self._holds[spec.request_id] = self._holds.get(spec.request_id, 0) + 1
+            elif spec.request_id not in self._holds:
+                self._free_now.add(spec.request_id)     # dropped (counted): free at once
+        # A request may load from the pool and from a producer: done when both are.
+        for spec in getattr(work, "pool_loads", ()):
+            self._add_part(spec.request_id, spec.block_ids)
+        for spec in work.loads:
+            self._add_part(spec.request_id, spec.local_block_ids)
+        for spec in getattr(work, "pool_loads", ()):
+            if self.pool is not None:
+                self.pool.load(spec)
+            else:
+                self._part_done(spec.request_id, False)
         for spec in work.loads:
             self._jobs.put(("load", spec))
         for engine, rid in work.releases:
             self._jobs.put(("release", (engine, rid)))
+        for asked, vllm_hit, d, s, r in getattr(work, "lookups", ()):
+            lk = self._lookups
+            lk[0] += asked
+            lk[1] += vllm_hit
+            lk[2] += d
+            lk[3] += s
+            lk[4] += r
+            lk[5] += 1
+
+    def _add_part(self, req_id: str, block_ids) -> None:
+        with self._done_lock:
+            part = self._parts.setdefault(req_id, [0, True, []])
+            part[0] += 1
+            part[2].extend(block_ids)
+
+    def _part_done(self, req_id: str, ok: bool) -> None:
+        with self._done_lock:
+            part = self._parts.get(req_id)
+            if part is None:                    # pragma: no cover - defensive
+                (self._recv_ok.add(req_id) if ok else
+                 self._recv_failed.__setitem__(req_id, []))
+                return
+            part[0] -= 1
+            part[1] = part[1] and ok
+            if part[0] > 0:
+                return
+            del self._parts[req_id]
+            if part[1]:
+                self._recv_ok.add(req_id)
+            else:
+                self._recv_failed[req_id] = part[2]
 
     def collect(self):
         """``(finished_sending, finished_recving, failed_recving)`` since the last call;
@@ -126,13 +200,37 @@ class WorkerSide:
             for n in self.engine.notifications():
                 if n.message.startswith(READ_DONE):
                     self.leases.read_done(n.message[len(READ_DONE):].decode())
-        sending = self.leases.collect()
+        released = list(self.leases.collect())
         self.stats["leases_released_by_reader"] = self.leases.released_by_reader
         self.stats["leases_expired"] = self.leases.expired
+        if self.pool is not None:
+            saved, loaded = self.pool.collect()
+            released += saved
+            for rid, ok in loaded.items():
+                self._part_done(rid, ok)
+        sending, self._free_now = self._free_now, set()
+        for rid in released:
+            n = self._holds.get(rid, 1) - 1
+            if n > 0:
+                self._holds[rid] = n
+            else:
+                self._holds.pop(rid, None)
+                sending.add(rid)
         with self._done_lock:
             ok, self._recv_ok = self._recv_ok, set()
             failed, self._recv_failed = self._recv_failed, {}
         return sending, ok | set(failed), failed
+
+    def take_pool_stats(self) -> dict:
+        """The pool's counters since the last call, with the lookups the scheduler made
+        (empty dict without a pool)."""
+        if self.pool is None:
+            return {}
+        c = self.pool.take_counters()
+        lk, self._lookups = self._lookups, [0, 0, 0, 0, 0, 0]
+        c.update(lookup_blocks=lk[0], vllm_hit_blocks=lk[1], hit_dram=lk[2], hit_ssd=lk[3],
+                 hit_remote=lk[4], lookups=lk[5])
+        return c
 
     # -- loader thread ------------------------------------------------------------------
     def _loader(self) -> None:
@@ -190,8 +288,7 @@ class WorkerSide:
             self._record(rec)
             # Best effort: let a live producer free its blocks now rather than at lease end.
             self._notify(name, spec.remote_request_id)
-            with self._done_lock:
-                self._recv_failed[spec.request_id] = list(spec.local_block_ids)
+            self._part_done(spec.request_id, False)
             return
         self.stats["loads"] += 1
         self.stats["blocks_read"] += len(spec.local_block_ids) * len(self.layout)
@@ -200,8 +297,7 @@ class WorkerSide:
         self.stats["descriptors_after"] += rec["descriptors_after"]
         self.stats["transfer_s"] += rec["transfer_s"]
         self._record(rec)
-        with self._done_lock:
-            self._recv_ok.add(spec.request_id)
+        self._part_done(spec.request_id, True)
 
     def _check_lease(self, spec: LoadSpec, when: str) -> None:
         # LEASE_MARGIN_S: clock skew between the hosts and the producer's step latency.
@@ -258,6 +354,9 @@ class WorkerSide:
     # -- end ----------------------------------------------------------------------------
     def close(self) -> None:
         self._closing = True
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
         if self._thread is not None:
             self._jobs.put(("stop", None))
             self._thread.join(timeout=5)
@@ -269,6 +368,18 @@ class WorkerSide:
 
 class _Refused(Exception):
     """The producer failed the compatibility check."""
+
+
+def _prefault(view: np.ndarray) -> int:
+    """Map every page of a host buffer for writing without changing a byte (each page's
+    first byte is read and written back); returns the bytes covered."""
+    page = 4096
+    head = (-view.ctypes.data) % page           # first page boundary inside the buffer
+    sl = view[head::page]
+    sl[:] = sl.copy()
+    if head:
+        view[:1] = view[:1].copy()
+    return int(view.nbytes)
 
 
 def _byte_view(tensor) -> np.ndarray:

