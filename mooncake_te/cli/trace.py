@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """``mooncake-te trace``: statistics, cache replay and capacity sweeps of Mooncake's JSONL
-request traces (``shared/data/mooncake-traces/``), and ``replay --real`` through the
+request traces (samples in the repository's ``data/traces/``), and ``replay --real`` through the
 tiered KV cache. The simulation is the one issue 13 defines (see
 :mod:`mooncake_te.kvcache.trace`)."""
 from __future__ import annotations
