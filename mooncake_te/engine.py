@@ -157,6 +157,7 @@ class TransferEngine:
                     name, inst)
             self._closed = False
             self._publish()
+            self._published = True       # from now on close() withdraws the descriptor
         except BaseException:
             self._closed = False
             self.close()
@@ -175,7 +176,8 @@ class TransferEngine:
         backend = getattr(self, "_backend", None)
         if backend is not None:
             try:
-                backend.unpublish(self.name)
+                if getattr(self, "_published", False):
+                    backend.unpublish(self.name)
             except E.MooncakeError as e:
                 log.warning("could not withdraw %s from metadata: %s", self.name, e)
             backend.close()
@@ -454,6 +456,16 @@ class TransferEngine:
                     f"location {location!r}, but the driver places this {type(obj).__name__} "
                     f"on {it.device}; pass location='auto' or {it.device!r}")
             location = it.device
+        elif isinstance(location, str) and location.startswith("cuda"):
+            # The exporter says host memory: a transfer treating it as GPU memory would
+            # fail later (or, without CUDA, never work); refuse now with the reason.
+            from . import cuda
+            ok, why = cuda.available()
+            raise E.InvalidArgumentError(
+                f"location {location!r}, but this {type(obj).__name__} is host memory"
+                + ("" if ok else f" (and {why})")
+                + "; pass location='auto' or 'cpu:<numa node>', or register a GPU array "
+                  "(cupy, torch on cuda)")
         return MemoryRegion(it.address, it.length, location, access, it.owner, it.readonly)
 
     def register_address(self, address: int, length: int, location: str = "auto",
