@@ -14,7 +14,9 @@ import time
 import warnings
 import weakref
 from collections import defaultdict
-from typing import Iterable
+from typing import Iterable, Sequence
+
+from numpy.typing import ArrayLike
 
 import numpy as np
 
@@ -104,8 +106,10 @@ class TransferEngine:
     """
 
     def __init__(self, name: str | None = None, metadata: str | None = None,
-                 protocol: str | None = None, devices=None, host: str | None = None,
-                 port: int | None = None, config=None, auth_token=None):
+                 protocol: str | None = None, devices: "str | Sequence[str] | None" = None,
+                 host: str | None = None, port: int | None = None,
+                 config: "str | os.PathLike | Config | None" = None,
+                 auth_token: "str | bytes | None" = None):
         self._closed = True
         self._pid = os.getpid()
         self.config = cfg = Config.load(config)
@@ -336,7 +340,7 @@ class TransferEngine:
         for t in self._transports.values():
             t.forget_peer(name)
 
-    def open_segment(self, name, refresh: bool = False) -> Segment:
+    def open_segment(self, name: "str | Segment", refresh: bool = False) -> Segment:
         """Resolve a peer's segment (cached; ``refresh=True`` asks again)."""
         self._check_open()
         if isinstance(name, Segment):
@@ -417,7 +421,7 @@ class TransferEngine:
         with self._lock:
             return list(self._mrs.values())
 
-    def register(self, obj, location: str = "auto", access: str = "rw") -> MemoryRegion:
+    def register(self, obj: object, location: str = "auto", access: str = "rw") -> MemoryRegion:
         """Register a buffer (buffer protocol, ``__cuda_array_interface__``, ``__dlpack__``)."""
         self._check_open()
         mr = self._add(self._intake(obj, location, access), known=True)
@@ -425,7 +429,8 @@ class TransferEngine:
             self._publish()
         return mr
 
-    def register_many(self, objs, location: str = "auto", access: str = "rw") -> list:
+    def register_many(self, objs: Iterable[object], location: str = "auto",
+                      access: str = "rw") -> "list[MemoryRegion]":
         """Register several buffers and publish the descriptor once (with a store
         backend every ``register`` is a network write; KV caches register one tensor per
         layer). All or nothing: on an error, the ones already added are removed."""
@@ -502,7 +507,7 @@ class TransferEngine:
             raise
         return mr
 
-    def unregister(self, region) -> None:
+    def unregister(self, region: "MemoryRegion | int") -> None:
         """Remove a region; waits for I/O in flight on it, then peers can no longer touch it."""
         self._check_open()
         addr = region.address if isinstance(region, MemoryRegion) else int(region)
@@ -538,13 +543,13 @@ class TransferEngine:
         # Like Mooncake's Python wrapper: the timeout plus 1 ns per byte for huge batches.
         return time.monotonic_ns() + int(t * 1e9) + int(nbytes)
 
-    def write(self, target, source_address: int, target_address: int, length: int,
+    def write(self, target: "str | Segment", source_address: int, target_address: int, length: int,
               timeout: float | None = None) -> None:
         """Copy ``length`` local bytes at ``source_address`` to ``target_address`` of
         ``target``; returns once the peer applied them."""
         self._sync(Op.WRITE, target, source_address, target_address, length, timeout)
 
-    def read(self, target, source_address: int, target_address: int, length: int,
+    def read(self, target: "str | Segment", source_address: int, target_address: int, length: int,
              timeout: float | None = None) -> None:
         """Copy ``length`` bytes at ``target_address`` of ``target`` into local
         ``source_address``."""
@@ -612,7 +617,8 @@ class TransferEngine:
                            _u64(lens, "length"))
         return self._submit_groups(arrays, len(reqs), notify, timeout, nbytes=nbytes)
 
-    def submit_arrays(self, op, target, sources, target_addresses, lengths,
+    def submit_arrays(self, op: "Op | str | int", target: "str | Segment", sources: ArrayLike,
+                      target_addresses: ArrayLike, lengths: "ArrayLike | int",
                       notify: bytes | None = None, timeout: float | None = None) -> Batch:
         """The fast path for many descriptors: numpy uint64 arrays (``lengths`` may be an int)."""
         try:
@@ -692,7 +698,7 @@ class TransferEngine:
                 "regions": len(self._mrs), "transports": list(self._transports)}
 
     # --- notifications -----------------------------------------------------------------
-    def send_notification(self, target, message: bytes, timeout: float | None = None) -> None:
+    def send_notification(self, target: "str | Segment", message: bytes, timeout: float | None = None) -> None:
         """Deliver ``message`` to ``target``'s ``notifications()``."""
         if not isinstance(message, (bytes, bytearray, memoryview)):
             raise E.InvalidArgumentError(f"message must be bytes, got {type(message).__name__}")

@@ -69,50 +69,74 @@ def _rebuild(cls, message, status, errno):
 
 
 class InvalidArgumentError(MooncakeError, ValueError):
+    """A value passed in is wrong (type, range, unknown name); the message names it and what is accepted."""
+
     default_status = ERR_INVALID_ARGUMENT
 
 
 class AddressNotRegisteredError(MooncakeError):
+    """An address range is not inside a region registered on the side that owns it (locally, or by the peer for the target side)."""
+
     default_status = ERR_ADDRESS_NOT_REGISTERED
 
 
 class AddressOverlappedError(InvalidArgumentError):
+    """A region to register overlaps one already registered; unregister it first or register the union once."""
+
     default_status = ERR_ADDRESS_OVERLAPPED
 
 
 class SegmentNotFoundError(MooncakeError):
+    """No peer segment of that name could be resolved (not published, or its RPC port did not answer as an engine)."""
+
     default_status = ERR_METADATA
 
 
 class TransferError(MooncakeError):
+    """A transfer failed (peer refused or died, connection lost); ``.status`` holds the Mooncake status code."""
+
     default_status = ERR_TRANSFER_FAIL
 
 
 class TransferTimeoutError(TransferError, TimeoutError):
+    """A transfer or wait ran past its deadline (``timeout=``, ``[transfer_engine] timeout_ms`` or ``MC_TRANSFER_TIMEOUT``)."""
+
     default_status = ERR_TRANSFER_TIMEOUT
 
 
 class TransferCanceledError(TransferError):
+    """A request was dropped by :meth:`Batch.cancel` before it reached the wire."""
+
     default_status = ERR_CANCELED
 
 
 class MetadataError(MooncakeError):
+    """The metadata store or a peer's RPC port failed or answered something unexpected; ``.errno`` holds the socket error where there was one."""
+
     default_status = ERR_METADATA
 
 
 class DeviceNotFoundError(MooncakeError):
+    """A named device (RDMA NIC, GPU, NVMe namespace) does not exist on this host."""
+
     default_status = ERR_DEVICE_NOT_FOUND
 
 
 class TransportUnavailableError(MooncakeError):
+    """A transport (or CUDA) is unavailable on this machine or build; the message says why (``mooncake-te version`` lists them)."""
+
     default_status = ERR_TRANSPORT_UNAVAILABLE
 
 
 class AuthenticationError(MooncakeError):
+    """The peers' ``auth_token`` settings differ: one has none, or the HMAC proofs do not match."""
+
     default_status = ERR_AUTHENTICATION
 
 
 class ConfigError(MooncakeError, ValueError):
+    """A configuration file, section, key or ``MC_*`` variable is invalid; the message names the file and key."""
+
     default_status = ERR_CONFIG
 
 
