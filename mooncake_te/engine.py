@@ -617,7 +617,7 @@ class TransferEngine:
                            _u64(lens, "length"))
         return self._submit_groups(arrays, len(reqs), notify, timeout, nbytes=nbytes)
 
-    def submit_arrays(self, op: "Op | str | int", target: "str | Segment", sources: ArrayLike,
+    def submit_arrays(self, op: "Op | int", target: "str | Segment", sources: ArrayLike,
                       target_addresses: ArrayLike, lengths: "ArrayLike | int",
                       notify: bytes | None = None, timeout: float | None = None) -> Batch:
         """The fast path for many descriptors: numpy uint64 arrays (``lengths`` may be an int)."""

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "fast. Each command has --help.")
     p.add_argument("--version", action="version", version=f"mooncake-te {__version__}",
                    help="print the version and exit (`mooncake-te version` says more)")
-    sub = p.add_subparsers(dest="command", metavar="<command>",
+    # A partial is a parser class to argparse (it calls it); typeshed wants a type.
+    sub = p.add_subparsers(dest="command", metavar="<command>",  # type: ignore[call-overload]
                            parser_class=functools.partial(Parser, formatter_class=HelpFormatter))
     for name, module in COMMANDS.items():
         try:

@@ -144,6 +144,7 @@ def load_vllm_config(path: "str | os.PathLike") -> VllmSettings:
     top = _norm(raw)
     s = VllmSettings(path=path)
 
+    kv: object
     if "kv_connector" in top or "kv_role" in top:
         kv, s.kv_transfer_key = raw, "kv_transfer_config"
         top = {}
