@@ -111,16 +111,20 @@ def scratch(tmp_path):
     return tmp_path
 
 
+def _skip_unless_runnable(page, line, excerpt):
+    if excerpt:
+        pytest.skip("marked as an excerpt")
+    if f"{page}:{line}" in KNOWN_BROKEN:
+        pytest.xfail(f"another owner's page, reported: {KNOWN_BROKEN[f'{page}:{line}']}")
+
+
 def _env():
     return dict(os.environ, PYTHONPATH=ROOT, MC_METADATA_SERVER="", COLUMNS="100")
 
 
 @pytest.mark.parametrize("page,line,text,excerpt", _cases("python"))
 def test_python_blocks_run(page, line, text, excerpt, fill, scratch):
-    if excerpt:
-        pytest.skip("marked as an excerpt")
-    if f"{page}:{line}" in KNOWN_BROKEN:
-        pytest.xfail(f"another owner's page, reported: {KNOWN_BROKEN[f'{page}:{line}']}")
+    _skip_unless_runnable(page, line, excerpt)
     r = subprocess.run([sys.executable, "-c", _filled(text, fill)], cwd=scratch, env=_env(),
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"{page}:{line} failed:\n{r.stderr[-3000:]}"
@@ -182,10 +186,7 @@ def _check_program(prog: str, where: str):
 @pytest.mark.parametrize("page,line,text,excerpt", _cases("shell"))
 def test_shell_blocks_name_real_commands_and_flags(page, line, text, excerpt, fill, scratch):
     from mooncake_te.cli.main import build_parser
-    if excerpt:
-        pytest.skip("marked as an excerpt")
-    if f"{page}:{line}" in KNOWN_BROKEN:
-        pytest.xfail(f"another owner's page, reported: {KNOWN_BROKEN[f'{page}:{line}']}")
+    _skip_unless_runnable(page, line, excerpt)
     info = next(i for ln, i, t, _ in blocks(page) if ln == line)
     for cmd in commands(info, text):
         where = f"{page}:{line}: {cmd}"
