@@ -147,17 +147,27 @@ def _replay_real(args, trace) -> int:
     from ..config import Config
     cfg = Config.load(args.config)
     k = cfg["kvcache"]
+    gib = 1 << 30
     block_bytes = trace.block_tokens * args.bytes_per_token
     dram = args.dram_gb if args.dram_gb is not None else k["dram_cache_gb"]
     ssd = args.ssd_gb if args.ssd_gb is not None else k["ssd_cache_gb"]
     cache_dir = args.cache_dir or k["cache_dir"] or None
     policy = args.policy or k["eviction_policy"]
-    if dram <= 0 and ssd <= 0:
-        # Nothing configured: a cache of 0 bytes would hit nothing. Pick a small DRAM tier
-        # and say so (stderr, so --json output stays one document).
+    if dram <= 0:
+        # Nothing configured (a cache of 0 bytes hits nothing), or only an SSD tier (which
+        # reads and writes through DRAM): pick a small DRAM tier and say so (stderr, so
+        # --json output stays one document).
         dram = DEFAULT_DRAM_GB
-        print(f"mooncake-te trace: no cache size given (--dram-gb, --ssd-gb or [kvcache] in "
-              f"--config); using --dram-gb {dram:g}", file=sys.stderr)
+        print(f"mooncake-te trace: no DRAM tier given (--dram-gb, or [kvcache] "
+              f"dram_cache_gb in --config); using --dram-gb {dram:g}", file=sys.stderr)
+    from ..kvcache.store import slot_size_for
+    slot = slot_size_for(block_bytes)
+    if dram * gib < slot:
+        print(f"mooncake-te trace: --dram-gb {dram:g} holds no block of {block_bytes} bytes "
+              f"({slot} with header and alignment; --bytes-per-token {args.bytes_per_token} x "
+              f"{trace.block_tokens} tokens); use --dram-gb {slot / gib:.4f} or more",
+              file=sys.stderr)
+        return 2
     tmp = None
     if ssd > 0 and not cache_dir:
         import tempfile

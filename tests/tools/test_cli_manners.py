@@ -144,9 +144,13 @@ def test_p2p_publish_json_is_one_document_and_fetch_draws_no_bar(tmp_path):
     (["metadata-server", "--port", "99999"], ["99999 is not a port"]),
     (["p2p", "list", "--port", "-1"], ["-1 is not a port"]),
     (["doctor", "--check", "metadta"], ["no check named 'metadta'", "did you mean 'metadata'?"]),
+    (["trace", "replay", TRACE, "--real", "--dram-gb", "0.0001"],
+     ["--dram-gb 0.0001 holds no block", "use --dram-gb 0.0010 or more"]),
 ])
 def test_bad_values_are_usage_errors_before_work(args, words):
-    usage_error(cli(*args), *words)
+    r = cli(*args)
+    usage_error(r, *words)
+    assert "dram_cache_gb" not in r.stderr and "protocol='" not in r.stderr
 
 
 def test_unavailable_protocol_is_said_in_cli_words():
