@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Type stub for the compiled module ``mooncake_te.core._regions`` (written from its .pyx)."""
+"""Type stub of the compiled module ``mooncake_te.core._regions`` (scripts/stubgen.py)."""
 from typing import Any
 
 READ: int
@@ -12,4 +12,5 @@ class Regions:
     def check_many(self, addrs: Any, lens: Any, need: int = ...) -> Any: ...
     def pin(self, addr: int, length: int, need: int = ...) -> Any: ...
     def unpin(self, handle: int) -> Any: ...
+
 WRITE: int

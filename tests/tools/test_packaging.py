@@ -97,3 +97,20 @@ def test_docs_site_builds_with_warnings_as_errors(tmp_path):
         if name[0].isupper() and name not in ("READ", "WRITE"):
             assert f'id="mooncake_te.{name}"' in ref or f'id="mooncake_te.errors.{name}"' \
                 in ref, f"{name} is missing from the API reference"
+
+
+def test_every_compiled_module_has_a_stub_naming_its_public_names():
+    import glob
+    import importlib
+    sos = glob.glob(os.path.join(ROOT, "mooncake_te", "**", "*.so"), recursive=True)
+    assert sos, "the package is not built in place"
+    for so in sos:
+        mod = os.path.relpath(so, ROOT).split(".", 1)[0].replace(os.sep, ".")
+        stub = so.split(".", 1)[0] + ".pyi"
+        assert os.path.exists(stub), f"{mod} has no stub: run scripts/stubgen.py"
+        text = open(stub).read()
+        m = importlib.import_module(mod)
+        missing = [n for n, v in vars(m).items()
+                   if not n.startswith("_") and not getattr(v, "__module__", mod) != mod
+                   and not re.search(rf"^(class |def )?{re.escape(n)}\b", text, re.M)]
+        assert missing == [], f"{mod}: not in its stub: {missing}; run scripts/stubgen.py"

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Type stub for the compiled module ``mooncake_te.transports.nvmeof._nvmeof`` (written from its .pyx)."""
+"""Type stub of the compiled module ``mooncake_te.transports.nvmeof._nvmeof`` (scripts/stubgen.py)."""
 from typing import Any
 
 
@@ -17,5 +17,6 @@ class Device:
     path: Any
     regions: Any
     ident: Any
+
 OUT_OF_RANGE: int
 STORAGE_BASE: int

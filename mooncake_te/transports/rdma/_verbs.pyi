@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Type stub for the compiled module ``mooncake_te.transports.rdma._verbs`` (written from its .pyx)."""
+"""Type stub of the compiled module ``mooncake_te.transports.rdma._verbs`` (scripts/stubgen.py)."""
 from typing import Any
 
 ACCESS_LOCAL_WRITE: int
@@ -14,11 +14,13 @@ class CQ:
     channel: Any
     cqe: Any
 
+
 class CompChannel:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     def close(self) -> Any: ...
     fd: Any
     context: Any
+
 
 class Context:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -28,6 +30,7 @@ class Context:
     closed: Any
     name: Any
     attr: Any
+
 
 class DataPath:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -42,6 +45,7 @@ class DataPath:
     def close(self) -> Any: ...
     regions: Any
     ndev: Any
+
 MAX_DEV: int
 MAX_QP: int
 MAX_RAILS: int
@@ -58,11 +62,13 @@ class MR:
     length: Any
     access: Any
 
+
 class PD:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     def close(self) -> Any: ...
     closed: Any
     context: Any
+
 
 class Peer:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
@@ -80,6 +86,7 @@ class Peer:
     npdev: Any
     key: Any
 
+
 class QP:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     def init(self, port: int = ..., access: int = ..., pkey_index: int = ...) -> Any: ...
@@ -95,16 +102,18 @@ class QP:
     cq: Any
     max_send_wr: Any
     port: Any
+
 READ: int
 
 class VerbsError:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
-    ...
+
 WRITE: int
 
 class _Node:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     parent: Any
+
 
 def device_names() -> Any: ...
 

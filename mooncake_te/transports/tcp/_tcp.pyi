@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Type stub for the compiled module ``mooncake_te.transports.tcp._tcp`` (written from its .pyx)."""
+"""Type stub of the compiled module ``mooncake_te.transports.tcp._tcp`` (scripts/stubgen.py)."""
 from typing import Any
 
 
@@ -22,6 +22,7 @@ class NativeBatch:
     stopped: Any
     size: Any
 
+
 class Peer:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     def transfer_sync(self, op: int, local: int, remote: int, length: int, deadline_ns: int) -> Any: ...
@@ -36,6 +37,7 @@ class Peer:
     lanes: Any
     uds: Any
     key: Any
+
 READ: int
 
 class TcpServer:
@@ -47,6 +49,7 @@ class TcpServer:
     regions: Any
     port: Any
     uds_name: Any
+
 WRITE: int
 
 def batch_ops_address() -> Any: ...
