@@ -33,6 +33,11 @@ CFLAGS = ["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function", "-pthread",
 INCLUDE = ["src", numpy.get_include()]
 
 
+# Wheels ship stripped modules (-s drops the static symbol table; the exported PyInit_*
+# stay); MTE_NO_STRIP=1 keeps symbols for gdb and perf.
+STRIP = [] if os.environ.get("MTE_NO_STRIP") == "1" else ["-s"]
+
+
 def ext(name, pyx, sources, libraries=(), core=False):
     """A transport's extension links src/core/import.c (the core's table), never core code;
     the core's own extension (core=True) is built with MTE_CORE_BUILD."""
@@ -42,7 +47,7 @@ def ext(name, pyx, sources, libraries=(), core=False):
     else:
         sources = sources + ["src/core/import.c"]
     return Extension(name, [pyx] + sources, include_dirs=INCLUDE, extra_compile_args=CFLAGS,
-                     extra_link_args=["-pthread", "-ldl"], libraries=list(libraries),
+                     extra_link_args=["-pthread", "-ldl"] + STRIP, libraries=list(libraries),
                      define_macros=macros)
 
 

@@ -23,10 +23,7 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_TRACE = os.path.join(HERE, os.pardir, os.pardir, "shared", "data", "mooncake-traces",
-                             "synthetic_trace.jsonl")
-if not os.path.exists(DEFAULT_TRACE):
-    DEFAULT_TRACE = "/work/shared/data/mooncake-traces/synthetic_trace.jsonl"
+DEFAULT_TRACE = os.path.join(HERE, os.pardir, "data", "traces", "synthetic_trace.jsonl")
 
 
 def fio_or_dd(directory: str, block: int, size_mb: int = 1024) -> dict:

@@ -7,7 +7,7 @@ Usage::
 
 Prints, per trace: load time, then block accesses per second for LRU and LFU at 10,000
 blocks and unlimited, and the time of a default 19-point sweep. Defaults to the two
-sample traces in ``shared/data/mooncake-traces/``.
+sample traces in the repository's ``data/traces/``.
 """
 from __future__ import annotations
 
@@ -16,9 +16,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-DATA = os.path.join(HERE, os.pardir, os.pardir, "shared", "data", "mooncake-traces")
-if not os.path.isdir(DATA):
-    DATA = "/work/shared/data/mooncake-traces"
+DATA = os.path.join(HERE, os.pardir, "data", "traces")
 
 
 def main(argv=None) -> int:

@@ -174,6 +174,8 @@ class Batch:
         return f"<Batch of {len(self)} via {self.transport}, {'done' if self.done() else 'pending'}>"
 
     def done(self) -> bool:
+        """Whether every request has finished (completed, failed or canceled); never
+        blocks."""
         return self._native.done()
 
     def cancel(self) -> None:
@@ -187,7 +189,15 @@ class Batch:
             states, nbytes, errs = states[self._order], nbytes[self._order], errs[self._order]
         return states, nbytes, errs
 
-    def status(self) -> list:
+    def status(self) -> "list[TransferStatus]":
+        """Per-request state and bytes moved so far, in submission order; never blocks.
+
+        Returns
+        -------
+        list of TransferStatus
+            ``state`` is one of "pending", "completed", "failed", "timeout", "canceled"
+            (``STATES``); ``transferred_bytes`` counts what reached its destination.
+        """
         states, nbytes, _ = self._status()
         return [TransferStatus(STATES[s], int(b)) for s, b in zip(states.tolist(), nbytes.tolist())]
 

@@ -12,7 +12,9 @@ import logging
 import os
 import secrets
 import warnings
-from typing import Iterable
+from typing import Iterable, Sequence
+
+from numpy.typing import ArrayLike
 
 from . import errors as E
 from . import submit as S
@@ -68,8 +70,10 @@ class TransferEngine:
     """
 
     def __init__(self, name: str | None = None, metadata: str | None = None,
-                 protocol: str | None = None, devices=None, host: str | None = None,
-                 port: int | None = None, config=None, auth_token=None):
+                 protocol: str | None = None, devices: "str | Sequence[str] | None" = None,
+                 host: str | None = None, port: int | None = None,
+                 config: "str | os.PathLike | Config | None" = None,
+                 auth_token: "str | bytes | None" = None):
         self._closed = True
         self._pid = os.getpid()
         self.config = cfg = Config.load(config)
@@ -117,6 +121,7 @@ class TransferEngine:
             self._peers = Peers(self._backend, self._tx.forget, self.timeout)
             self._closed = False
             self._publish()
+            self._published = True       # from now on close() withdraws the descriptor
         except BaseException:
             self._closed = False
             self.close()
@@ -140,7 +145,8 @@ class TransferEngine:
         backend = getattr(self, "_backend", None)
         if backend is not None:
             try:
-                backend.unpublish(self.name)
+                if getattr(self, "_published", False):
+                    backend.unpublish(self.name)
             except E.MooncakeError as e:
                 log.warning("could not withdraw %s from metadata: %s", self.name, e)
             backend.close()
@@ -208,7 +214,7 @@ class TransferEngine:
         """The descriptor of ``name`` (``"<engine>/<storage>"``: a storage segment)."""
         return self._peers.resolve(name)
 
-    def open_segment(self, name, refresh: bool = False) -> Segment:
+    def open_segment(self, name: "str | Segment", refresh: bool = False) -> Segment:
         """Resolve a peer's segment (cached; ``refresh=True`` asks again)."""
         self._check_open()
         if isinstance(name, Segment):
@@ -287,7 +293,7 @@ class TransferEngine:
     def regions(self) -> list:
         return self._book.all()
 
-    def register(self, obj, location: str = "auto", access: str = "rw") -> MemoryRegion:
+    def register(self, obj: object, location: str = "auto", access: str = "rw") -> MemoryRegion:
         """Register a buffer (buffer protocol, ``__cuda_array_interface__``, ``__dlpack__``)."""
         self._check_open()
         mr = self._book.add(self._book.intake(obj, location, access), known=True)
@@ -295,7 +301,8 @@ class TransferEngine:
             self._publish()
         return mr
 
-    def register_many(self, objs, location: str = "auto", access: str = "rw") -> list:
+    def register_many(self, objs: Iterable[object], location: str = "auto",
+                      access: str = "rw") -> "list[MemoryRegion]":
         """Register several buffers and publish the descriptor once (with a store
         backend every ``register`` is a network write; KV caches register one tensor per
         layer). All or nothing: on an error, the ones already added are removed."""
@@ -322,7 +329,7 @@ class TransferEngine:
             self._publish()
         return mr
 
-    def unregister(self, region) -> None:
+    def unregister(self, region: "MemoryRegion | int") -> None:
         """Remove a region; waits for I/O in flight on it, then peers can no longer touch it."""
         self._check_open()
         addr = region.address if isinstance(region, MemoryRegion) else int(region)
@@ -334,13 +341,13 @@ class TransferEngine:
             self._publish()
 
     # --- transfers ---------------------------------------------------------------------
-    def write(self, target, source_address: int, target_address: int, length: int,
+    def write(self, target: "str | Segment", source_address: int, target_address: int, length: int,
               timeout: float | None = None) -> None:
         """Copy ``length`` local bytes at ``source_address`` to ``target_address`` of
         ``target``; returns once the peer applied them."""
         self._sync(Op.WRITE, target, source_address, target_address, length, timeout)
 
-    def read(self, target, source_address: int, target_address: int, length: int,
+    def read(self, target: "str | Segment", source_address: int, target_address: int, length: int,
              timeout: float | None = None) -> None:
         """Copy ``length`` bytes at ``target_address`` of ``target`` into local
         ``source_address``."""
@@ -372,7 +379,8 @@ class TransferEngine:
         groups, n, nbytes = S.group(requests)
         return self._start(groups, n, notify, timeout, nbytes=nbytes)
 
-    def submit_arrays(self, op, target, sources, target_addresses, lengths,
+    def submit_arrays(self, op: "Op | int", target: "str | Segment", sources: ArrayLike,
+                      target_addresses: ArrayLike, lengths: "ArrayLike | int",
                       notify: bytes | None = None, timeout: float | None = None) -> Batch:
         """The fast path for many descriptors: numpy uint64 arrays (``lengths`` may be an int)."""
         groups, n, nbytes = S.arrays(op, target, sources, target_addresses, lengths)
@@ -397,7 +405,7 @@ class TransferEngine:
                 "regions": len(self._book), "transports": list(self._transports)}
 
     # --- notifications -----------------------------------------------------------------
-    def send_notification(self, target, message: bytes, timeout: float | None = None) -> None:
+    def send_notification(self, target: "str | Segment", message: bytes, timeout: float | None = None) -> None:
         """Deliver ``message`` to ``target``'s ``notifications()``."""
         if not isinstance(message, (bytes, bytearray, memoryview)):
             raise E.InvalidArgumentError(f"message must be bytes, got {type(message).__name__}")

@@ -142,7 +142,7 @@ def error_class(status: int) -> type:
 
 
 class InvalidArgumentError(MooncakeError, ValueError, status=ERR_INVALID_ARGUMENT):
-    pass
+    """A value passed in is wrong (type, range, unknown name); the message names it and what is accepted."""
 
 
 class AddressNotRegisteredError(MooncakeError, status=ERR_ADDRESS_NOT_REGISTERED):
@@ -150,11 +150,11 @@ class AddressNotRegisteredError(MooncakeError, status=ERR_ADDRESS_NOT_REGISTERED
 
 
 class AddressOverlappedError(InvalidArgumentError, status=ERR_ADDRESS_OVERLAPPED):
-    pass
+    """A region to register overlaps one already registered; unregister it first or register the union once."""
 
 
 class MetadataError(MooncakeError, status=ERR_METADATA):
-    pass
+    """The metadata store or a peer's RPC port failed or answered something unexpected; ``.errno`` holds the socket error where there was one."""
 
 
 class SegmentNotFoundError(MooncakeError):
@@ -165,19 +165,19 @@ class SegmentNotFoundError(MooncakeError):
 
 
 class DeviceNotFoundError(MooncakeError, status=ERR_DEVICE_NOT_FOUND):
-    pass
+    """A named device (RDMA NIC, GPU, NVMe namespace) does not exist on this host."""
 
 
 class TransportUnavailableError(MooncakeError, status=ERR_TRANSPORT_UNAVAILABLE):
-    pass
+    """A transport (or CUDA) is unavailable on this machine or build; the message says why (``mooncake-te version`` lists them)."""
 
 
 class AuthenticationError(MooncakeError, status=ERR_AUTHENTICATION):
-    pass
+    """The peers' ``auth_token`` settings differ: one has none, or the HMAC proofs do not match."""
 
 
 class ConfigError(MooncakeError, ValueError, status=ERR_CONFIG):
-    pass
+    """A configuration file, section, key or ``MC_*`` variable is invalid; the message names the file and key."""
 
 
 # --- transfers: one class per code the native data paths return ------------------------
@@ -187,11 +187,11 @@ class TransferError(MooncakeError, status=ERR_TRANSFER_FAIL):
 
 
 class TransferTimeoutError(TransferError, TimeoutError, status=ERR_TRANSFER_TIMEOUT):
-    pass
+    """A transfer or wait ran past its deadline (``timeout=``, ``[transfer_engine] timeout_ms`` or ``MC_TRANSFER_TIMEOUT``)."""
 
 
 class TransferCanceledError(TransferError, status=ERR_CANCELED):
-    pass
+    """A request was dropped by :meth:`Batch.cancel` before it reached the wire."""
 
 
 class ConnectionLostError(TransferError, status=ERR_SOCKET):

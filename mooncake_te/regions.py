@@ -62,6 +62,16 @@ class RegionBook:
                     f"location {location!r}, but the driver places this {type(obj).__name__} "
                     f"on {it.device}; pass location='auto' or {it.device!r}")
             location = it.device
+        elif isinstance(location, str) and location.startswith("cuda"):
+            # The exporter says host memory: a transfer treating it as GPU memory would
+            # fail later (or, without CUDA, never work); refuse now with the reason.
+            from . import cuda
+            ok, why = cuda.available()
+            raise E.InvalidArgumentError(
+                f"location {location!r}, but this {type(obj).__name__} is host memory"
+                + ("" if ok else f" (and {why})")
+                + "; pass location='auto' or 'cpu:<numa node>', or register a GPU array "
+                  "(cupy, torch on cuda)")
         return MemoryRegion(it.address, it.length, location, access, it.owner, it.readonly)
 
     # --- add / remove ----------------------------------------------------------------

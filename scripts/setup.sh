@@ -12,6 +12,8 @@ cd "$(dirname "$0")/.."
 # for the doctor's HTTPS test certificate, fio for the kvcache benchmark's disk ceiling.
 PKGS=(python3 python3-venv python3-dev gcc libc6-dev redis-server etcd-server iperf3 fio procps
       openssl iproute2
+      # the docs' commands: etcdctl (docs/metadata.md), curl
+      etcd-client curl
       # the fabric lab (docs/fabric-lab.md): a qemu guest with Soft-RoCE and NVMe-oF
       qemu-system-x86 busybox-static kmod rdma-core ibverbs-providers ibverbs-utils perftest
       # the RDMA transport is built against infiniband/verbs.h (docs/rdma.md)
@@ -38,5 +40,5 @@ if [[ ! -x .venv/bin/python ]]; then
     "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-.venv/bin/python -m pip install -q -e ".[dev,bench,redis,etcd,http]"
+.venv/bin/python -m pip install -q -e ".[dev,docs,bench,redis,etcd,http]"
 echo "setup: ready ($(.venv/bin/python -c 'import mooncake_te; print("mooncake_te", mooncake_te.__version__)'))"

@@ -25,7 +25,7 @@ def _probe_gpu() -> str | None:
     try:
         import cupy  # noqa: F401
     except ImportError:
-        return "cupy is not installed (pip install mooncake-te[gpu])"
+        return "cupy is not installed (pip install mooncake-te[cuda12] or [cuda13])"
     return None
 
 

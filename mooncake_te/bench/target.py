@@ -16,12 +16,12 @@ import json
 import os
 import selectors
 import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 
+from .._spawn import python_m
 from . import pattern
 
 PREFIX = b"mte-bench/1 "            # marks bench control messages among notifications
@@ -176,8 +176,8 @@ class LoopbackTarget:
     def __init__(self, host: str, buffer_size: int, metadata: str | None = None,
                  protocol: str | None = None, start_timeout: float = 60.0,
                  devices: str | None = None):
-        cmd = [sys.executable, "-m", "mooncake_te.bench._child", "--host", host,
-               "--buffer-size", str(buffer_size)]
+        cmd = python_m("mooncake_te.bench._child") + ["--host", host,
+                                                      "--buffer-size", str(buffer_size)]
         if metadata:
             cmd += ["--metadata", metadata]
         if protocol:

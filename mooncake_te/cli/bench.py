@@ -8,10 +8,11 @@ module only turns flags into a :class:`~mooncake_te.bench.BenchConfig` and print
 """
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
+
+from ._parser import HelpFormatter, metadata_url, port, size
 
 _DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M"
 
@@ -23,7 +24,7 @@ def add_parser(subparsers) -> None:
                     "submit_arrays requests, plus synchronous 4 KiB request latency. With "
                     "no arguments: a target in a second process on 127.0.0.1, block sizes "
                     f"{_DEFAULT_SIZES}, 1 s per point. Columns: see docs/bench.md.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     g = p.add_argument_group("where")
     g.add_argument("--mode", choices=["loopback", "initiator", "target"], default="loopback",
                    help="loopback: start a target here and measure; target: serve and wait; "
@@ -32,24 +33,28 @@ def add_parser(subparsers) -> None:
                    help="address this engine serves on (loopback default 127.0.0.1; "
                         "otherwise the engine's default: MC_TCP_BIND_ADDRESS or the first "
                         "UP interface)")
-    g.add_argument("--port", type=int, default=0,
+    g.add_argument("--port", type=port, default=0,
                    help="RPC port of the target (--mode target); 0 picks a free one")
-    g.add_argument("--segment", metavar="NAME", help="target segment name (initiator mode)")
-    g.add_argument("--metadata", default=None,
+    # The second names are Mooncake's transfer_engine_bench flags, accepted as they are.
+    g.add_argument("--segment", "--segment_id", metavar="NAME",
+                   help="target segment name (initiator mode)")
+    g.add_argument("--metadata", "--metadata_server", default=None, type=metadata_url,
                    help="metadata backend: p2p (no server), etcd://h:2379, redis://h:6379, "
-                        "http://h:8080/metadata (default: config / p2p)")
-    g.add_argument("--protocol", default=None, help="auto | tcp | shm | rdma (default auto)")
+                        "http://h:8080/metadata (default: the config's, else p2p)")
+    g.add_argument("--protocol", default=None, choices=["auto", "tcp", "shm", "rdma"],
+                   help="transport to measure (default: auto, the best this machine has)")
     g.add_argument("--device", default=None, metavar="NIC[,NIC]",
                    help="RDMA devices of this engine (default: all; also MC_TE_FILTERS)")
     g.add_argument("--target-device", default=None, metavar="NIC[,NIC]",
                    help="RDMA devices of the loopback target (default: as --device)")
-    g.add_argument("--buffer-size", default="128M",
-                   help="bytes registered on each side")
+    g.add_argument("--buffer-size", default="128M", type=size, metavar="SIZE",
+                   help="bytes registered on each side, e.g. 128M or 1G (default: 128M)")
     g = p.add_argument_group("what")
-    g.add_argument("--op", choices=["write", "read", "both"], default="both")
-    g.add_argument("--block-sizes", default=_DEFAULT_SIZES, metavar="LIST",
+    g.add_argument("--op", "--operation", choices=["write", "read", "both"], default="both",
+                   help="which direction to measure")
+    g.add_argument("--block-sizes", "--block_size", default=_DEFAULT_SIZES, metavar="LIST",
                    help="comma-separated block (request) sizes, e.g. 4K,64K,1M")
-    g.add_argument("--batch-size", default="auto", metavar="N[,N...]",
+    g.add_argument("--batch-size", "--batch_size", default="auto", metavar="N[,N...]",
                    help="requests per batch, or a list to sweep; auto = 64, fewer for blocks "
                         "above 256 KiB (at most 16 MiB per batch)")
     g.add_argument("--inflight", type=int, default=4,
@@ -57,9 +62,9 @@ def add_parser(subparsers) -> None:
     g.add_argument("--threads", type=int, default=1, help="submitting threads")
     g.add_argument("--duration", type=float, default=1.0, help="timed seconds per point")
     g.add_argument("--warmup", type=float, default=None,
-                   help="untimed seconds before each point (default duration/10, "
+                   help="untimed seconds before each point (default: duration/10, "
                         "0.05-0.25 s)")
-    g.add_argument("--sync-size", default="4K",
+    g.add_argument("--sync-size", default="4K", metavar="SIZE",
                    help="bytes per synchronous eng.write/eng.read request")
     g.add_argument("--no-sync", action="store_true",
                    help="skip the synchronous single-request latency points")
@@ -79,6 +84,27 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def _cannot_run(args, buffer_size: int) -> str | None:
+    """Why these flags cannot work on this machine (said before anything starts), or None."""
+    from ..bench.stats import format_size
+    from ._parser import memory_bytes
+    sides = 2 if args.mode == "loopback" else 1
+    mem = memory_bytes()
+    if mem and buffer_size * sides > mem:
+        return (f"--buffer-size {format_size(buffer_size)} needs {format_size(buffer_size * sides)} "
+                f"of memory ({'both sides here' if sides == 2 else 'registered here'}), but this "
+                f"machine has {mem / 2**30:.1f} GiB; use a smaller --buffer-size, e.g. 128M")
+    if args.protocol not in (None, "auto", "tcp", "shm"):
+        from ..transports import probe
+        t = probe().get(args.protocol)
+        if t is not None and getattr(t, "available", True) is False:
+            return (f"--protocol {args.protocol} is unavailable here: {t.reason}; use "
+                    f"--protocol tcp or auto (`mooncake-te version` lists the transports)")
+    if args.mode == "initiator" and not args.segment:
+        return "--mode initiator needs --segment NAME (the target prints it)"
+    return None
+
+
 def _on_sigterm(signum, frame):
     # Turn SIGTERM into the Ctrl-C path so targets and engines are closed on the way out.
     raise KeyboardInterrupt
@@ -92,8 +118,11 @@ def run(args) -> int:
     from ..bench.stats import parse_size, parse_sizes
     from ..errors import MooncakeError
 
+    buffer_size = args.buffer_size
+    why = _cannot_run(args, buffer_size)
+    if why:                                # before any process or engine starts
+        return _fail(why)
     try:
-        buffer_size = parse_size(args.buffer_size)
         cfg = BenchConfig(
             ops=["write", "read"] if args.op == "both" else [args.op],
             block_sizes=parse_sizes(args.block_sizes),
@@ -104,6 +133,11 @@ def run(args) -> int:
             sync_size=parse_size(args.sync_size))
     except ValueError as e:
         return _fail(str(e))
+    big = max(cfg.block_sizes)
+    if args.mode == "loopback" and big > buffer_size:   # known before the target starts
+        from ..bench.stats import format_size
+        return _fail(f"block size {format_size(big)} is larger than --buffer-size "
+                     f"{format_size(buffer_size)}; raise --buffer-size or drop that block size")
     if args.plot:
         why = report.plot_available()
         if why:                            # say so before spending a minute measuring

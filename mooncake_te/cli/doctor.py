@@ -43,7 +43,17 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..doctor import Context, exit_code, report, run_checks
+    from ..doctor import CHECKS, Context, exit_code, report, run_checks
+    from ..doctor import checks as _registered  # noqa: F401  (fills CHECKS)
+    names = [c.name for c in CHECKS]
+    for name in args.check or ():
+        if name not in names:              # a usage error, before any probe runs
+            import difflib
+            close = difflib.get_close_matches(name, names, n=1)
+            print(f"mooncake-te doctor: error: argument --check: no check named {name!r}"
+                  + (f"; did you mean {close[0]!r}?" if close else "")
+                  + f" (choose from {', '.join(names)})", file=sys.stderr)
+            return 2
     config = args.config
     if config is None and args.vllm_config:
         # The file vLLM's connector will load: check that one.

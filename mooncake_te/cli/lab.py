@@ -12,7 +12,8 @@ import sys
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "lab", help="RDMA (Soft-RoCE) and NVMe-oF in a qemu guest, for machines without",
+        "lab", help="RDMA (Soft-RoCE) and NVMe-oF in a qemu guest, for machines without the "
+                   "hardware",
         description="A guest kernel under qemu gives real RDMA verbs devices (Soft-RoCE on "
                     "veth pairs) and a real NVMe-oF target on any x86-64 Linux host, "
                     "running this host's own Python and files. Software emulation: for "
@@ -49,7 +50,8 @@ def add_parser(subparsers) -> None:
     pr.add_argument("--nvmeof-size", type=int, default=64, metavar="MiB",
                     help="size of the NVMe-oF namespace (default 64 MiB, in guest memory)")
     _common(pr)
-    pr.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...")
+    pr.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
+                    help="the command to run in the guest, after --")
 
     ps = sub.add_parser("selftest", help="prove the lab: verbs devices, ib_write_bw, NVMe-oF",
                         description="Prepare, boot once and check: ibv_devinfo shows rxe0 "

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import os
 import sys
 
 # command name -> module in mooncake_te.cli
@@ -23,10 +25,16 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mooncake-te",
-                                description="mooncake_te: move KV cache and large buffers "
-                                            "between machines, fast.")
-    sub = p.add_subparsers(dest="command", metavar="<command>")
+    from .. import __version__
+    from ._parser import HelpFormatter, Parser
+    p = Parser(prog="mooncake-te", formatter_class=HelpFormatter,
+               description="mooncake_te: move KV cache and large buffers between machines, "
+                           "fast. Each command has --help.")
+    p.add_argument("--version", action="version", version=f"mooncake-te {__version__}",
+                   help="print the version and exit (`mooncake-te version` says more)")
+    # A partial is a parser class to argparse (it calls it); typeshed wants a type.
+    sub = p.add_subparsers(dest="command", metavar="<command>",  # type: ignore[call-overload]
+                           parser_class=functools.partial(Parser, formatter_class=HelpFormatter))
     for name, module in COMMANDS.items():
         try:
             mod = importlib.import_module(f"mooncake_te.cli.{module}")
@@ -39,15 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader left (`| head`): no traceback. Point stdout at /dev/null so the
+        # interpreter's final flush does not raise again (Python's signal docs, SIGPIPE).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141                     # 128 + SIGPIPE, as a shell reports it
 
 
 if __name__ == "__main__":

@@ -10,6 +10,8 @@ import json
 import logging
 import sys
 
+from ._parser import port as _port
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -20,11 +22,12 @@ def add_parser(subparsers) -> None:
                     "(X-Mooncake-TTL), optional persistence and GET /health.")
     p.add_argument("--host", default="0.0.0.0",
                    help="address to listen on (default: 0.0.0.0, as Mooncake's server)")
-    p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 = any free)")
+    p.add_argument("--port", type=_port, default=8080, help="port (default: 8080; 0 = any free)")
     p.add_argument("--persist", metavar="FILE", default=None,
                    help="keep the keys in FILE so a restart does not lose them")
     p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   help="how much the server logs")
     p.add_argument("--json", action="store_true",
                    help="print the listening address as one JSON line on start")
     p.set_defaults(func=run)

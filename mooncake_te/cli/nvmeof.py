@@ -45,7 +45,7 @@ def add_parser(subparsers) -> None:
                          description="Remove subsystem NQN: unlink it from its ports, "
                                      "disable and remove its namespaces, and remove ports "
                                      "and host entries nothing else uses.")
-    td.add_argument("nqn")
+    td.add_argument("nqn", help="NVMe qualified name of the subsystem to delete")
     tl = tsub.add_parser("list", help="list this machine's subsystems")
     tl.add_argument("--json", action="store_true", help="print JSON")
     pt.set_defaults(_parser=pt)
@@ -53,7 +53,7 @@ def add_parser(subparsers) -> None:
     pc = sub.add_parser("connect", help="connect this host to a subsystem",
                         description="Connect to subsystem NQN at ADDRESS:SERVICE_ID and wait "
                                     "for its namespaces' block devices.")
-    pc.add_argument("nqn")
+    pc.add_argument("nqn", help="NVMe qualified name of the subsystem to connect to")
     _where(pc, address_default=None)
     pc.add_argument("--hostnqn", default=None, help="our host NQN (default /etc/nvme/hostnqn, "
                                                     "else the kernel's)")
@@ -62,7 +62,7 @@ def add_parser(subparsers) -> None:
                          "fails (default 10; -1 forever)")
     pc.add_argument("--json", action="store_true", help="print the connection as JSON")
     pd = sub.add_parser("disconnect", help="disconnect this host from a subsystem")
-    pd.add_argument("nqn")
+    pd.add_argument("nqn", help="NVMe qualified name of the subsystem to disconnect")
     pl = sub.add_parser("list", help="list the subsystems this host is connected to")
     pl.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=run, _parser=p)

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from ._parser import metadata_url, port
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
@@ -27,7 +28,7 @@ def add_parser(subparsers) -> None:
     sub = p.add_subparsers(dest="p2p_command", metavar="<publish|fetch|list>")
 
     def common(q):
-        q.add_argument("--metadata", default=None,
+        q.add_argument("--metadata", default=None, type=metadata_url,
                        help="etcd://h:2379, redis://h:6379, http://h:8080/metadata, or p2p "
                             "(no server: fetchers give --seed) (default: config.toml "
                             "[p2p_store] / [metadata], MC_METADATA_SERVER, else p2p)")
@@ -38,11 +39,12 @@ def add_parser(subparsers) -> None:
         q.add_argument("--host", default=None,
                        help="address peers reach this node at (default: the engine's: "
                             "MC_TCP_BIND_ADDRESS or the first UP interface)")
-        q.add_argument("--port", type=int, default=0, help="store control port (0: any free)")
+        q.add_argument("--port", type=port, default=0,
+                       help="store control port (0: any free)")
         q.add_argument("--json", action="store_true", help="print results as JSON")
 
     q = sub.add_parser("publish", help="publish a file and serve it until interrupted")
-    q.add_argument("file")
+    q.add_argument("file", help="the file to publish")
     q.add_argument("--name", help="object name (default: the file's base name)")
     q.add_argument("--chunk-size", default="4M", help="bytes per chunk (default 4M)")
     q.add_argument("--duration", type=float, default=None,
@@ -51,7 +53,7 @@ def add_parser(subparsers) -> None:
     q.set_defaults(func=run)
 
     q = sub.add_parser("fetch", help="fetch an object into a file, with a progress bar")
-    q.add_argument("name")
+    q.add_argument("name", help="the object's name (as `p2p list` shows it)")
     q.add_argument("-o", "--output", help="file to write (default: ./NAME's base name)")
     q.add_argument("--centralized", action="store_true",
                    help="fetch everything from the publisher and serve nothing "
@@ -115,13 +117,16 @@ def _stop_event(duration=None) -> threading.Event:
 
 
 def _progress(enabled: bool, description: str, total: int):
-    """A rich progress bar (bytes, rate, ETA) and its update callable."""
-    if not enabled:
+    """A rich progress bar (bytes, rate, ETA) and its update callable: on stderr, and only
+    when stderr is a terminal, so stdout carries results alone."""
+    if not enabled or not sys.stderr.isatty():
         return None, None
+    from rich.console import Console
     from rich.progress import (BarColumn, DownloadColumn, Progress, TimeRemainingColumn,
                                TransferSpeedColumn)
     bar = Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                   TransferSpeedColumn(), TimeRemainingColumn(), transient=False)
+                   TransferSpeedColumn(), TimeRemainingColumn(), transient=False,
+                   console=Console(stderr=True))
     task = bar.add_task(description, total=total)
     return bar, (lambda done, _total: bar.update(task, completed=done))
 
@@ -138,7 +143,7 @@ def _publish(args) -> int:
     try:
         with open(path, "rb") as f:
             mem = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-        bar, update = _progress(not args.json and sys.stderr.isatty(), f"checksums {name}", size)
+        bar, update = _progress(not args.json, f"checksums {name}", size)
         if bar:
             bar.start()
         try:
@@ -159,12 +164,11 @@ def _publish(args) -> int:
                   flush=True)
         _stop_event(args.duration).wait()
         s = store.stats()
-        if args.json:
-            print(json.dumps({"bytes_uploaded": s["bytes_uploaded"],
-                              "chunks_to": s["chunks_to"]}), flush=True)
-        else:
-            print(f"uploaded {s['bytes_uploaded']} bytes ({s['chunks_uploaded']} chunks) to "
-                  f"{len(s['chunks_to'])} fetchers", flush=True)
+        # With --json, stdout carries one document (the one above, which fetchers need
+        # while this serves); the closing tally is a status line on stderr.
+        print(f"uploaded {s['bytes_uploaded']} bytes ({s['chunks_uploaded']} chunks) to "
+              f"{len(s['chunks_to'])} fetchers", file=sys.stderr if args.json else sys.stdout,
+              flush=True)
     finally:
         store.close()
         eng.close()
@@ -220,6 +224,13 @@ def _fetch(args) -> int:
 
 
 def _list(args) -> int:
+    import os as _os
+    if not (args.metadata or args.seed or args.config or _os.environ.get("MC_METADATA_SERVER")):
+        # With neither, the store would ask nobody and print an empty table.
+        print("mooncake-te p2p list: nothing to ask: give --metadata URL (the store the "
+              "publishers use) or --seed HOST:PORT (a publisher's store, as `p2p publish` "
+              "prints)", file=sys.stderr)
+        return 2
     eng, store = _open(args)
     try:
         objs = store.list()

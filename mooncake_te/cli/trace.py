@@ -1,14 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """``mooncake-te trace``: statistics, cache replay and capacity sweeps of Mooncake's JSONL
-request traces (``shared/data/mooncake-traces/``), and ``replay --real`` through the
+request traces (samples in the repository's ``data/traces/``), and ``replay --real`` through the
 tiered KV cache. The simulation is the one issue 13 defines (see
 :mod:`mooncake_te.kvcache.trace`)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ..errors import MooncakeError
+
+#: DRAM tier of ``replay --real`` when neither flags nor config size the cache
+DEFAULT_DRAM_GB = 1.0
 
 
 def add_parser(subparsers) -> None:
@@ -20,7 +24,7 @@ def add_parser(subparsers) -> None:
     sub = p.add_subparsers(dest="trace_command", metavar="<subcommand>")
 
     s = sub.add_parser("stats", help="requests, tokens, unique blocks, unlimited hit rate")
-    s.add_argument("file")
+    s.add_argument("file", help="a Mooncake JSONL trace (samples: data/traces/ in the repository)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=run)
 
@@ -29,7 +33,7 @@ def add_parser(subparsers) -> None:
                                    "hit length = longest cached run of hash_ids from the "
                                    "start, then each block is touched or inserted (evicting "
                                    "while the cache holds the capacity or more).")
-    r.add_argument("file")
+    r.add_argument("file", help="a Mooncake JSONL trace")
     r.add_argument("--policy", choices=("lru", "lfu"),
                    help="eviction policy (default lru; with --real, the config's)")
     cap = r.add_mutually_exclusive_group()
@@ -43,9 +47,14 @@ def add_parser(subparsers) -> None:
                    help="push synthetic KV bytes through the real tiered cache; capacities "
                         "from --config [kvcache] or --dram-gb/--ssd-gb")
     r.add_argument("--config", help="config.toml whose [kvcache] sizes the cache (--real)")
-    r.add_argument("--dram-gb", type=float, help="DRAM tier in GiB (--real; overrides config)")
-    r.add_argument("--ssd-gb", type=float, help="SSD tier in GiB (--real; overrides config)")
-    r.add_argument("--cache-dir", help="SSD tier directory (--real; overrides config)")
+    r.add_argument("--dram-gb", type=float, metavar="G",
+                   help="DRAM tier in GiB (--real; overrides config; default: the config's, "
+                        "or 1 when no tier is sized)")
+    r.add_argument("--ssd-gb", type=float, metavar="G",
+                   help="SSD tier in GiB (--real; overrides config)")
+    r.add_argument("--cache-dir", metavar="DIR",
+                   help="SSD tier directory (--real; overrides config; default: a temporary "
+                        "directory under /var/tmp, removed afterwards)")
     r.add_argument("--bytes-per-token", type=int, default=2048,
                    help="KV bytes per token for --real (default 2048: 1 MiB per 512-token "
                         "block)")
@@ -55,11 +64,12 @@ def add_parser(subparsers) -> None:
     r.set_defaults(func=run)
 
     w = sub.add_parser("sweep", help="hit rate against capacity (FAST'25 Fig. 9 shape)")
-    w.add_argument("file", nargs="+")
-    w.add_argument("--policy", choices=("lru", "lfu"), default="lru")
+    w.add_argument("file", nargs="+", help="one or more Mooncake JSONL traces")
+    w.add_argument("--policy", choices=("lru", "lfu"), default="lru", help="eviction policy")
     w.add_argument("--capacities-tokens", metavar="LIST",
                    help="comma-separated capacities in tokens (default 1e4 .. 1e9)")
-    w.add_argument("--warmup", type=float, default=0.0, metavar="F")
+    w.add_argument("--warmup", type=float, default=0.0, metavar="F",
+                   help="fraction of requests that only warm the cache")
     w.add_argument("--plot", metavar="PNG", help="plot token hit rate against capacity "
                                                  "(needs matplotlib)")
     w.add_argument("--json", action="store_true", help="print one JSON object")
@@ -135,9 +145,6 @@ def _replay(args) -> int:
 
 def _replay_real(args, trace) -> int:
     from ..config import Config
-    from ..kvcache.replay import replay_real
-    from ..kvcache.stats import human
-    from ..kvcache.store import KVCache
     cfg = Config.load(args.config)
     k = cfg["kvcache"]
     gib = 1 << 30
@@ -146,6 +153,41 @@ def _replay_real(args, trace) -> int:
     ssd = args.ssd_gb if args.ssd_gb is not None else k["ssd_cache_gb"]
     cache_dir = args.cache_dir or k["cache_dir"] or None
     policy = args.policy or k["eviction_policy"]
+    if dram <= 0:
+        # Nothing configured (a cache of 0 bytes hits nothing), or only an SSD tier (which
+        # reads and writes through DRAM): pick a small DRAM tier and say so (stderr, so
+        # --json output stays one document).
+        dram = DEFAULT_DRAM_GB
+        print(f"mooncake-te trace: no DRAM tier given (--dram-gb, or [kvcache] "
+              f"dram_cache_gb in --config); using --dram-gb {dram:g}", file=sys.stderr)
+    from ..kvcache.store import slot_size_for
+    slot = slot_size_for(block_bytes)
+    if dram * gib < slot:
+        print(f"mooncake-te trace: --dram-gb {dram:g} holds no block of {block_bytes} bytes "
+              f"({slot} with header and alignment; --bytes-per-token {args.bytes_per_token} x "
+              f"{trace.block_tokens} tokens); use --dram-gb {slot / gib:.4f} or more",
+              file=sys.stderr)
+        return 2
+    tmp = None
+    if ssd > 0 and not cache_dir:
+        import tempfile
+        tmp = cache_dir = tempfile.mkdtemp(prefix="mooncake-te-trace-", dir="/var/tmp"
+                                           if os.path.isdir("/var/tmp") else None)
+        print(f"mooncake-te trace: --ssd-gb without --cache-dir; the SSD tier lives in "
+              f"{tmp} for this run (removed afterwards)", file=sys.stderr)
+    try:
+        return _run_real(args, trace, k, block_bytes, dram, ssd, cache_dir, policy)
+    finally:
+        if tmp:
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run_real(args, trace, k, block_bytes, dram, ssd, cache_dir, policy) -> int:
+    from ..kvcache.replay import replay_real
+    from ..kvcache.stats import human
+    from ..kvcache.store import KVCache
+    gib = 1 << 30
     with KVCache(block_bytes, int(dram * gib), int(ssd * gib), cache_dir, policy,
                  block_tokens=trace.block_tokens, log_interval_s=0) as cache:
         def progress(done, total):

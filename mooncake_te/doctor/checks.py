@@ -32,7 +32,12 @@ def check_config(ctx):
         yield skip("MTE101", "no --config given: checking built-in defaults and MC_* "
                              "variables only")
     for p in ctx.config_problems:
-        if p.kind == "syntax":
+        if p.kind == "syntax" and not os.path.isfile(p.where):
+            yield error("MTE100", p.message,
+                        f"check the path given to --config ({p.where!r} is "
+                        f"{'a directory' if os.path.isdir(p.where) else 'not there'}; "
+                        f"relative paths start from {os.getcwd()})", file=p.where)
+        elif p.kind == "syntax":
             yield error("MTE100", p.message,
                         "fix the file so it parses as TOML (https://toml.io); the message "
                         "gives the line and column", file=p.where)
@@ -577,6 +582,10 @@ def check_vllm_connector(ctx):
     if v is None:
         return
     if not v.uses_mooncake_te:
+        kv = v.kv_transfer or {}
+        if kv.get("kv_connector") == "MooncakeConnector":
+            yield from _mooncake_builtin(v)
+            return
         yield skip("MTE505", f"{v.path} does not select mooncake_te's connector")
         return
     from ..integrations.vllm.settings import parse_extra_config
@@ -611,3 +620,23 @@ def check_vllm_connector(ctx):
                                 f"that fails (producer died, lease ran out, incompatible "
                                 f"peer) fails the request instead of recomputing it",
                       'set "kv_load_failure_policy": "recompute" in kv_transfer_config')
+
+
+def _mooncake_builtin(v):
+    """``"kv_connector": "MooncakeConnector"`` without a module path: vLLM's own."""
+    import importlib.util
+    from .vllm import OUR_CLASS, OUR_MODULE
+    what = (f"{v.path}: kv_connector = 'MooncakeConnector' with no kv_connector_module_path: "
+            f"vLLM loads its built-in MooncakeConnector, which imports Mooncake's own package "
+            f"(`mooncake.engine`, pip install mooncake-transfer-engine), not mooncake_te")
+    fix = (f'to use mooncake_te, set "kv_connector": "{OUR_CLASS}" and '
+           f'"kv_connector_module_path": "{OUR_MODULE}" in kv_transfer_config')
+    try:
+        have = importlib.util.find_spec("mooncake.engine") is not None
+    except (ImportError, ValueError):
+        have = False
+    if have:
+        yield warning("MTE505", what, fix)
+    else:
+        yield error("MTE505", what + "; it is not installed here, so vLLM fails at start "
+                                     "with ModuleNotFoundError", fix)

@@ -44,6 +44,7 @@ CACHE_KEYS = (
 ENGINE_KEYS = (
     "block_size", "kv_transfer_config", "cache_config", "kv_cache_dtype",
     "disaggregation_mode", "enable_prefix_caching", "gpu_memory_utilization",
+    "prefill_decode_disaggregation",
 )
 DISAGG_ROLES = ("prefill", "decode")
 OUR_MODULE = "mooncake_te.integrations.vllm"
@@ -112,7 +113,7 @@ def _load_file(path: str):
         import yaml
     except ImportError:
         raise ConfigError(f"{path}: not valid JSON ({json_error}); YAML files need PyYAML "
-                          f"(pip install pyyaml)") from None
+                          f"(pip install 'mooncake-te[yaml]')") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -143,6 +144,7 @@ def load_vllm_config(path: "str | os.PathLike") -> VllmSettings:
     top = _norm(raw)
     s = VllmSettings(path=path)
 
+    kv: object
     if "kv_connector" in top or "kv_role" in top:
         kv, s.kv_transfer_key = raw, "kv_transfer_config"
         top = {}
@@ -166,7 +168,11 @@ def load_vllm_config(path: "str | os.PathLike") -> VllmSettings:
         s.block_size, s.block_size_key = top["block_size"], "block_size"
 
     extra = (s.kv_transfer or {}).get("kv_connector_extra_config") or {}
-    for where, d in (("", top), ("kv_connector_extra_config.", extra)):
+    # Deployment settings files nest the role: {"prefill_decode_disaggregation":
+    # {"role": "decode"}}.
+    pdd = top.get("prefill_decode_disaggregation")
+    for where, d in (("", top), ("prefill_decode_disaggregation.", pdd),
+                     ("kv_connector_extra_config.", extra)):
         for k in ("disaggregation_mode", "role"):
             v = d.get(k) if isinstance(d, dict) else None
             if isinstance(v, str) and v.lower() in DISAGG_ROLES:

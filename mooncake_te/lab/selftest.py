@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 
+from .._spawn import python_m
 from . import cache as _prepare, guest
 from .errors import LabError
 
@@ -171,7 +172,7 @@ def selftest(*, timeout: float = 600, accel: str = "auto", log=print, verbose=Fa
     log(f"prepare: {p.seconds:.1f} s ({'downloaded' if p.downloaded else 'cached'} "
         f"{p.kernel.package} {p.kernel.version})")
     sink = _Collect(sys.stdout.buffer if verbose else None)
-    r = guest.run([sys.executable, "-m", "mooncake_te.lab.selftest", "--in-guest"], rxe=2,
+    r = guest.run(python_m("mooncake_te.lab.selftest") + ["--in-guest"], rxe=2,
                   nvmeof=True, timeout=timeout, accel=accel, out=sink, log=log,
                   echo=sys.stderr if verbose else None)
     checks = sink.checks()

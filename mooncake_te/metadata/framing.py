@@ -14,7 +14,9 @@ import hashlib
 import hmac
 import json
 import os
+import select
 import socket
+import ssl
 import struct
 
 from ..errors import AuthenticationError, MetadataError, ERR_SOCKET
@@ -87,12 +89,63 @@ def request(host: str, port: int, kind: int, payload: bytes, timeout: float,
             if token:
                 client_auth(s, token, f"{host}:{port}")
             send_frame(s, kind, payload)
+            # An engine answers in milliseconds; silence (redis, etcd) may mean something
+            # else listens there: ask what, so the caller hears it at once, not at timeout.
+            if not select.select([s], [], [], min(0.25, timeout))[0]:
+                _not_an_rpc_port(host, port, timeout)
             rkind, reply = recv_frame(s)
             if rkind == AUTH_FAILED:
                 raise AuthenticationError(f"{host}:{port} refused the request: "
                                           f"{json.loads(reply).get('reply_msg', '')}")
             return reply
+    except MetadataError:                 # a reply that is no frame (HTTP, TLS alerts)
+        _not_an_rpc_port(host, port, timeout)
+        raise
     except (OSError, ConnectionError) as e:
+        if not isinstance(e, ConnectionRefusedError):
+            _not_an_rpc_port(host, port, timeout)
         raise MetadataError(f"cannot reach the RPC port of {host}:{port} ({e}); is the peer "
                             f"engine running and is the address reachable from here?",
                             status=ERR_SOCKET, errno=getattr(e, "errno", None)) from None
+
+
+def _not_an_rpc_port(host: str, port: int, timeout: float) -> None:
+    """Raise a MetadataError naming the service at ``host:port`` when it is HTTP, redis,
+    etcd or TLS rather than an engine's RPC port (e.g. a metadata server's address given to
+    ``open_segment``); return when it cannot tell. Probes on a fresh connection: an
+    HTTP/1.0 request, which redis answers ``-ERR`` and etcd with its version JSON (an engine
+    drops it: the first 9 bytes make an impossible frame length), then a TLS handshake."""
+    what = None
+    limit = min(1.0, timeout)
+    head = b""
+    try:
+        with socket.create_connection((host, port), timeout=limit) as s:
+            s.sendall(b"GET /version HTTP/1.0\r\n\r\n")
+            while len(head) < 4096:         # HTTP/1.0: the server closes after the body
+                more = s.recv(4096)
+                head += more
+                if not more or not head.startswith(b"HTTP/"):
+                    break
+    except OSError:         # timed out or reset (TLS servers): what we got so far tells
+        pass
+    try:
+        if head.startswith(b"HTTP/"):
+            what = "an etcd server" if b'"etcdserver"' in head else "an HTTP server"
+        elif head[:1] in (b"-", b"+") or head.startswith(b"$"):
+            what = "a redis server"
+        elif head[:2] in (b"\x15\x03", b"\x16\x03"):
+            what = "a TLS server"
+        elif not head:
+            ctx = ssl.create_default_context()
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+            with socket.create_connection((host, port), timeout=limit) as raw, \
+                    ctx.wrap_socket(raw, server_hostname=host):
+                what = "a TLS server"
+    except (OSError, ssl.SSLError):
+        pass
+    if what:
+        raise MetadataError(
+            f"{host}:{port} is {what}, not a transfer engine's RPC port: give the peer "
+            f"engine's name (its host:rpc_port, TransferEngine.name); a metadata server's "
+            f"address belongs in metadata=", status=ERR_SOCKET)

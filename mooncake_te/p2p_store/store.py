@@ -69,6 +69,20 @@ class _Local:
         return self.role if self.complete else "partial"
 
 
+
+def _inside(regions, obj):
+    """``(address, length, access)`` of ``obj``'s memory when a registered region holds
+    all of it, else None."""
+    from ..memory import intake
+    try:
+        it = intake(obj)
+    except MooncakeError:
+        return None          # not memory we can read: register() says why
+    for r in regions:
+        if r.address <= it.address and it.address + it.length <= r.address + r.length:
+            return it.address, it.length, r.access
+    return None
+
 class P2PStore:
     """Distribute large named objects (checkpoints, shared KV) between engines.
 
@@ -284,6 +298,15 @@ class P2PStore:
                             f"{what}: buffer {i} is registered with access='local', so peers "
                             f"cannot read chunks from it; register it with access='r'")
                     pieces.append((obj.address, obj.length))
+                elif (inside := _inside(self.engine.regions, obj)) is not None:
+                    # Memory the caller registered already (the whole array, or a region
+                    # around it): use it as it is; registering again would overlap.
+                    if serve and inside[2] == "local":
+                        raise InvalidArgumentError(
+                            f"{what}: buffer {i} lies in a region registered with "
+                            f"access='local', so peers cannot read chunks from it; register "
+                            f"it with access='r'")
+                    pieces.append(inside[:2])
                 else:
                     mr = self.engine.register(obj, access="r")
                     owned.append(mr)

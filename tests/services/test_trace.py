@@ -13,15 +13,24 @@ from mooncake_te.cli.main import main
 from mooncake_te.errors import InvalidArgumentError
 from mooncake_te.kvcache.trace import Trace, load_trace, simulate, sweep, trace_stats
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), os.pardir,
-                    "shared", "data", "mooncake-traces")
-if not os.path.isdir(DATA):
-    DATA = "/work/shared/data/mooncake-traces"
+# The sample traces ship with the repository (data/traces/README.md: source and checksums).
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                    "data", "traces")
 CONV = os.path.join(DATA, "conversation_trace.jsonl")
 SYN = os.path.join(DATA, "synthetic_trace.jsonl")
 
-needs_traces = pytest.mark.skipif(not os.path.exists(CONV),
-                                  reason=f"sample traces not found under {DATA}")
+
+
+def test_sample_traces_ship_with_the_repository():
+    """The traces are part of the checkout (never skipped) and match the recorded sums."""
+    import hashlib
+    with open(os.path.join(DATA, "SHA256SUMS")) as f:
+        sums = dict(reversed(line.split()) for line in f if line.strip())
+    assert sorted(sums) == ["conversation_trace.jsonl", "synthetic_trace.jsonl"]
+    for name, want in sums.items():
+        with open(os.path.join(DATA, name), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == want, name
+        assert want in open(os.path.join(DATA, "README.md")).read()
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +44,6 @@ def syn():
 
 
 # --- the issue's numbers (and traces.md 5.2's exact counts) ------------------------------
-@needs_traces
 @pytest.mark.parametrize("which,cap,policy,hit_blocks,hit_tokens,rate", [
     ("conv", 10_000, "lru", 60_921, 31_174_981, 0.2112),
     ("conv", None, "lru", 105_710, 54_098_411, 0.3664),
@@ -57,7 +65,6 @@ def test_sample_traces_reproduce_the_issue(request, which, cap, policy, hit_bloc
     assert r.tokens == (144_793_823 if which == "conv" else 61_194_628)
 
 
-@needs_traces
 def test_stats_of_the_sample_traces(conv, syn):
     s = trace_stats(conv)
     assert (s["requests"], s["block_references"], s["unique_blocks"]) == (12_031, 288_500, 182_790)
@@ -67,7 +74,6 @@ def test_stats_of_the_sample_traces(conv, syn):
     assert round(s["unlimited_block_hit_rate"], 4) == 0.6396
 
 
-@needs_traces
 def test_sweep_is_monotone_and_ends_at_the_plateau(syn):
     rs = sweep(syn, "lru")
     rates = [r.token_hit_rate for r in rs]
@@ -78,7 +84,6 @@ def test_sweep_is_monotone_and_ends_at_the_plateau(syn):
     assert round(at3m.token_hit_rate, 3) == 0.315           # traces.md 5.3
 
 
-@needs_traces
 def test_warmup_counts_only_the_rest(conv):
     r = simulate(conv, "lru", None, warmup=0.5)
     assert r.measured_from == 6015 and r.requests == 12_031 - 6015
@@ -155,7 +160,6 @@ def test_bad_inputs(tmp_path):
 
 
 # --- the command line --------------------------------------------------------------------
-@needs_traces
 def test_cli_stats_replay_sweep(capsys):
     assert main(["trace", "stats", SYN, "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
@@ -188,7 +192,6 @@ def test_cli_errors(tmp_path, capsys):
         assert (tmp_path / "x.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@needs_traces
 def test_cli_replay_real_dram_only_equals_the_simulation(capsys, tmp_path):
     # 600 blocks of 4 KiB slots (8 B/token x 512 tokens = 4096 B + header = 8 KiB slot).
     gib = 600 * 8192 / (1 << 30)
@@ -201,7 +204,6 @@ def test_cli_replay_real_dram_only_equals_the_simulation(capsys, tmp_path):
     assert d["verify_mismatches"] == 0 and d["served_dram"] == sim.hit_blocks
 
 
-@needs_traces
 def test_cli_replay_real_tiered_from_a_config(capsys, tmp_path):
     slot = 8192
     cfg = tmp_path / "c.toml"

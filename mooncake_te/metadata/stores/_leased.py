@@ -170,12 +170,18 @@ class LeasedStore(KeyValueBackend):
                 raise MetadataError(f"{self.kind} metadata backend {self.address!r} is closed")
             # Own the records first: if the store is down now, the renewer publishes
             # them as soon as it is back.
+            first = desc.name not in self._owned
             self._owned[desc.name] = records
-            for key, value in records.items():
-                if is_rpc_meta(key):
-                    self._publish_rpc_meta(key, value)
-                else:
-                    self._put_leased(key, value)
+            try:
+                for key, value in records.items():
+                    if is_rpc_meta(key):
+                        self._publish_rpc_meta(key, value)
+                    else:
+                        self._put_leased(key, value)
+            except MetadataError:
+                if first:   # nothing stored yet: nothing to renew, nothing to withdraw
+                    del self._owned[desc.name]
+                raise
         self._start_renewer()
 
     def _publish_rpc_meta(self, key: str, value: bytes) -> None:

@@ -58,7 +58,8 @@ class RedisStore(LeasedStore):
         self._client = _redis.Redis(host=self.host, port=self.port, db=self.db,
                                     username=username or None, password=password or None,
                                     socket_connect_timeout=min(1.5, timeout),
-                                    socket_timeout=timeout, health_check_interval=0)
+                                    socket_timeout=timeout, health_check_interval=0,
+                                    retry=_one_quick_retry())
         self._ex = max(1, int(round(self.ttl)))
 
     # -- errors ------------------------------------------------------------------------
@@ -135,3 +136,12 @@ class RedisStore(LeasedStore):
             self._client.close()
         except Exception:
             pass
+
+
+def _one_quick_retry():
+    """redis-py retries a failed connect 3 times with exponential backoff by default
+    (about 9 s against a closed port, where etcd and http fail at once); one immediate
+    retry still replaces a pooled connection that a redis restart cut."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+    return Retry(NoBackoff(), 1)

@@ -1,0 +1,221 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The docs run as written (issue 23, item 12).
+
+Every fenced block in README.md and docs/*.md is one of:
+
+- ``python``: run in a fresh interpreter, in a scratch directory that holds a copy of
+  ``data/``; it must exit 0.
+- ``sh``/``console``/``bash``: each command (``$ `` lines in ``console`` blocks, every
+  non-comment line otherwise) must be something a fresh clone has after
+  ``scripts/setup.sh``. ``mooncake-te`` commands must parse: command, subcommands,
+  flags and choices as the parser has them today. Quick read-only commands
+  (``version``, ``topology``, ``doctor``, ``trace stats``) are also run and must exit 0 (or
+  the exit status the doctor documents for findings, 1 or 2).
+- anything else (``text`` output, ``toml``, ``json``): not run.
+
+A block the reader should not run as it is (part of a larger program, needs hardware or a
+second host) is marked with an HTML comment on the line before its fence, which neither
+GitHub nor the docs site shows::
+
+    <!-- excerpt: why -->
+
+Placeholders are the documented default addresses, filled by fixtures: the metadata
+servers' default ports on 127.0.0.1 (etcd 2379, redis 6379, HTTP metadata server 8080)
+are replaced by the ports of real servers these tests start.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from servers import etcd_server, http_metadata_server, redis_server  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(
+    os.path.join(ROOT, "docs")) if f.endswith(".md"))
+FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)(?P<info>[^\n`]*)$")
+MARK = re.compile(r"<!--\s*excerpt\b.*-->")
+SHELL = {"sh", "bash", "console", "shell"}
+# Shell builtins and commands every reader has; anything else must be on PATH after
+# scripts/setup.sh (the venv's bin first), i.e. installed by it.
+BUILTINS = {"cd", "export", "source", ".", "echo", "ulimit", "time", "env", "kill", "sudo"}
+# Pages other helpers own whose blocks are known to fail today: reported to the lead; the
+# test says so instead of failing CI (remove an entry once its page is fixed).
+KNOWN_BROKEN = {
+    "docs/compat.md:6": "needs Mooncake's own package (`mooncake.engine`); mark it as an excerpt",
+    "docs/compat.md:17": "asserts on a result the compat engine does not return in one process",
+    "docs/kvcache.md:10": "reads config.toml, which the page never creates",
+    "docs/vllm.md:57": "runs `vllm serve`, which the test environment does not have (and "
+                       "downloads a model): mark it as an excerpt",
+}
+# mooncake-te commands that read and print, quickly: also run them.
+QUICK = [("version",), ("topology",), ("doctor",), ("trace", "stats")]
+
+
+def blocks(page: str):
+    """(line, info, text, excerpt) of every fenced block of ``page``."""
+    with open(os.path.join(ROOT, page)) as f:
+        lines = f.read().split("\n")
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        fence, indent = m.group("fence"), len(m.group("indent"))
+        start, body = i, []
+        i += 1
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i][indent:] if lines[i][:indent].isspace() else lines[i])
+            i += 1
+        prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        yield start + 1, m.group("info").strip().split(" ")[0].lower(), "\n".join(body), \
+            bool(MARK.search(prev))
+        i += 1
+
+
+def _cases(kind):
+    out = []
+    for page in PAGES:
+        for line, info, text, excerpt in blocks(page):
+            if (kind == "python" and info in ("python", "py")) or \
+                    (kind == "shell" and info in SHELL):
+                out.append(pytest.param(page, line, text, excerpt, id=f"{page}:{line}"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fill(etcd_server, redis_server, http_metadata_server):  # noqa: F811
+    """Placeholder -> value: the documented default addresses -> the fixture servers."""
+    return {"127.0.0.1:2379": f"127.0.0.1:{etcd_server.port}",
+            "127.0.0.1:6379": f"127.0.0.1:{redis_server.port}",
+            "127.0.0.1:8080": f"127.0.0.1:{http_metadata_server.port}"}
+
+
+def _filled(text: str, fill: dict) -> str:
+    for k, v in fill.items():
+        text = text.replace(k, v)
+    return text
+
+
+@pytest.fixture
+def scratch(tmp_path):
+    """A directory to run in, with the repository's sample data where the docs say it is."""
+    shutil.copytree(os.path.join(ROOT, "data"), tmp_path / "data")
+    return tmp_path
+
+
+def _skip_unless_runnable(page, line, excerpt):
+    if excerpt:
+        pytest.skip("marked as an excerpt")
+    if f"{page}:{line}" in KNOWN_BROKEN:
+        pytest.xfail(f"another owner's page, reported: {KNOWN_BROKEN[f'{page}:{line}']}")
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT, MC_METADATA_SERVER="", COLUMNS="100")
+
+
+@pytest.mark.parametrize("page,line,text,excerpt", _cases("python"))
+def test_python_blocks_run(page, line, text, excerpt, fill, scratch):
+    _skip_unless_runnable(page, line, excerpt)
+    r = subprocess.run([sys.executable, "-c", _filled(text, fill)], cwd=scratch, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{page}:{line} failed:\n{r.stderr[-3000:]}"
+
+
+def commands(info: str, text: str):
+    """The commands of a shell block: ``$ `` lines of console blocks, else every line
+    that is not a comment; continuation lines joined; trailing comments dropped."""
+    out, cur = [], ""
+    for raw in text.split("\n"):
+        ln = raw.rstrip()
+        if not cur:
+            if info == "console" and not ln.startswith("$ "):
+                continue                        # output
+            if ln.startswith("$ "):
+                ln = ln[2:]
+            if not ln.strip() or ln.lstrip().startswith("#"):
+                continue
+        if ln.endswith("\\"):
+            cur += ln[:-1] + " "
+            continue
+        cur += ln
+        try:
+            shlex.split(cur, comments=True)
+        except ValueError:                      # a quote spans lines: keep reading
+            cur += "\n"
+            continue
+        out.append(cur.strip())
+        cur = ""
+    return out
+
+
+def _words(cmd: str):
+    try:
+        words = shlex.split(cmd, comments=True)
+    except ValueError:
+        return []
+    # Drop leading VAR=value assignments and stop at the first pipe or list operator.
+    while words and (re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]) or words[0] == "sudo"):
+        words.pop(0)
+    for i, w in enumerate(words):
+        if w in ("|", "||", "&&", ";", ">", ">>", "2>&1", "&", "2>/dev/null", "<"):
+            return words[:i]
+    return words
+
+
+def _check_program(prog: str, where: str):
+    if prog.startswith("$"):
+        return                      # the reader's own ($EDITOR)
+    if prog.startswith("./") or "/" in prog:
+        assert os.path.exists(os.path.join(ROOT, prog)), f"{where}: {prog} is not in the repo"
+        return
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    assert prog in BUILTINS or shutil.which(prog, path=path), (
+        f"{where}: `{prog}` is neither in the repository nor installed by scripts/setup.sh; "
+        f"install it in setup.sh, use another command, or mark the block <!-- excerpt -->")
+
+
+@pytest.mark.parametrize("page,line,text,excerpt", _cases("shell"))
+def test_shell_blocks_name_real_commands_and_flags(page, line, text, excerpt, fill, scratch):
+    from mooncake_te.cli.main import build_parser
+    _skip_unless_runnable(page, line, excerpt)
+    info = next(i for ln, i, t, _ in blocks(page) if ln == line)
+    for cmd in commands(info, text):
+        where = f"{page}:{line}: {cmd}"
+        words = _words(_filled(cmd, fill))
+        if not words:
+            continue
+        if words[0] in ("python", "python3") and words[1:3] == ["-m", "mooncake_te"]:
+            words = ["mooncake-te"] + words[3:]
+        _check_program(words[0], where)
+        if words[0] in ("python", "python3") and len(words) > 1 and \
+                os.path.isfile(os.path.join(ROOT, words[1])) and words[1].startswith("tests/"):
+            # A helper script of the repository that later commands rely on: run it.
+            r = subprocess.run([sys.executable, os.path.join(ROOT, words[1])] + words[2:],
+                               cwd=scratch, env=_env(), capture_output=True, text=True,
+                               timeout=120)
+            assert r.returncode == 0, f"{where}: exit {r.returncode}\n{r.stderr[-2000:]}"
+            continue
+        if words[0] != "mooncake-te":
+            continue
+        argv = words[1:]
+        parser = build_parser()
+        try:
+            parser.parse_args(argv)
+        except SystemExit as e:
+            assert e.code == 0, f"{where}: the command line does not parse (exit {e.code})"
+            continue
+        if any(tuple(argv[:len(q)]) == q for q in QUICK) and "--help" not in argv:
+            r = subprocess.run([sys.executable, "-m", "mooncake_te"] + argv, cwd=scratch,
+                               env=_env(), capture_output=True, text=True, timeout=120)
+            ok = (0, 1, 2) if argv[0] == "doctor" else (0,)
+            assert r.returncode in ok and "Traceback" not in r.stderr, \
+                f"{where}: exit {r.returncode}\n{r.stderr[-2000:]}"
