@@ -182,6 +182,8 @@ class TransferEngine:
         for transport in reversed(list(getattr(self, "_transports", {}).values())):
             transport.close()
         self._rpc.close()
+        for mr in list(getattr(self, "_mrs", {}).values()):
+            mr.release()      # no I/O once the transports are closed: owners may resize
 
     def __enter__(self) -> "TransferEngine":
         return self
@@ -454,7 +456,8 @@ class TransferEngine:
                     f"location {location!r}, but the driver places this {type(obj).__name__} "
                     f"on {it.device}; pass location='auto' or {it.device!r}")
             location = it.device
-        return MemoryRegion(it.address, it.length, location, access, it.owner, it.readonly)
+        return MemoryRegion(it.address, it.length, location, access, it.owner, it.readonly,
+                            it.export)
 
     def register_address(self, address: int, length: int, location: str = "auto",
                          access: str = "rw", owner=None) -> MemoryRegion:
@@ -510,6 +513,7 @@ class TransferEngine:
             t.unregister(mr)
         with self._lock:
             del self._mrs[mr.address]
+        mr.release()
 
     # --- transfers ---------------------------------------------------------------------
     def _target_name(self, target) -> str:
