@@ -6,7 +6,9 @@ message this way with types Connection 0, Metadata 1, Notify 2, Probe 3; the len
 in host order there, we write little-endian explicitly (the same bytes on x86 and ARM
 hosts). Replies use the same framing. Frames are bounded by ``MAX_FRAME`` (Mooncake's
 ``MC_HANDSHAKE_MAX_LENGTH``, 1 MiB by default) so a garbage length cannot make us
-allocate gigabytes.
+allocate gigabytes, and a frame's buffer grows with the bytes that actually arrived (a
+header announcing 1 MiB costs nothing until the megabyte is sent). Before a peer has
+authenticated, frames are limited to ``PRE_AUTH_MAX_FRAME`` (issue #20 item 5).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import json
 import os
 import socket
 import struct
+import time
 
 from ..errors import AuthenticationError, MetadataError, ERR_SOCKET
 
@@ -26,18 +29,38 @@ AUTH, AUTH_FAILED = 10, 11
 # Transports' own exchanges (RpcServer.add_handler): the RDMA queue-pair handshake.
 RDMA_CONNECT = 20
 MAX_FRAME = int(os.environ.get("MC_HANDSHAKE_MAX_LENGTH", 1 << 20))
+# The AUTH frames are a few hundred bytes of JSON; nothing larger is read from a peer
+# that has not proven the token yet.
+PRE_AUTH_MAX_FRAME = 4096
 _HDR = struct.Struct("<QB")
+# Up to this size a frame is read into one buffer allocated at once; beyond, in chunks
+# of this size, so memory follows what the peer sent, not what it announced.
+_CHUNK = 64 << 10
 
 
 def send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
     sock.sendall(_HDR.pack(len(payload), kind) + payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    if n > _CHUNK:
+        parts, got = [], 0
+        while got < n:
+            part = _recv_exact(sock, min(_CHUNK, n - got), deadline)
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
+    timeout = sock.gettimeout() if deadline is not None else None
     while got < n:
+        if deadline is not None:
+            # A peer trickling a byte at a time still has to finish by the deadline.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the peer did not send the whole frame in time")
+            sock.settimeout(left if timeout is None else min(left, timeout))
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("peer closed the handshake connection")
@@ -45,12 +68,29 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
-    length, kind = _HDR.unpack(_recv_exact(sock, _HDR.size))
-    if length > MAX_FRAME:
-        raise MetadataError(f"handshake frame of {length} bytes exceeds the limit of {MAX_FRAME} "
-                            f"(MC_HANDSHAKE_MAX_LENGTH)", status=ERR_SOCKET)
-    return kind, _recv_exact(sock, length)
+def recv_header(sock: socket.socket, deadline: float | None = None) -> tuple[int, int]:
+    """(length, type) of the next frame; ``deadline`` is a ``time.monotonic()`` value."""
+    return _HDR.unpack(_recv_exact(sock, _HDR.size, deadline))
+
+
+def recv_payload(sock: socket.socket, length: int, limit: int | None = None,
+                 deadline: float | None = None) -> bytes:
+    """The payload of a frame whose header announced ``length``; a length above ``limit``
+    (default ``MAX_FRAME``) is refused before any of it is read."""
+    limit = MAX_FRAME if limit is None else min(limit, MAX_FRAME)
+    if length > limit:
+        what = "MC_HANDSHAKE_MAX_LENGTH" if limit == MAX_FRAME else \
+            "the limit before authentication"
+        raise MetadataError(f"handshake frame of {length} bytes exceeds the limit of {limit} "
+                            f"({what})", status=ERR_SOCKET)
+    return _recv_exact(sock, length, deadline)
+
+
+def recv_frame(sock: socket.socket, limit: int | None = None,
+               deadline: float | None = None) -> tuple[int, bytes]:
+    """One frame, at most ``limit`` bytes of payload (default ``MAX_FRAME``)."""
+    length, kind = recv_header(sock, deadline)
+    return kind, recv_payload(sock, length, limit, deadline)
 
 
 def proof(token: bytes, label: bytes, n1: bytes, n2: bytes) -> bytes:
