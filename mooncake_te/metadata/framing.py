@@ -86,6 +86,23 @@ def recv_payload(sock: socket.socket, length: int, limit: int | None = None,
     return _recv_exact(sock, length, deadline)
 
 
+def recv_request(sock: socket.socket, idle: float, frame_timeout: float,
+                 limit: int | None = None) -> tuple[int, bytes] | None:
+    """The next frame of a persistent connection: waits up to ``idle`` seconds for it to
+    start, then gives it ``frame_timeout`` seconds to arrive whole (a stalled half
+    header does not hold the connection for ever). None when the peer closed cleanly
+    between frames; socket.timeout when idle too long or stalled."""
+    sock.settimeout(idle)
+    first = sock.recv(1)
+    if not first:
+        return None
+    deadline = time.monotonic() + frame_timeout
+    length, kind = _HDR.unpack(first + _recv_exact(sock, _HDR.size - 1, deadline))
+    payload = recv_payload(sock, length, limit, deadline)
+    sock.settimeout(frame_timeout)
+    return kind, payload
+
+
 def recv_frame(sock: socket.socket, limit: int | None = None,
                deadline: float | None = None) -> tuple[int, bytes]:
     """One frame, at most ``limit`` bytes of payload (default ``MAX_FRAME``)."""
@@ -99,8 +116,13 @@ def proof(token: bytes, label: bytes, n1: bytes, n2: bytes) -> bytes:
     return hmac.new(token, label + n1 + n2, hashlib.sha256).digest()
 
 
-def client_auth(sock: socket.socket, token: bytes, where: str) -> None:
-    """Prove the token to the server and check that the server knows it too."""
+RPC_LABELS = (b"mte-rpc-server", b"mte-rpc-client")
+
+
+def client_auth(sock: socket.socket, token: bytes, where: str,
+                labels: tuple[bytes, bytes] = RPC_LABELS) -> None:
+    """Prove the token to the server and check that the server knows it too. ``labels``
+    name the service (server, client), so a proof for one port is no proof for another."""
     cn = os.urandom(16)
     send_frame(sock, AUTH, json.dumps({"nonce": cn.hex()}).encode())
     kind, raw = recv_frame(sock)
@@ -111,11 +133,43 @@ def client_auth(sock: socket.socket, token: bytes, where: str) -> None:
                                   f"the same auth_token, or neither")
     sn = bytes.fromhex(msg["nonce"])
     if not hmac.compare_digest(bytes.fromhex(msg.get("proof", "")),
-                               proof(token, b"mte-rpc-server", cn, sn)):
+                               proof(token, labels[0], cn, sn)):
         raise AuthenticationError(f"{where} could not prove the auth token: the engines' "
                                   f"tokens differ")
-    send_frame(sock, AUTH, json.dumps({"proof": proof(token, b"mte-rpc-client", sn, cn).hex()})
+    send_frame(sock, AUTH, json.dumps({"proof": proof(token, labels[1], sn, cn).hex()})
                .encode())
+
+
+def server_auth(sock: socket.socket, token: bytes | None, kind: int, payload: bytes,
+                deadline: float | None = None,
+                labels: tuple[bytes, bytes] = RPC_LABELS) -> str | None:
+    """The server half of :func:`client_auth`, given the client's first frame. None when
+    the client proved the token; else the reason, already sent to the client in an
+    AUTH_FAILED frame. Every frame read here is at most ``PRE_AUTH_MAX_FRAME``."""
+    def refuse(why: str) -> str:
+        send_frame(sock, AUTH_FAILED, json.dumps({"reply_msg": why}).encode())
+        return why
+
+    if kind != AUTH:
+        return refuse("authentication required: this engine has an auth_token; set the "
+                      "same token on the peer")
+    if not token:
+        return refuse("this engine has no auth_token")
+    try:
+        cn = bytes.fromhex(json.loads(payload)["nonce"])
+    except (ValueError, KeyError, TypeError):
+        return refuse("malformed authentication request")
+    sn = os.urandom(16)
+    send_frame(sock, AUTH, json.dumps({"nonce": sn.hex(),
+                                       "proof": proof(token, labels[0], cn, sn).hex()}).encode())
+    kind, raw = recv_frame(sock, PRE_AUTH_MAX_FRAME, deadline)
+    try:
+        got = bytes.fromhex(json.loads(raw).get("proof", "")) if kind == AUTH else b""
+    except (ValueError, AttributeError):
+        got = b""
+    if not hmac.compare_digest(got, proof(token, labels[1], sn, cn)):
+        return refuse("wrong auth token")
+    return None
 
 
 def request(host: str, port: int, kind: int, payload: bytes, timeout: float,

@@ -6,38 +6,30 @@ This is control plane (a handful of requests per peer), so plain threads are eno
 the data path never comes through here. One peer must not take the port down (issue #20
 items 4 and 5), so:
 
-- the accept loop survives every error ``accept()`` and ``Thread.start()`` can raise:
-  out of descriptors (EMFILE/ENFILE: a spare descriptor is given up to accept and close
-  the pending connection, then taken back), out of memory or threads (back off, shed);
-- at most ``max_connections`` requests are served at once, ``max_per_peer`` from one
-  peer address; a connection over either limit is closed at once (counted in ``shed``);
+- the accept loop (:class:`.listener.Listener`) survives running out of descriptors,
+  memory or threads, and serves at most ``max_connections`` requests at once,
+  ``max_per_peer`` from one peer address (more are shed);
 - a request (authentication included) must arrive whole within ``request_timeout``
   seconds, however slowly its bytes trickle in;
 - before authentication, frames are small (``framing.PRE_AUTH_MAX_FRAME``).
 """
 from __future__ import annotations
 
-import errno
-import hmac
 import json
 import logging
-import os
 import socket
-import struct
-import threading
 import time
 import weakref
 from typing import Callable
 
 from . import framing
+from .listener import Listener
 
 log = logging.getLogger("mooncake_te.rpc")
 
 MAX_CONNECTIONS = 256       # requests served at once
 MAX_PER_PEER = 64           # of them from one peer address
 REQUEST_TIMEOUT = 10.0      # s for a whole request, authentication included
-# accept() errors that mean "out of a resource for now": shed, back off, go on.
-_SCARCE = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 
 
 class RpcServer:
@@ -61,13 +53,7 @@ class RpcServer:
                  max_per_peer: int = MAX_PER_PEER, request_timeout: float = REQUEST_TIMEOUT):
         self._token = token or None
         self.auth_failures = 0
-        self.shed = 0                    # connections closed unserved (limits, resources)
-        self.max_connections, self.max_per_peer = max_connections, max_per_peer
         self.request_timeout = request_timeout
-        self._active: dict = {}          # peer address -> requests being served
-        self._active_total = 0
-        self._active_lock = threading.Lock()
-        self._spare = _spare_fd()
         # Weak: the accept thread must not keep an unclosed engine alive forever (then
         # it could never warn and clean up in __del__).
         self._describe = _weak(describe)
@@ -85,88 +71,15 @@ class RpcServer:
         self._sock.listen(128)
         self.port = self._sock.getsockname()[1]
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=f"mte-rpc-{self.port}",
-                                        daemon=True)
-        self._thread.start()
+        self._listener = Listener(self._sock, f"mte-rpc-{self.port}", self._serve_one,
+                                  max_connections, max_per_peer).start()
 
-    def _serve(self) -> None:
-        backoff = 0.0
-        while not self._closed:
-            try:
-                conn, addr = self._sock.accept()
-            except OSError as e:
-                if self._closed or e.errno in (errno.EBADF, errno.EINVAL):
-                    return                              # close() shut the socket
-                if e.errno in _SCARCE:
-                    self._shed_pending(e)
-                    backoff = min(max(backoff * 2, 0.01), 0.5)
-                    time.sleep(backoff)
-                else:                                   # ECONNABORTED, EPROTO, EPERM...
-                    log.debug("RPC accept failed: %r", e)
-                continue
-            backoff = 0.0
-            peer = addr[0] if isinstance(addr, tuple) else str(addr)
-            if not self._enter(peer):
-                self._drop(conn)
-                continue
-            try:
-                threading.Thread(target=self._handle, args=(conn, peer), daemon=True).start()
-            except RuntimeError as e:                   # can't start new thread
-                self._leave(peer)
-                self._drop(conn)
-                log.warning("RPC port %d: cannot start a thread (%s); shedding", self.port, e)
-                time.sleep(0.05)
+    @property
+    def shed(self) -> int:
+        """Connections closed unserved (limits, descriptors or threads exhausted)."""
+        return self._listener.shed
 
-    def _enter(self, peer: str) -> bool:
-        with self._active_lock:
-            n = self._active.get(peer, 0)
-            if self._active_total >= self.max_connections or n >= self.max_per_peer:
-                return False
-            self._active[peer] = n + 1
-            self._active_total += 1
-            return True
-
-    def _leave(self, peer: str) -> None:
-        with self._active_lock:
-            self._active_total -= 1
-            n = self._active[peer] - 1
-            if n:
-                self._active[peer] = n
-            else:
-                del self._active[peer]
-
-    def _drop(self, conn: socket.socket) -> None:
-        self.shed += 1
-        try:
-            # RST at close: the peer learns at once, and no FIN_WAIT state stays here.
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        except OSError:
-            pass
-        conn.close()
-
-    def _shed_pending(self, err: OSError) -> None:
-        """Out of descriptors: give up the spare one, accept the pending connection and
-        close it, so the peer is refused instead of waiting in the backlog (libev's and
-        nginx's reserve descriptor)."""
-        log.warning("RPC port %d: %s; shedding connections", self.port, err.strerror)
-        if self._spare is None:
-            return
-        os.close(self._spare)
-        self._spare = None
-        try:
-            conn, _ = self._sock.accept()
-            self._drop(conn)
-        except OSError:
-            pass
-        self._spare = _spare_fd()
-
-    def _handle(self, conn: socket.socket, peer: str) -> None:
-        try:
-            self._serve_one(conn)
-        finally:
-            self._leave(peer)
-
-    def _serve_one(self, conn: socket.socket) -> None:
+    def _serve_one(self, conn: socket.socket, peer: str = "") -> None:
         deadline = time.monotonic() + self.request_timeout
         with conn:
             try:
@@ -229,32 +142,16 @@ class RpcServer:
     def remove_handler(self, kind: int) -> None:
         self._handlers.pop(kind, None)
 
-    def _refuse(self, conn, who: str, why: str) -> bool:
-        self.auth_failures += 1
-        log.warning("refused RPC peer %s: %s", who, why)
-        framing.send_frame(conn, framing.AUTH_FAILED, json.dumps({"reply_msg": why}).encode())
-        return False
-
     def _authenticate(self, conn, kind: int, payload: bytes, who: str,
                       deadline: float | None = None) -> bool:
         """Mutual HMAC challenge-response (framing.client_auth is the other half)."""
-        if kind != framing.AUTH:
-            return self._refuse(conn, who, "authentication required: this engine has an "
-                                           "auth_token; set the same token on the peer")
-        if not self._token:
-            framing.send_frame(conn, framing.AUTH_FAILED, json.dumps(
-                {"reply_msg": "this engine has no auth_token"}).encode())
-            return False
-        cn = bytes.fromhex(json.loads(payload)["nonce"])
-        sn = os.urandom(16)
-        framing.send_frame(conn, framing.AUTH, json.dumps(
-            {"nonce": sn.hex(), "proof": framing.proof(self._token, b"mte-rpc-server", cn, sn)
-             .hex()}).encode())
-        kind, raw = framing.recv_frame(conn, framing.PRE_AUTH_MAX_FRAME, deadline)
-        got = bytes.fromhex(json.loads(raw).get("proof", "")) if kind == framing.AUTH else b""
-        if not hmac.compare_digest(got, framing.proof(self._token, b"mte-rpc-client", sn, cn)):
-            return self._refuse(conn, who, "wrong auth token")
-        return True
+        why = framing.server_auth(conn, self._token, kind, payload, deadline)
+        if why is None:
+            return True
+        if self._token:
+            self.auth_failures += 1
+            log.warning("refused RPC peer %s: %s", who, why)
+        return False
 
     def close(self) -> None:
         if self._closed:
@@ -265,17 +162,7 @@ class RpcServer:
         except OSError:
             pass
         self._sock.close()
-        self._thread.join(timeout=2.0)
-        if self._spare is not None:
-            os.close(self._spare)
-            self._spare = None
-
-
-def _spare_fd() -> int | None:
-    try:
-        return os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
+        self._listener.close()
 
 
 def _weak(fn):

@@ -29,7 +29,6 @@ import os
 from urllib.parse import urlsplit, urlunsplit, urlencode
 
 from ...errors import AuthenticationError, MetadataError, ERR_SOCKET
-from ..base import rpc_meta_key  # noqa: F401  (the key whose duplicates are refused)
 from ._leased import LeasedStore, port_hint, split_options, ttl_from
 
 try:
