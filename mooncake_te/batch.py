@@ -188,7 +188,8 @@ class Batch:
         limit = self._deadline_ns
         own = timeout is not None
         if own:
-            limit = min(limit, time.monotonic_ns() + int(max(timeout, 0) * 1e9))
+            from .arguments import wait_timeout
+            limit = min(limit, time.monotonic_ns() + int(wait_timeout(timeout) * 1e9))
         if not self._native.wait(limit):
             if not own or limit >= self._deadline_ns:
                 self._native.expire()

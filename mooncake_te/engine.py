@@ -22,6 +22,7 @@ from . import errors as E
 from .batch import Batch, Notification, Op, TransferRequest, error_for
 from .config import Config
 from .core._regions import Regions, READ as ACC_READ, WRITE as ACC_WRITE
+from . import arguments
 from .memory import ACCESS, MemoryRegion, cpu_location, intake
 from .metadata import BufferInfo, SegmentCache, SegmentDescriptor, open_backend
 from .metadata.rpc import RpcServer
@@ -524,9 +525,7 @@ class TransferEngine:
         raise E.InvalidArgumentError(f"target must be a segment name or Segment, got {target!r}")
 
     def _deadline(self, nbytes: int, timeout: float | None) -> int:
-        t = self.timeout if timeout is None else float(timeout)
-        if t <= 0:
-            raise E.InvalidArgumentError(f"timeout must be positive, got {timeout!r}")
+        t = arguments.timeout(timeout, self.timeout)
         # Like Mooncake's Python wrapper: the timeout plus 1 ns per byte for huge batches.
         return time.monotonic_ns() + int(t * 1e9) + int(nbytes)
 
@@ -547,9 +546,8 @@ class TransferEngine:
         # on this thread when a lane is idle (same checks and errors as submit()).
         self._check_open()
         name = self._target_name(target)
-        for what, v in (("source_address", src), ("target_address", dst), ("length", length)):
-            if not isinstance(v, int) or v < 0:
-                raise E.InvalidArgumentError(f"{what} must be a non-negative int, got {v!r}")
+        src, dst, length = (arguments.integer(v, what) for what, v in (
+            ("source_address", src), ("target_address", dst), ("length", length)))
         if length == 0:
             raise E.InvalidArgumentError("request 0: length must be positive, got 0")
         if self._regions.check(src, length, 0) != 0:
@@ -597,7 +595,7 @@ class TransferEngine:
             g[1].append(r.source)
             g[2].append(r.target_address)
             g[3].append(r.length)
-            nbytes += int(r.length) if isinstance(r.length, int) else 0
+            nbytes += arguments.integer(r.length, f"request {i}: length")
         arrays = {}
         for key, (idx, src, dst, lens) in groups.items():
             arrays[key] = (idx, _u64(src, "source"), _u64(dst, "target_address"),
@@ -613,7 +611,7 @@ class TransferEngine:
             raise E.InvalidArgumentError(f"op must be mte.READ or mte.WRITE, got {op!r}") from None
         src = _u64(sources, "sources")
         dst = _u64(target_addresses, "target_addresses")
-        lens = _u64([lengths] if np.isscalar(lengths) else lengths, "lengths")
+        lens = _u64(lengths, "lengths")
         if len(dst) != len(src) or len(lens) not in (1, len(src)):
             raise E.InvalidArgumentError(
                 f"sources ({len(src)}), target_addresses ({len(dst)}) and lengths ({len(lens)}) "
@@ -781,13 +779,4 @@ def _warn_unauthenticated(host: str) -> None:
 
 
 def _u64(values, what: str) -> np.ndarray:
-    try:
-        a = np.ascontiguousarray(values, dtype=np.uint64)
-    except (TypeError, ValueError, OverflowError):
-        raise E.InvalidArgumentError(f"{what} must be non-negative integers, got "
-                                     f"{values!r:.80}") from None
-    if isinstance(values, np.ndarray) and values.dtype.kind == "i" and (values < 0).any():
-        raise E.InvalidArgumentError(f"{what} must be non-negative")
-    if a.ndim != 1:
-        a = a.reshape(-1)
-    return a
+    return arguments.u64_array(values, what)

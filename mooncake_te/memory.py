@@ -283,11 +283,10 @@ class MemoryRegion:
     @classmethod
     def from_address(cls, address: int, length: int, owner=None, location: str = "cpu:0",
                      access: str = "rw") -> "MemoryRegion":
-        """The one door for raw integer addresses."""
-        if not isinstance(address, int) or address <= 0:
-            raise InvalidArgumentError(f"address must be a positive int, got {address!r}")
-        if not isinstance(length, int) or length <= 0:
-            raise InvalidArgumentError(f"length must be a positive int, got {length!r}")
+        """The one door for raw integer addresses (ints or numpy integers)."""
+        from .arguments import U64_MAX, integer
+        address = integer(address, "address", minimum=1)
+        length = integer(length, "length", minimum=1, maximum=U64_MAX + 1 - address)
         return cls(address, length, location, access, owner)
 
     def release(self) -> None:
