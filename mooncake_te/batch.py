@@ -70,6 +70,12 @@ def error_for(code: int, target: str, index: int, op: int, local: int, remote: i
     if code == -803:
         return E.AuthenticationError(f"{what}: {target} refused the data connection, or could "
                                      f"not prove the token: the engines' auth_token values differ")
+    if code == -1011:
+        return E.AuthenticationError(
+            f"{what}: the engine that answered for segment {target!r} could not prove it is "
+            f"{target!r} (it is another engine of the cluster, or the tokens differ): the "
+            f"descriptor of {target!r} in the metadata store is stale or forged; nothing was "
+            f"sent. Check the store's key for {target!r}", status=code)
     if code == -102:
         return E.TransferError(f"{what}: the connection to {target} failed or was lost (peer "
                                f"dead, restarted or unreachable)", status=-102)

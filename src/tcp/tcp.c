@@ -33,6 +33,11 @@
 #define HELLO_SIZE 56     /* magic, version, instance, name len, flags, nonce, probe addr+value */
 #define REPLY_SIZE 72     /* magic, status, instance, nonce, proof, flags, pad */
 #define HELLO_AUTH 1u
+/* The client wants the server's proof to bind its segment name (issue #20 item 7): the
+ * server's HMAC covers instance id and name, so a descriptor that sends us to another
+ * engine of the cluster is caught before a request is sent. A server that sees the flag
+ * proves its name; without it (older clients) it proves its instance id only. */
+#define HELLO_AUTH_NAMED 2u
 #define REPLY_CMA 1u      /* the server can copy to and from our memory (same host) */
 #define CMA_EXTRA 8       /* CMA requests carry the initiator's address after the header */
 #define REQ_SIZE 32
@@ -621,6 +626,7 @@ struct mte_peer {
     char host[256];
     int port;
     uint64_t expect_instance;
+    char expect_name[256];      /* the segment name we asked for ("" = not checked) */
     char uds[108];              /* same-host peer: its abstract unix socket name */
     atomic_int cma_seen;
     atomic_ullong seen_instance;
@@ -790,7 +796,8 @@ static int lane_connect(lane_t *L)
     put32(hello + 4, PROTO_VERSION);
     put64(hello + 8, t->instance);
     put32(hello + 16, (uint32_t)nl);
-    put32(hello + 20, t->token_len ? HELLO_AUTH : 0);
+    put32(hello + 20, t->token_len ? HELLO_AUTH | (p->expect_name[0] ? HELLO_AUTH_NAMED : 0)
+                                   : 0);
     memcpy(hello + 24, cnonce, NONCE_LEN);
     /* Same host: offer a value in our memory for the server to read with
      * process_vm_readv(2); if it can, it moves our bytes itself (one copy, no socket). */
@@ -820,12 +827,20 @@ static int lane_connect(lane_t *L)
     if (L->cma)
         atomic_store(&p->cma_seen, 1);
     if (t->token_len) {
-        uint8_t expect[MTE_SHA256_LEN], mine[MTE_SHA256_LEN], inst_le[8];
+        uint8_t expect[MTE_SHA256_LEN], mine[MTE_SHA256_LEN], who[8 + 256];
         const uint8_t *snonce = r + 16;
-        put64(inst_le, inst);
-        proof(t, "mte-data-server", cnonce, snonce, inst_le, 8, expect);
+        size_t wl = 8;
+        put64(who, inst);
+        if (p->expect_name[0]) {
+            size_t en = strlen(p->expect_name);
+            memcpy(who + 8, p->expect_name, en);
+            wl += en;
+        }
+        proof(t, "mte-data-server", cnonce, snonce, who, wl, expect);
         if (mte_ct_compare(expect, r + 16 + NONCE_LEN, MTE_SHA256_LEN)) {
-            e = MTE_E_AUTH;            /* the server does not know the token */
+            /* Either the server does not know the token, or it is not the segment we
+             * asked for (a stale or forged descriptor): no request goes out. */
+            e = p->expect_name[0] ? MTE_E_WRONG_PEER : MTE_E_AUTH;
             goto fail;
         }
         proof(t, "mte-data-client", snonce, cnonce, name, nl, mine);
@@ -1144,6 +1159,11 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *u
 }
 
 uint64_t mte_peer_seen_instance(const mte_peer_t *p) { return atomic_load(&p->seen_instance); }
+
+void mte_peer_expect_name(mte_peer_t *p, const char *name)
+{
+    snprintf(p->expect_name, sizeof(p->expect_name), "%s", name ? name : "");
+}
 int mte_peer_broken(const mte_peer_t *p) { return atomic_load(&p->restarted); }
 int mte_peer_cma(const mte_peer_t *p) { return atomic_load(&p->cma_seen); }
 
@@ -1445,9 +1465,17 @@ static void conn_serve(conn_t *c)
         put32(reply + 64, c->cma ? REPLY_CMA : 0);
     }
     if (status == 0 && t->token_len) {
+        uint8_t who[8 + 256];
+        size_t wl = 8;
+        memcpy(who, reply + 8, 8);
+        if (flags & HELLO_AUTH_NAMED) {       /* bind our segment name too (#20 item 7) */
+            size_t n = strlen(t->name);
+            memcpy(who + 8, t->name, n);
+            wl += n;
+        }
         fresh_nonce(snonce);
         memcpy(reply + 16, snonce, NONCE_LEN);
-        proof(t, "mte-data-server", cnonce, snonce, reply + 8, 8, reply + 16 + NONCE_LEN);
+        proof(t, "mte-data-server", cnonce, snonce, who, wl, reply + 16 + NONCE_LEN);
     }
     if (send_all(&io, reply, REPLY_SIZE) || status != 0) {
         if (status == MTE_E_AUTH)

@@ -55,6 +55,7 @@ enum { MTE_ST_PENDING = 0, MTE_ST_COMPLETED = 1, MTE_ST_FAILED = 2, MTE_ST_TIMEO
 #define MTE_E_PROTOCOL         (-1007)
 #define MTE_E_CLOSED           (-1008)
 #define MTE_E_CMA              (-1009)
+#define MTE_E_WRONG_PEER       (-1011)   /* the peer is not the segment we asked for */
 #define MTE_E_NOMEM            (-302)
 
 typedef struct mte_tcp mte_tcp_t;
@@ -92,6 +93,10 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *u
 void mte_peer_shutdown(mte_peer_t *p);
 void mte_peer_free(mte_peer_t *p);
 uint64_t mte_peer_seen_instance(const mte_peer_t *p);
+/* With a token: connect only to the engine that proves it is segment `name` (its HMAC in
+ * the hello covers its name); another one fails the lane with MTE_E_WRONG_PEER. Call
+ * before the first batch. */
+void mte_peer_expect_name(mte_peer_t *p, const char *name);
 int mte_peer_broken(const mte_peer_t *p);     /* the peer reported a new instance id */
 int mte_peer_cma(const mte_peer_t *p);        /* some lane moves bytes by process_vm_* */
 

@@ -90,7 +90,7 @@ class TcpTransport(Transport):
                     p.shutdown()      # an older incarnation of the peer
                 uds = desc.extra["shm_socket"] if self.route(desc) == "shm" else ""
                 p = Peer(self.server, desc.host, desc.tcp_data_port, inst, self.lanes,
-                         self.slice_size, uds)
+                         self.slice_size, uds, desc.name)
                 p.key = key
                 self._peers[desc.name] = p
             return p

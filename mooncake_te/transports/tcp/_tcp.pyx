@@ -110,14 +110,15 @@ cdef class Peer:
     cdef public object key       # the facade's identity of the peer incarnation
 
     def __cinit__(self, TcpServer server, str host, int port, uint64_t expect_instance,
-                  int lanes, uint64_t slice_size, str uds=""):
+                  int lanes, uint64_t slice_size, str uds="", str expect_name=""):
         cdef int err = 0
-        cdef bytes h = host.encode(), u = uds.encode()
+        cdef bytes h = host.encode(), u = uds.encode(), en = expect_name.encode()
         self.server = server
         self.host, self.port, self.lanes, self.uds = host, port, lanes, uds
         self.p = mte_peer_new(server.t, h, port, u, expect_instance, lanes, slice_size, &err)
         if self.p == NULL:
             raise MemoryError(f"cannot start lanes to {host}:{port} (error {err})")
+        mte_peer_expect_name(self.p, en)        # identity in the handshake (#20 item 7)
         self.pid = os.getpid()
 
     @property

@@ -31,6 +31,7 @@ cdef extern from "tcp/tcp.h" nogil:
     void mte_peer_shutdown(mte_peer_t *p)
     void mte_peer_free(mte_peer_t *p)
     uint64_t mte_peer_seen_instance(const mte_peer_t *p)
+    void mte_peer_expect_name(mte_peer_t *p, const char *name)
     int mte_peer_broken(const mte_peer_t *p)
     int mte_peer_cma(const mte_peer_t *p)
     mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns)
