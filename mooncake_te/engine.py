@@ -132,7 +132,9 @@ class TransferEngine:
         self._mrs: dict[int, MemoryRegion] = {}     # by address, in registration order
         self._instance = secrets.randbits(63) | 1
         self._rpc = RpcServer(self.host, port, self._describe_bytes, self._on_rpc_notify,
-                              token=self._token)
+                              token=self._token, max_connections=te["rpc_max_connections"],
+                              max_per_peer=te["rpc_max_per_peer"],
+                              request_timeout=te["rpc_request_timeout_s"])
         if not self._token and not _is_loopback(self.host):
             _warn_unauthenticated(self.host)
         self._p2p = str(metadata).strip().lower() in ("p2p", "p2phandshake")
