@@ -125,19 +125,31 @@ def client_auth(sock: socket.socket, token: bytes, where: str,
     name the service (server, client), so a proof for one port is no proof for another."""
     cn = os.urandom(16)
     send_frame(sock, AUTH, json.dumps({"nonce": cn.hex()}).encode())
-    kind, raw = recv_frame(sock)
-    msg = json.loads(raw) if raw else {}
+    kind, raw = recv_frame(sock, PRE_AUTH_MAX_FRAME)
+    msg = _json_object(raw)
     if kind != AUTH or "nonce" not in msg:
         raise AuthenticationError(f"{where} does not authenticate peers "
                                   f"({msg.get('reply_msg', 'no challenge')}); both engines need "
                                   f"the same auth_token, or neither")
-    sn = bytes.fromhex(msg["nonce"])
-    if not hmac.compare_digest(bytes.fromhex(msg.get("proof", "")),
-                               proof(token, labels[0], cn, sn)):
+    try:
+        sn = bytes.fromhex(str(msg["nonce"]))
+        got = bytes.fromhex(str(msg.get("proof", "")))
+    except ValueError:
+        raise AuthenticationError(f"{where} sent a malformed challenge") from None
+    if not hmac.compare_digest(got, proof(token, labels[0], cn, sn)):
         raise AuthenticationError(f"{where} could not prove the auth token: the engines' "
                                   f"tokens differ")
     send_frame(sock, AUTH, json.dumps({"proof": proof(token, labels[1], sn, cn).hex()})
                .encode())
+
+
+def _json_object(raw: bytes) -> dict:
+    """A JSON object from a peer, or {} for anything else (garbage is not a crash)."""
+    try:
+        msg = json.loads(raw) if raw else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return msg if isinstance(msg, dict) else {}
 
 
 def server_auth(sock: socket.socket, token: bytes | None, kind: int, payload: bytes,
@@ -156,16 +168,16 @@ def server_auth(sock: socket.socket, token: bytes | None, kind: int, payload: by
     if not token:
         return refuse("this engine has no auth_token")
     try:
-        cn = bytes.fromhex(json.loads(payload)["nonce"])
-    except (ValueError, KeyError, TypeError):
+        cn = bytes.fromhex(str(_json_object(payload)["nonce"]))
+    except (ValueError, KeyError):
         return refuse("malformed authentication request")
     sn = os.urandom(16)
     send_frame(sock, AUTH, json.dumps({"nonce": sn.hex(),
                                        "proof": proof(token, labels[0], cn, sn).hex()}).encode())
     kind, raw = recv_frame(sock, PRE_AUTH_MAX_FRAME, deadline)
     try:
-        got = bytes.fromhex(json.loads(raw).get("proof", "")) if kind == AUTH else b""
-    except (ValueError, AttributeError):
+        got = bytes.fromhex(str(_json_object(raw).get("proof", ""))) if kind == AUTH else b""
+    except ValueError:
         got = b""
     if not hmac.compare_digest(got, proof(token, labels[1], sn, cn)):
         return refuse("wrong auth token")
@@ -184,7 +196,7 @@ def request(host: str, port: int, kind: int, payload: bytes, timeout: float,
             rkind, reply = recv_frame(s)
             if rkind == AUTH_FAILED:
                 raise AuthenticationError(f"{host}:{port} refused the request: "
-                                          f"{json.loads(reply).get('reply_msg', '')}")
+                                          f"{_json_object(reply).get('reply_msg', '')}")
             return reply
     except (OSError, ConnectionError) as e:
         raise MetadataError(f"cannot reach the RPC port of {host}:{port} ({e}); is the peer "
