@@ -11,18 +11,11 @@ import resource
 import sys
 
 
-def _vm_kib() -> int:
+def _status_kib(field: str) -> int:
+    """A ``/proc/self/status`` figure in KiB (VmSize, VmRSS)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1])
     return 0
 
@@ -41,11 +34,11 @@ def main() -> None:
     if extra_as:
         # Thread stacks come out of the address space: a small margin makes
         # Thread.start() fail after a few dozen threads.
-        limit = (_vm_kib() + extra_as * 1024) * 1024
+        limit = (_status_kib("VmSize") + extra_as * 1024) * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     print(srv.port, flush=True)
     for _ in sys.stdin:
-        print(json.dumps({"shed": getattr(srv, "shed", None), "rss_kib": _rss_kib(),
+        print(json.dumps({"shed": getattr(srv, "shed", None), "rss_kib": _status_kib("VmRSS"),
                           "notes": len(notes)}), flush=True)
     srv.close()
 
