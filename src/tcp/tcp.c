@@ -19,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/random.h>
 #include <sys/uio.h>
@@ -1332,6 +1333,7 @@ typedef struct conn {
     int64_t stall_since;        /* when the current message started waiting on the wire */
     int mid_message;
     pid_t peer_pid;             /* unix connections: the client's pid, from SO_PEERCRED */
+    int pidfd;                  /* ...and a pidfd on that very process, or -1 */
     int cma;                    /* we can copy to and from the client's memory */
     char peer_name[256];
 } conn_t;
@@ -1377,6 +1379,35 @@ static void oresp(obuf_t *o, int32_t st, uint64_t seq, uint64_t len)
 static int32_t reject_code(int why)
 {
     return why == -EACCES ? MTE_E_REMOTE_ACCESS : MTE_E_REMOTE_NOT_REG;
+}
+
+/* Issue #20 item 10: a pid names a process only while that process lives. A client that
+ * hands its socket to another process and exits leaves us a pid the kernel may give to an
+ * unrelated process. So a pidfd is taken at accept (SO_PEERPIDFD, Linux 6.5, names the
+ * very process that connected; else pidfd_open(2) on the SO_PEERCRED pid, Linux 5.3) and
+ * process_vm_* is used only while it says the process is alive: a pid cannot be reused
+ * before its process has exited and been reaped. Without a pidfd, no CMA (socket path). */
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+static int peer_pidfd(int fd, pid_t pid)
+{
+    int pidfd = -1;
+    socklen_t l = sizeof(pidfd);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &l) == 0 && pidfd >= 0)
+        return pidfd;
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+}
+
+/* 1 while the process behind pidfd runs (a pidfd polls readable once it exited). */
+static int pidfd_alive(int pidfd)
+{
+    struct pollfd p = {.fd = pidfd, .events = POLLIN};
+    return pidfd >= 0 && poll(&p, 1, 0) == 0;
 }
 
 /* Moves len bytes between our region at `ours` and the client's memory at `theirs`
@@ -1456,7 +1487,7 @@ static void conn_serve(conn_t *c)
     put32(reply, MAGIC_HELLO);
     put32(reply + 4, (uint32_t)status);
     put64(reply + 8, t->instance);
-    if (status == 0 && c->peer_pid > 0 && probe_addr) {
+    if (status == 0 && c->peer_pid > 0 && probe_addr && pidfd_alive(c->pidfd)) {
         /* Can we reach the client's memory? Read the value it offered and compare. */
         uint64_t got = 0;
         struct iovec l = {&got, 8}, r = {(void *)(uintptr_t)probe_addr, 8};
@@ -1599,6 +1630,9 @@ static void conn_serve(conn_t *c)
             int gone = poll(&hup, 1, 0) > 0 && (hup.revents & (POLLRDHUP | POLLHUP | POLLERR));
             int d = r ? mte_region_device(r) : -1;
             int32_t st = gone ? MTE_E_CLOSED : !r ? reject_code(why ? why : -ENOENT) : 0;
+            if (!st && !pidfd_alive(c->pidfd))
+                st = MTE_E_CMA;         /* the process that connected is gone: its pid may
+                                         * now name another process (#20 item 10) */
             if (!st && d < 0) {
                 st = cma_copy(c->peer_pid, addr, peer_addr, len, pull);
             } else if (!st && !stage_get(&stage)) {
@@ -1649,6 +1683,8 @@ static void *conn_main(void *arg)
         }
     }
     close(c->fd);
+    if (c->pidfd >= 0)
+        close(c->pidfd);
     free(c);
     t->nconns--;
     pthread_cond_broadcast(&t->cv);
@@ -1678,6 +1714,7 @@ static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
         }
         c->tcp = t;
         c->fd = fd;
+        c->pidfd = -1;
         if (is_unix) {
             struct ucred cred;
             socklen_t cl = sizeof(cred);
@@ -1685,13 +1722,18 @@ static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
              * us copy into its memory (a privileged server must not become a way into
              * other users' processes). */
             if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0 &&
-                cred.uid == geteuid())
-                c->peer_pid = cred.pid;
+                cred.uid == geteuid()) {
+                c->pidfd = peer_pidfd(fd, cred.pid);
+                if (c->pidfd >= 0)
+                    c->peer_pid = cred.pid;    /* else no CMA: the socket path is safe */
+            }
         }
         pthread_mutex_lock(&t->mu);
         if (atomic_load(&t->closing)) {
             pthread_mutex_unlock(&t->mu);
             close(fd);
+            if (c->pidfd >= 0)
+                close(c->pidfd);
             free(c);
             break;
         }
@@ -1703,6 +1745,8 @@ static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
             pthread_mutex_unlock(&t->mu);
             pthread_attr_destroy(&attr);
             close(fd);
+            if (c->pidfd >= 0)
+                close(c->pidfd);
             free(c);
             continue;
         }
