@@ -70,6 +70,11 @@ def error_for(code: int, target: str, index: int, op: int, local: int, remote: i
     if code == -803:
         return E.AuthenticationError(f"{what}: {target} refused the data connection, or could "
                                      f"not prove the token: the engines' auth_token values differ")
+    if code == -1012:
+        return E.TransferError(
+            f"{what}: {target}'s notification queue is full (64 MiB or 65536 messages "
+            f"unread); the notification was dropped. The receiver must drain "
+            f"notifications() more often", status=code)
     if code == -1011:
         return E.AuthenticationError(
             f"{what}: the engine that answered for segment {target!r} could not prove it is "
@@ -204,11 +209,19 @@ class Batch:
                                              f"within {timeout} s (it continues)")
         self.raise_for_status()
 
+    def _target_names(self) -> str:
+        return ", ".join(dict.fromkeys(str(p[0]) for p in self._parts)) or "the peer"
+
     def raise_for_status(self) -> None:
         states, _, errs = self._status()
         bad = (states != 1).nonzero()[0]
         if len(bad) == 0:
             ne = self._native.notify_error
+            if ne == -1012:
+                raise E.TransferError(
+                    f"the data landed but {self._target_names()}'s notification queue is "
+                    f"full (64 MiB or 65536 messages unread): the notification was dropped; "
+                    f"the receiver must drain notifications() more often", status=ne)
             if ne:
                 raise E.TransferError(f"the data landed but the notification was not "
                                       f"delivered (status {ne})", status=ne)

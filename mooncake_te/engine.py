@@ -681,6 +681,7 @@ class TransferEngine:
     def stats(self) -> dict:
         """Counters: refused peers (auth), regions, peers."""
         return {"auth_failures": self._rpc.auth_failures + self._transport.server.auth_failures,
+                "notifications_dropped": self._transport.server.notifications_dropped,
                 "regions": len(self._mrs), "transports": list(self._transports)}
 
     # --- notifications -----------------------------------------------------------------

@@ -51,6 +51,11 @@
 #define DIRECT_RECV (16u << 10)       /* payloads at least this big skip the buffer */
 #define TICK_MS 200                   /* socket timeout tick: deadlines are checked per tick */
 #define NOTIFY_MAX (1u << 20)
+/* Notifications received and not yet taken (issue #20 item 6): past either bound the
+ * sender's notify fails with MTE_E_NOTIFY_FULL and the drop is counted, instead of one
+ * peer growing our memory without end (1 MiB messages: +600 MiB in a second). */
+#define NOTIFY_QUEUE_BYTES (64u << 20)
+#define NOTIFY_QUEUE_COUNT 65536u
 #define NOTIFY_IDX UINT32_MAX
 
 int64_t mte_now_ns(void)
@@ -663,6 +668,8 @@ struct mte_tcp {
     struct conn *conns;
     int nconns;
     mte_notif_t *notif_head, *notif_tail;
+    size_t notif_bytes, notif_count;       /* queued, under mu */
+    atomic_ullong notif_dropped;
 };
 
 static int lane_stop(void *ctx)
@@ -1657,9 +1664,9 @@ static void conn_serve(conn_t *c)
                 free(msg);
                 break;
             }
-            mte_tcp_push_notification(t, c->peer_name, msg, len);
+            int32_t st = mte_tcp_push_notification(t, c->peer_name, msg, len);
             free(msg);
-            oresp(&o, 0, seq, 0);
+            oresp(&o, st, seq, 0);
         } else {
             break;    /* protocol violation: drop the connection */
         }
@@ -1890,9 +1897,26 @@ void mte_tcp_free(mte_tcp_t *t)
 
 int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len)
 {
+    pthread_mutex_lock(&t->mu);
+    int full = t->notif_count >= NOTIFY_QUEUE_COUNT ||
+               t->notif_bytes + len > NOTIFY_QUEUE_BYTES;
+    if (!full) {                 /* reserve the room before allocating */
+        t->notif_count++;
+        t->notif_bytes += len;
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (full) {
+        atomic_fetch_add(&t->notif_dropped, 1);
+        return MTE_E_NOTIFY_FULL;
+    }
     mte_notif_t *n = malloc(sizeof(*n) + len + 1);
-    if (!n)
+    if (!n) {
+        pthread_mutex_lock(&t->mu);
+        t->notif_count--;
+        t->notif_bytes -= len;
+        pthread_mutex_unlock(&t->mu);
         return MTE_E_NOMEM;
+    }
     n->next = NULL;
     n->sender = strdup(sender ? sender : "");
     n->len = len;
@@ -1913,8 +1937,14 @@ mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t)
     pthread_mutex_lock(&t->mu);
     mte_notif_t *n = t->notif_head;
     t->notif_head = t->notif_tail = NULL;
+    t->notif_count = t->notif_bytes = 0;
     pthread_mutex_unlock(&t->mu);
     return n;
+}
+
+uint64_t mte_tcp_notifications_dropped(const mte_tcp_t *t)
+{
+    return atomic_load(&t->notif_dropped);
 }
 
 void mte_notif_free(mte_notif_t *n)

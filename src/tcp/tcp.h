@@ -56,6 +56,7 @@ enum { MTE_ST_PENDING = 0, MTE_ST_COMPLETED = 1, MTE_ST_FAILED = 2, MTE_ST_TIMEO
 #define MTE_E_CLOSED           (-1008)
 #define MTE_E_CMA              (-1009)
 #define MTE_E_WRONG_PEER       (-1011)   /* the peer is not the segment we asked for */
+#define MTE_E_NOTIFY_FULL      (-1012)   /* the peer's notification queue is full */
 #define MTE_E_NOMEM            (-302)
 
 typedef struct mte_tcp mte_tcp_t;
@@ -81,6 +82,8 @@ uint64_t mte_tcp_auth_failures(const mte_tcp_t *t);
 void mte_tcp_free(mte_tcp_t *t);
 int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len);
 mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t);
+/* Notifications refused because the queue was full (MTE_E_NOTIFY_FULL to the sender). */
+uint64_t mte_tcp_notifications_dropped(const mte_tcp_t *t);
 void mte_notif_free(mte_notif_t *n);
 
 /* --- peers (client side) ----------------------------------------------------------- */

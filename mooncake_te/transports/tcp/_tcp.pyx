@@ -78,9 +78,17 @@ cdef class TcpServer:
         """Data connections refused because the peer could not prove the token."""
         return mte_tcp_auth_failures(self.t) if self.t != NULL else 0
 
+    @property
+    def notifications_dropped(self):
+        """Notifications refused because the queue was full."""
+        return mte_tcp_notifications_dropped(self.t) if self.t != NULL else 0
+
     def push_notification(self, str sender, bytes msg):
+        """0, or a negative code (-1012: the queue is full)."""
         if self.t != NULL:
-            mte_tcp_push_notification(self.t, sender.encode(), <const char *>msg, len(msg))
+            return mte_tcp_push_notification(self.t, sender.encode(), <const char *>msg,
+                                             len(msg))
+        return 0
 
     def take_notifications(self):
         """Drained list of (sender, message bytes)."""
