@@ -2,8 +2,8 @@
 """atheris fuzz target for everything a peer can send us: the data-path hello and
 request headers, the RPC framing, and the descriptor JSON.
 
-Run by hand (not in CI; the hypothesis tests in tests/transports/test_robustness.py cover the same
-surfaces there):
+Run by hand for long runs; CI runs a bounded number of inputs (tests/native/test_fuzz.py),
+and the hypothesis tests in tests/transports/test_robustness.py cover the same surfaces:
 
     pip install atheris
     python fuzz/fuzz_wire.py -max_total_time=300

@@ -212,7 +212,8 @@ class Batch:
         limit = self._deadline_ns
         own = timeout is not None
         if own:
-            limit = min(limit, time.monotonic_ns() + int(max(timeout, 0) * 1e9))
+            from .arguments import wait_timeout
+            limit = min(limit, time.monotonic_ns() + int(wait_timeout(timeout) * 1e9))
         if not self._native.wait(limit):
             if not own or limit >= self._deadline_ns:
                 self._native.expire()
@@ -221,11 +222,19 @@ class Batch:
                                              f"within {timeout} s (it continues)")
         self.raise_for_status()
 
+    def _target_names(self) -> str:
+        return ", ".join(dict.fromkeys(str(p[0]) for p in self._parts)) or "the peer"
+
     def raise_for_status(self) -> None:
         states, _, errs = self._status()
         bad = (states != ST_COMPLETED).nonzero()[0]
         if len(bad) == 0:
             ne = self._native.notify_error
+            if ne == -1012:
+                raise E.TransferError(
+                    f"the data landed but {self._target_names()}'s notification queue is "
+                    f"full (64 MiB or 65536 messages unread): the notification was dropped; "
+                    f"the receiver must drain notifications() more often", status=ne)
             if ne:
                 raise E.TransferError(f"the data landed but the notification was not "
                                       f"delivered (status {ne})", status=ne)

@@ -57,6 +57,10 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "host": (_STR, "", None),
         "port": (_INT, 0, None),
         "auth_token": (_STR, "", None),
+        # The RPC port's limits (docs/security.md, issue #20).
+        "rpc_max_connections": (_INT, 256, None),
+        "rpc_max_per_peer": (_INT, 64, None),
+        "rpc_request_timeout_s": (_NUM, 10.0, None),
     },
     "kvcache": {
         "cache_dir": (_STR, "", None),
@@ -74,6 +78,9 @@ SCHEMA: dict[str, dict[str, tuple]] = {
 
 # Numeric bounds: key -> (lowest, highest or None, why). Values outside are a ConfigError.
 _BOUNDS: dict[str, tuple] = {
+    "rpc_max_connections": (1, None, "a positive number of connections"),
+    "rpc_max_per_peer": (1, None, "a positive number of connections"),
+    "rpc_request_timeout_s": (0.1, 3600, "seconds between 0.1 and 3600"),
     "timeout_ms": (1, None, "a positive number of milliseconds"),
     "tcp_lanes": (1, None, "a positive number of TCP lanes per peer"),
     "tcp_slice_size": (1, None, "a positive number of bytes"),

@@ -99,7 +99,9 @@ class TransferEngine:
         self._regions = self._book.table
         self._instance = secrets.randbits(63) | 1
         self._rpc = RpcServer(self.host, port, self._describe_bytes, self._on_rpc_notify,
-                              token=self._token)
+                              token=self._token, max_connections=te["rpc_max_connections"],
+                              max_per_peer=te["rpc_max_per_peer"],
+                              request_timeout=te["rpc_request_timeout_s"])
         if not self._token:
             warn_unauthenticated(self.host)
         self._p2p = parse_metadata_url(metadata).is_p2p
@@ -153,6 +155,9 @@ class TransferEngine:
         if getattr(self, "_tx", None) is not None:
             self._tx.close()
         self._rpc.close()
+        if getattr(self, "_book", None) is not None:
+            for mr in self._book.all():
+                mr.release()  # no I/O once the transports are closed: owners may resize
 
     def __enter__(self) -> "TransferEngine":
         return self
@@ -358,7 +363,7 @@ class TransferEngine:
         # on this thread by a transport with a sync path (same checks as submit()).
         self._check_open()
         name = target_name(target)
-        S.check_one(src, dst, length)
+        src, dst, length = S.check_one(src, dst, length)
         S.check_local(self._regions, src, length)
         desc = self._peers.resolve(name)
         t, _ = self._tx.pick(desc, int(op), src, dst)

@@ -4,7 +4,11 @@
 Accepted: anything with the buffer protocol (bytearray, numpy, mmap, memoryview),
 ``__cuda_array_interface__`` (v2/v3), ``__dlpack__``; raw integer addresses only through
 :meth:`MemoryRegion.from_address` / ``TransferEngine.register_address``. The exporter is
-kept alive for as long as the region is registered (as ucxx's ``Array`` does).
+kept alive for as long as the region is registered (as ucxx's ``Array`` does), and so is
+its buffer export: a ``memoryview`` held until unregistering, so the owner cannot resize or
+close the memory under the engine (a registered ``bytearray`` refuses ``extend`` with
+``BufferError``, an ``mmap`` refuses ``resize``/``close``), as uvloop and ucxx hold a
+``Py_buffer`` for the life of an operation (issue #20 item 2).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ class Intake:
     device: str          # "cpu" or "cuda:N"
     readonly: bool
     owner: Any
+    export: Any = None   # the memoryview pinning the buffer export, released at unregister
 
 
 def intake(obj) -> Intake:
@@ -64,7 +69,20 @@ def intake(obj) -> Intake:
             f"register its base array or a contiguous copy (numpy.ascontiguousarray)")
     if arr.nbytes == 0:
         raise InvalidArgumentError(f"cannot register an empty {type(obj).__name__}")
-    return Intake(int(arr.ctypes.data), int(arr.nbytes), "cpu", not arr.flags.writeable, obj)
+    export = _export(obj)
+    readonly = not arr.flags.writeable or (export is not None and export.readonly)
+    return Intake(int(arr.ctypes.data), int(arr.nbytes), "cpu", readonly, obj, export)
+
+
+def _export(obj):
+    """A memoryview of obj, held while registered: while a buffer export is alive,
+    CPython's bytearray, mmap and array.array (and numpy's resize, through the reference)
+    refuse to move or free their memory. None for objects without the buffer protocol
+    (DLPack-only host tensors: the object itself is kept alive instead)."""
+    try:
+        return memoryview(obj)
+    except (TypeError, ValueError, BufferError):
+        return None
 
 
 def _has_buffer(obj) -> bool:
@@ -260,16 +278,23 @@ class MemoryRegion:
     access: str = "rw"
     owner: Any = field(default=None, repr=False)
     readonly: bool = field(default=False, repr=False)
+    export: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_address(cls, address: int, length: int, owner=None, location: str = "cpu:0",
                      access: str = "rw") -> "MemoryRegion":
-        """The one door for raw integer addresses."""
-        if not isinstance(address, int) or address <= 0:
-            raise InvalidArgumentError(f"address must be a positive int, got {address!r}")
-        if not isinstance(length, int) or length <= 0:
-            raise InvalidArgumentError(f"length must be a positive int, got {length!r}")
+        """The one door for raw integer addresses (ints or numpy integers)."""
+        from .arguments import U64_MAX, integer
+        address = integer(address, "address", minimum=1)
+        length = integer(length, "length", minimum=1, maximum=U64_MAX + 1 - address)
         return cls(address, length, location, access, owner)
+
+    def release(self) -> None:
+        """Drop the buffer export held while registered (the engine calls it when the
+        region is unregistered): the owner may resize or free its memory again."""
+        export, self.export = self.export, None
+        if export is not None:
+            export.release()
 
     @property
     def end(self) -> int:

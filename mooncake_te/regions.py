@@ -72,7 +72,8 @@ class RegionBook:
                 + ("" if ok else f" (and {why})")
                 + "; pass location='auto' or 'cpu:<numa node>', or register a GPU array "
                   "(cupy, torch on cuda)")
-        return MemoryRegion(it.address, it.length, location, access, it.owner, it.readonly)
+        return MemoryRegion(it.address, it.length, location, access, it.owner, it.readonly,
+                            it.export)
 
     # --- add / remove ----------------------------------------------------------------
     def add(self, mr: MemoryRegion, known: bool = False) -> MemoryRegion:
@@ -109,6 +110,7 @@ class RegionBook:
             t.unregister(mr)
         with self._lock:
             del self._mrs[mr.address]
+        mr.release()           # the buffer export: the owner may resize it again
 
 
 def locate(mr: MemoryRegion, known: bool = False) -> "tuple[str, int]":

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from . import arguments
 from . import errors as E
 from .batch import Batch, Op, TransferRequest
 from .segments import target_name
@@ -20,17 +21,9 @@ MAX_NOTIFY = 1 << 20
 
 
 def u64(values, what: str) -> np.ndarray:
-    """``values`` as a contiguous 1-D uint64 array, or InvalidArgumentError."""
-    try:
-        a = np.ascontiguousarray(values, dtype=np.uint64)
-    except (TypeError, ValueError, OverflowError):
-        raise E.InvalidArgumentError(f"{what} must be non-negative integers, got "
-                                     f"{values!r:.80}") from None
-    if isinstance(values, np.ndarray) and values.dtype.kind == "i" and (values < 0).any():
-        raise E.InvalidArgumentError(f"{what} must be non-negative")
-    if a.ndim != 1:
-        a = a.reshape(-1)
-    return a
+    """``values`` as a contiguous 1-D uint64 array, or InvalidArgumentError
+    (:func:`mooncake_te.arguments.u64_array`: integers only, nothing cast silently)."""
+    return arguments.u64_array(values, what)
 
 
 def op_of(op, index: int | None = None) -> Op:
@@ -44,9 +37,7 @@ def op_of(op, index: int | None = None) -> Op:
 
 def deadline(default_s: float, nbytes: int, timeout: float | None) -> int:
     """The monotonic deadline (ns) of a transfer of ``nbytes``."""
-    t = default_s if timeout is None else float(timeout)
-    if t <= 0:
-        raise E.InvalidArgumentError(f"timeout must be positive, got {timeout!r}")
+    t = arguments.timeout(timeout, default_s)
     # Like Mooncake's Python wrapper: the timeout plus 1 ns per byte for huge batches.
     return time.monotonic_ns() + int(t * 1e9) + int(nbytes)
 
@@ -58,11 +49,11 @@ def check_notify(notify) -> None:
         raise E.InvalidArgumentError(f"notify is {len(notify)} bytes; at most 1 MiB")
 
 
-def check_one(src, dst, length) -> None:
-    """The types of one synchronous request (``write``/``read``)."""
-    for what, v in (("source_address", src), ("target_address", dst), ("length", length)):
-        if not isinstance(v, int) or v < 0:
-            raise E.InvalidArgumentError(f"{what} must be a non-negative int, got {v!r}")
+def check_one(src, dst, length) -> "tuple[int, int, int]":
+    """One synchronous request's (``write``/``read``) numbers as ints: any integral
+    (numpy integers too), never bool, float or str."""
+    return tuple(arguments.integer(v, what) for what, v in (
+        ("source_address", src), ("target_address", dst), ("length", length)))
 
 
 def check_local(table, src, lens, caller=None) -> None:
@@ -107,7 +98,7 @@ def group(requests) -> "tuple[dict, int, int]":
         g[1].append(r.source)
         g[2].append(r.target_address)
         g[3].append(r.length)
-        nbytes += int(r.length) if isinstance(r.length, int) else 0
+        nbytes += arguments.integer(r.length, f"request {i}: length")
     arrays = {key: (idx, u64(src, "source"), u64(dst, "target_address"), u64(lens, "length"))
               for key, (idx, src, dst, lens) in groups.items()}
     return arrays, n, nbytes
@@ -118,7 +109,7 @@ def arrays(op, target, sources, target_addresses, lengths) -> "tuple[dict, int, 
     op = op_of(op)
     src = u64(sources, "sources")
     dst = u64(target_addresses, "target_addresses")
-    lens = u64([lengths] if np.isscalar(lengths) else lengths, "lengths")
+    lens = u64(lengths, "lengths")
     if len(dst) != len(src) or len(lens) not in (1, len(src)):
         raise E.InvalidArgumentError(
             f"sources ({len(src)}), target_addresses ({len(dst)}) and lengths ({len(lens)}) "

@@ -2,15 +2,32 @@
 """``mooncake-te metadata-server``: run the HTTP metadata server.
 
 Same flags as Mooncake's ``mooncake_http_metadata_server`` (``--host``, ``--port``,
-``--log-level``) plus ``--persist FILE``. See :mod:`mooncake_te.metadata.server`.
+``--log-level``) plus ``--persist FILE``, size limits and optional authentication. See
+:mod:`mooncake_te.metadata.server` and docs/security.md.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import os
 import sys
 
 from ._parser import port as _port
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _size(text: str) -> int:
+    """``65536``, ``64K``, ``16M``, ``1G``: bytes."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    try:
+        n = int(float(t[:len(t) - len(unit)]) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 65536, 64K, 16M, 1G)")
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
+    return n
 
 
 def add_parser(subparsers) -> None:
@@ -24,7 +41,15 @@ def add_parser(subparsers) -> None:
                    help="address to listen on (default: 0.0.0.0, as Mooncake's server)")
     p.add_argument("--port", type=_port, default=8080, help="port (default: 8080; 0 = any free)")
     p.add_argument("--persist", metavar="FILE", default=None,
-                   help="keep the keys in FILE so a restart does not lose them")
+                   help="keep the keys in FILE so a restart does not lose them (its "
+                        "directory is created if missing)")
+    p.add_argument("--max-value-bytes", metavar="SIZE", type=_size, default=None,
+                   help="largest value a PUT may store (default: 64M)")
+    p.add_argument("--quota-bytes", metavar="SIZE", type=_size, default=None,
+                   help="all keys and values together (default: 1G)")
+    p.add_argument("--auth-token-file", metavar="FILE", default=None,
+                   help="require requests signed with the auth_token in FILE (default: "
+                        "MC_AUTH_TOKEN if set, else no authentication)")
     p.add_argument("--log-level", default="INFO",
                    choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    help="how much the server logs")
@@ -36,7 +61,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     """Serve until SIGINT/SIGTERM; return the exit status."""
     from ..errors import MetadataError
-    from ..metadata.server import MetadataServer
+    from ..metadata.server import MAX_VALUE, QUOTA, MetadataServer
 
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -44,14 +69,31 @@ def run(args) -> int:
     def announce(srv):
         if args.json:
             print(json.dumps({"url": srv.url, "host": srv.host, "port": srv.port,
-                              "persist": srv.store.persist_path}), flush=True)
+                              "persist": srv.store.persist_path,
+                              "auth": srv.token is not None}), flush=True)
         else:
             print(f"mooncake-te metadata server on {srv.url} (health: "
                   f"{srv.url.rsplit('/', 1)[0]}/health; persist: "
-                  f"{srv.store.persist_path or 'off'})", flush=True)
+                  f"{srv.store.persist_path or 'off'}; authentication: "
+                  f"{'on' if srv.token else 'off'})", flush=True)
 
+    token = os.environ.get("MC_AUTH_TOKEN", "").encode() or None
+    if args.auth_token_file:
+        try:
+            with open(args.auth_token_file, "rb") as f:
+                token = f.read().strip()
+        except OSError as e:
+            print(f"mooncake-te metadata-server: cannot read --auth-token-file "
+                  f"{args.auth_token_file}: {e.strerror}", file=sys.stderr)
+            return 2
+        if not token:
+            print(f"mooncake-te metadata-server: --auth-token-file {args.auth_token_file} is "
+                  f"empty", file=sys.stderr)
+            return 2
     try:
-        MetadataServer(args.host, args.port, args.persist).serve_forever(announce)
+        MetadataServer(args.host, args.port, args.persist,
+                       max_value=args.max_value_bytes or MAX_VALUE,
+                       quota=args.quota_bytes or QUOTA, token=token).serve_forever(announce)
     except MetadataError as e:
         print(f"mooncake-te metadata-server: {e}", file=sys.stderr)
         return 1

@@ -19,7 +19,8 @@ def open_backend(spec: str, local_descriptor=None, token: bytes | None = None) -
 
     ``"p2p"`` (also Mooncake's ``"P2PHANDSHAKE"``) needs no server. Store backends are
     ``etcd://h:2379[,h2:2379]``, ``redis://h:6379[/db]`` and ``http://h:port/metadata``;
-    a bare ``host:port`` means etcd, as in Mooncake.
+    a bare ``host:port`` means etcd, as in Mooncake. ``token`` (the engines'
+    ``auth_token``) signs requests to an HTTP metadata server that wants them.
     """
     url = parse_url(spec)
     if url.is_p2p:
@@ -29,6 +30,6 @@ def open_backend(spec: str, local_descriptor=None, token: bytes | None = None) -
             from . import stores
         except ImportError as e:   # pragma: no cover - depends on the installed extras
             raise MetadataError(f"metadata backend {url.scheme!r} is not available: {e}") from None
-        return stores.open_store(url.scheme, url.address, url.spec)
+        return stores.open_store(url.scheme, url.address, url.spec, token=token)
     raise MetadataError(f"unknown metadata backend {spec!r}; use 'p2p', 'etcd://host:2379', "
                         f"'redis://host:6379' or 'http://host:port/metadata'")

@@ -6,7 +6,9 @@ message this way with types Connection 0, Metadata 1, Notify 2, Probe 3; the len
 in host order there, we write little-endian explicitly (the same bytes on x86 and ARM
 hosts). Replies use the same framing. Frames are bounded by ``MAX_FRAME`` (Mooncake's
 ``MC_HANDSHAKE_MAX_LENGTH``, 1 MiB by default) so a garbage length cannot make us
-allocate gigabytes.
+allocate gigabytes, and a frame's buffer grows with the bytes that actually arrived (a
+header announcing 1 MiB costs nothing until the megabyte is sent). Before a peer has
+authenticated, frames are limited to ``PRE_AUTH_MAX_FRAME`` (issue #20 item 5).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import select
 import socket
 import ssl
 import struct
+import time
 
 from ..errors import AuthenticationError, MetadataError, ERR_SOCKET
 
@@ -28,18 +31,38 @@ AUTH, AUTH_FAILED = 10, 11
 # Transports' own exchanges (RpcServer.add_handler): the RDMA queue-pair handshake.
 RDMA_CONNECT = 20
 MAX_FRAME = int(os.environ.get("MC_HANDSHAKE_MAX_LENGTH", 1 << 20))
+# The AUTH frames are a few hundred bytes of JSON; nothing larger is read from a peer
+# that has not proven the token yet.
+PRE_AUTH_MAX_FRAME = 4096
 _HDR = struct.Struct("<QB")
+# Up to this size a frame is read into one buffer allocated at once; beyond, in chunks
+# of this size, so memory follows what the peer sent, not what it announced.
+_CHUNK = 64 << 10
 
 
 def send_frame(sock: socket.socket, kind: int, payload: bytes) -> None:
     sock.sendall(_HDR.pack(len(payload), kind) + payload)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    if n > _CHUNK:
+        parts, got = [], 0
+        while got < n:
+            part = _recv_exact(sock, min(_CHUNK, n - got), deadline)
+            parts.append(part)
+            got += len(part)
+        return b"".join(parts)
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
+    timeout = sock.gettimeout() if deadline is not None else None
     while got < n:
+        if deadline is not None:
+            # A peer trickling a byte at a time still has to finish by the deadline.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("the peer did not send the whole frame in time")
+            sock.settimeout(left if timeout is None else min(left, timeout))
         k = sock.recv_into(view[got:])
         if k == 0:
             raise ConnectionError("peer closed the handshake connection")
@@ -47,12 +70,46 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket) -> tuple[int, bytes]:
-    length, kind = _HDR.unpack(_recv_exact(sock, _HDR.size))
-    if length > MAX_FRAME:
-        raise MetadataError(f"handshake frame of {length} bytes exceeds the limit of {MAX_FRAME} "
-                            f"(MC_HANDSHAKE_MAX_LENGTH)", status=ERR_SOCKET)
-    return kind, _recv_exact(sock, length)
+def recv_header(sock: socket.socket, deadline: float | None = None) -> tuple[int, int]:
+    """(length, type) of the next frame; ``deadline`` is a ``time.monotonic()`` value."""
+    return _HDR.unpack(_recv_exact(sock, _HDR.size, deadline))
+
+
+def recv_payload(sock: socket.socket, length: int, limit: int | None = None,
+                 deadline: float | None = None) -> bytes:
+    """The payload of a frame whose header announced ``length``; a length above ``limit``
+    (default ``MAX_FRAME``) is refused before any of it is read."""
+    limit = MAX_FRAME if limit is None else min(limit, MAX_FRAME)
+    if length > limit:
+        what = "MC_HANDSHAKE_MAX_LENGTH" if limit == MAX_FRAME else \
+            "the limit before authentication"
+        raise MetadataError(f"handshake frame of {length} bytes exceeds the limit of {limit} "
+                            f"({what})", status=ERR_SOCKET)
+    return _recv_exact(sock, length, deadline)
+
+
+def recv_request(sock: socket.socket, idle: float, frame_timeout: float,
+                 limit: int | None = None) -> tuple[int, bytes] | None:
+    """The next frame of a persistent connection: waits up to ``idle`` seconds for it to
+    start, then gives it ``frame_timeout`` seconds to arrive whole (a stalled half
+    header does not hold the connection for ever). None when the peer closed cleanly
+    between frames; socket.timeout when idle too long or stalled."""
+    sock.settimeout(idle)
+    first = sock.recv(1)
+    if not first:
+        return None
+    deadline = time.monotonic() + frame_timeout
+    length, kind = _HDR.unpack(first + _recv_exact(sock, _HDR.size - 1, deadline))
+    payload = recv_payload(sock, length, limit, deadline)
+    sock.settimeout(frame_timeout)
+    return kind, payload
+
+
+def recv_frame(sock: socket.socket, limit: int | None = None,
+               deadline: float | None = None) -> tuple[int, bytes]:
+    """One frame, at most ``limit`` bytes of payload (default ``MAX_FRAME``)."""
+    length, kind = recv_header(sock, deadline)
+    return kind, recv_payload(sock, length, limit, deadline)
 
 
 def proof(token: bytes, label: bytes, n1: bytes, n2: bytes) -> bytes:
@@ -61,23 +118,72 @@ def proof(token: bytes, label: bytes, n1: bytes, n2: bytes) -> bytes:
     return hmac.new(token, label + n1 + n2, hashlib.sha256).digest()
 
 
-def client_auth(sock: socket.socket, token: bytes, where: str) -> None:
-    """Prove the token to the server and check that the server knows it too."""
+RPC_LABELS = (b"mte-rpc-server", b"mte-rpc-client")
+
+
+def client_auth(sock: socket.socket, token: bytes, where: str,
+                labels: tuple[bytes, bytes] = RPC_LABELS) -> None:
+    """Prove the token to the server and check that the server knows it too. ``labels``
+    name the service (server, client), so a proof for one port is no proof for another."""
     cn = os.urandom(16)
     send_frame(sock, AUTH, json.dumps({"nonce": cn.hex()}).encode())
-    kind, raw = recv_frame(sock)
-    msg = json.loads(raw) if raw else {}
+    kind, raw = recv_frame(sock, PRE_AUTH_MAX_FRAME)
+    msg = _json_object(raw)
     if kind != AUTH or "nonce" not in msg:
         raise AuthenticationError(f"{where} does not authenticate peers "
                                   f"({msg.get('reply_msg', 'no challenge')}); both engines need "
                                   f"the same auth_token, or neither")
-    sn = bytes.fromhex(msg["nonce"])
-    if not hmac.compare_digest(bytes.fromhex(msg.get("proof", "")),
-                               proof(token, b"mte-rpc-server", cn, sn)):
+    try:
+        sn = bytes.fromhex(str(msg["nonce"]))
+        got = bytes.fromhex(str(msg.get("proof", "")))
+    except ValueError:
+        raise AuthenticationError(f"{where} sent a malformed challenge") from None
+    if not hmac.compare_digest(got, proof(token, labels[0], cn, sn)):
         raise AuthenticationError(f"{where} could not prove the auth token: the engines' "
                                   f"tokens differ")
-    send_frame(sock, AUTH, json.dumps({"proof": proof(token, b"mte-rpc-client", sn, cn).hex()})
+    send_frame(sock, AUTH, json.dumps({"proof": proof(token, labels[1], sn, cn).hex()})
                .encode())
+
+
+def _json_object(raw: bytes) -> dict:
+    """A JSON object from a peer, or {} for anything else (garbage is not a crash)."""
+    try:
+        msg = json.loads(raw) if raw else {}
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return msg if isinstance(msg, dict) else {}
+
+
+def server_auth(sock: socket.socket, token: bytes | None, kind: int, payload: bytes,
+                deadline: float | None = None,
+                labels: tuple[bytes, bytes] = RPC_LABELS) -> str | None:
+    """The server half of :func:`client_auth`, given the client's first frame. None when
+    the client proved the token; else the reason, already sent to the client in an
+    AUTH_FAILED frame. Every frame read here is at most ``PRE_AUTH_MAX_FRAME``."""
+    def refuse(why: str) -> str:
+        send_frame(sock, AUTH_FAILED, json.dumps({"reply_msg": why}).encode())
+        return why
+
+    if kind != AUTH:
+        return refuse("authentication required: this engine has an auth_token; set the "
+                      "same token on the peer")
+    if not token:
+        return refuse("this engine has no auth_token")
+    try:
+        cn = bytes.fromhex(str(_json_object(payload)["nonce"]))
+    except (ValueError, KeyError):
+        return refuse("malformed authentication request")
+    sn = os.urandom(16)
+    send_frame(sock, AUTH, json.dumps({"nonce": sn.hex(),
+                                       "proof": proof(token, labels[0], cn, sn).hex()}).encode())
+    kind, raw = recv_frame(sock, PRE_AUTH_MAX_FRAME, deadline)
+    try:
+        got = bytes.fromhex(str(_json_object(raw).get("proof", ""))) if kind == AUTH else b""
+    except ValueError:
+        got = b""
+    if not hmac.compare_digest(got, proof(token, labels[1], sn, cn)):
+        return refuse("wrong auth token")
+    return None
 
 
 def request(host: str, port: int, kind: int, payload: bytes, timeout: float,
@@ -96,7 +202,7 @@ def request(host: str, port: int, kind: int, payload: bytes, timeout: float,
             rkind, reply = recv_frame(s)
             if rkind == AUTH_FAILED:
                 raise AuthenticationError(f"{host}:{port} refused the request: "
-                                          f"{json.loads(reply).get('reply_msg', '')}")
+                                          f"{_json_object(reply).get('reply_msg', '')}")
             return reply
     except MetadataError:                 # a reply that is no frame (HTTP, TLS alerts)
         _not_an_rpc_port(host, port, timeout)

@@ -3,22 +3,33 @@
 notifications, one framed request per connection as Mooncake's handshake daemon does.
 
 This is control plane (a handful of requests per peer), so plain threads are enough;
-the data path never comes through here.
+the data path never comes through here. One peer must not take the port down (issue #20
+items 4 and 5), so:
+
+- the accept loop (:class:`.listener.Listener`) survives running out of descriptors,
+  memory or threads, and serves at most ``max_connections`` requests at once,
+  ``max_per_peer`` from one peer address (more are shed);
+- a request (authentication included) must arrive whole within ``request_timeout``
+  seconds, however slowly its bytes trickle in;
+- before authentication, frames are small (``framing.PRE_AUTH_MAX_FRAME``).
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
-import os
 import socket
-import threading
+import time
 import weakref
 from typing import Callable
 
 from . import framing
+from .listener import Listener
 
 log = logging.getLogger("mooncake_te.rpc")
+
+MAX_CONNECTIONS = 256       # requests served at once
+MAX_PER_PEER = 64           # of them from one peer address
+REQUEST_TIMEOUT = 10.0      # s for a whole request, authentication included
 
 
 class RpcServer:
@@ -30,13 +41,19 @@ class RpcServer:
         The current segment descriptor, encoded.
     on_notify : callable(sender, message: bytes)
         Called for Notify requests.
+    max_connections, max_per_peer : int
+        Requests served at once, in total and from one peer address; more are shed.
+    request_timeout : float
+        Seconds a peer has to deliver a whole request (authentication included).
     """
 
     def __init__(self, host: str, port: int, describe: Callable[[], bytes],
                  on_notify: Callable[[str, bytes], None], bind_host: str | None = None,
-                 token: bytes | None = None):
+                 token: bytes | None = None, max_connections: int = MAX_CONNECTIONS,
+                 max_per_peer: int = MAX_PER_PEER, request_timeout: float = REQUEST_TIMEOUT):
         self._token = token or None
         self.auth_failures = 0
+        self.request_timeout = request_timeout
         # Weak: the accept thread must not keep an unclosed engine alive forever (then
         # it could never warn and clean up in __del__).
         self._describe = _weak(describe)
@@ -54,28 +71,35 @@ class RpcServer:
         self._sock.listen(128)
         self.port = self._sock.getsockname()[1]
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=f"mte-rpc-{self.port}",
-                                        daemon=True)
-        self._thread.start()
+        self._listener = Listener(self._sock, f"mte-rpc-{self.port}", self._serve_one,
+                                  max_connections, max_per_peer).start()
 
-    def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+    @property
+    def shed(self) -> int:
+        """Connections closed unserved (limits, descriptors or threads exhausted)."""
+        return self._listener.shed
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _serve_one(self, conn: socket.socket, peer: str = "") -> None:
+        deadline = time.monotonic() + self.request_timeout
         with conn:
             try:
                 conn.settimeout(5.0)       # Mooncake: server per-connection recv timeout 5 s
-                kind, payload = framing.recv_frame(conn)
+                length, kind = framing.recv_header(conn, deadline)
                 if self._token or kind == framing.AUTH:
                     who = f"{conn.getpeername()[0]}:{conn.getpeername()[1]}"
-                    if not self._authenticate(conn, kind, payload, who):
+                    # The AUTH exchange is small: nothing bigger is read (or buffered)
+                    # from a peer that has not proven the token (issue #20 item 5).
+                    # A small non-AUTH request is read (and dropped) all the same, so that
+                    # closing after the refusal does not reset the connection before the
+                    # peer reads why.
+                    payload = b"" if kind != framing.AUTH and length > \
+                        framing.PRE_AUTH_MAX_FRAME else framing.recv_payload(
+                            conn, length, framing.PRE_AUTH_MAX_FRAME, deadline)
+                    if not self._authenticate(conn, kind, payload, who, deadline):
                         return
-                    kind, payload = framing.recv_frame(conn)
+                    kind, payload = framing.recv_frame(conn, deadline=deadline)
+                else:
+                    payload = framing.recv_payload(conn, length, deadline=deadline)
                 describe, on_notify = self._describe(), self._on_notify()
                 if describe is None or on_notify is None:
                     return                      # the engine is gone
@@ -118,31 +142,16 @@ class RpcServer:
     def remove_handler(self, kind: int) -> None:
         self._handlers.pop(kind, None)
 
-    def _refuse(self, conn, who: str, why: str) -> bool:
-        self.auth_failures += 1
-        log.warning("refused RPC peer %s: %s", who, why)
-        framing.send_frame(conn, framing.AUTH_FAILED, json.dumps({"reply_msg": why}).encode())
-        return False
-
-    def _authenticate(self, conn, kind: int, payload: bytes, who: str) -> bool:
+    def _authenticate(self, conn, kind: int, payload: bytes, who: str,
+                      deadline: float | None = None) -> bool:
         """Mutual HMAC challenge-response (framing.client_auth is the other half)."""
-        if kind != framing.AUTH:
-            return self._refuse(conn, who, "authentication required: this engine has an "
-                                           "auth_token; set the same token on the peer")
-        if not self._token:
-            framing.send_frame(conn, framing.AUTH_FAILED, json.dumps(
-                {"reply_msg": "this engine has no auth_token"}).encode())
-            return False
-        cn = bytes.fromhex(json.loads(payload)["nonce"])
-        sn = os.urandom(16)
-        framing.send_frame(conn, framing.AUTH, json.dumps(
-            {"nonce": sn.hex(), "proof": framing.proof(self._token, b"mte-rpc-server", cn, sn)
-             .hex()}).encode())
-        kind, raw = framing.recv_frame(conn)
-        got = bytes.fromhex(json.loads(raw).get("proof", "")) if kind == framing.AUTH else b""
-        if not hmac.compare_digest(got, framing.proof(self._token, b"mte-rpc-client", sn, cn)):
-            return self._refuse(conn, who, "wrong auth token")
-        return True
+        why = framing.server_auth(conn, self._token, kind, payload, deadline)
+        if why is None:
+            return True
+        if self._token:
+            self.auth_failures += 1
+            log.warning("refused RPC peer %s: %s", who, why)
+        return False
 
     def close(self) -> None:
         if self._closed:
@@ -153,7 +162,7 @@ class RpcServer:
         except OSError:
             pass
         self._sock.close()
-        self._thread.join(timeout=2.0)
+        self._listener.close()
 
 
 def _weak(fn):

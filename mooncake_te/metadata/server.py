@@ -12,13 +12,30 @@ engines can use it unchanged. Beyond Mooncake:
   long after its last PUT (mooncake_te engines re-PUT every TTL/3, so a killed engine
   vanishes within one TTL). The reply repeats the header to confirm. A key with a TTL
   may be replaced by a different value (a restarted engine under the same name); the
-  duplicate-``rpc_meta`` rule above applies to keys without one.
+  duplicate-``rpc_meta`` rule above applies whatever the TTL header says (issue #20 item
+  8: a TTL must not be a way around it); a restarted engine replaces its dead
+  predecessor's ``rpc_meta`` by deleting it first (:mod:`.stores.http` does that after
+  checking that the old RPC port no longer answers). A TTL is a finite number of
+  seconds, at most ``MAX_TTL``.
 * **Persistence** (``--persist FILE``): every change is written (temporary file, fsync,
-  rename) before the reply, so a restart does not lose every segment (Mooncake issue
-  #2246). Keys with a TTL get a fresh TTL when loaded: their engines, if alive, renew
-  them; if dead, they expire one TTL later.
-* ``GET /health`` (JSON: status, key count, uptime, persistence file) and
-  ``GET /metadata/keys[?prefix=...]`` (JSON list of keys, for operators' tooling).
+  rename, fsync of the directory) before the reply, so a restart does not lose every
+  segment (Mooncake issue #2246). The writing happens off the event loop and
+  concurrent changes share one write, so a big store does not stall renewals. Keys with
+  a TTL get a fresh TTL when loaded: their engines, if alive, renew them; if dead, they
+  expire one TTL later. A persistence file that is empty, truncated or unreadable stops
+  the server with an error naming it; a missing directory is created.
+* **Limits**: a value may be at most ``max_value`` bytes (413), all keys and values
+  together at most ``quota`` bytes (507); see docs/security.md.
+* **Authentication** (optional, ``--auth-token-file`` or ``MC_AUTH_TOKEN``): every
+  ``/metadata`` request must carry ``X-MTE-Auth: v1 <time> <nonce> <hmac>``, an
+  HMAC-SHA256 with the engines' ``auth_token`` over the method, key, TTL header, body
+  hash, time and nonce; a request older than ``AUTH_WINDOW`` seconds or a nonce seen
+  before is refused (401), so a recorded request cannot be replayed. Replies carry an
+  HMAC over the request's nonce, the status and the body hash, which the client checks.
+  The token never crosses the wire. Mooncake's C++ engines do not sign: leave
+  authentication off where they share the server.
+* ``GET /health`` (JSON: status, key count, bytes used, uptime, persistence file; open
+  without authentication) and ``GET /metadata/keys[?prefix=...]`` (JSON list of keys).
 
 Built on aiohttp, as Mooncake's server is.
 """
@@ -26,8 +43,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import hmac
 import json
 import logging
+import math
 import os
 import signal
 import tempfile
@@ -47,8 +67,18 @@ log = logging.getLogger("mooncake_te.metadata.server")
 TTL_HEADER = "X-Mooncake-TTL"
 SERVER_HEADER = "X-Mooncake-Metadata-Server"
 NOT_FOUND_TEXT = "metadata not found"
-#: largest accepted value; a descriptor of thousands of buffers is well under this
+AUTH_HEADER = "X-MTE-Auth"
+#: largest accepted value (--max-value-bytes); a descriptor of thousands of buffers is
+#: well under a megabyte
 MAX_VALUE = 64 << 20
+#: all keys and values together (--quota-bytes)
+QUOTA = 1 << 30
+#: bytes each key costs beyond its key and value (the entry, the dict slot)
+KEY_OVERHEAD = 128
+#: longest accepted TTL, seconds
+MAX_TTL = 365 * 86400.0
+#: a signed request is accepted this many seconds either side of the server's clock
+AUTH_WINDOW = 60.0
 #: how often expired keys are swept (a GET also checks its key's deadline)
 SWEEP_INTERVAL = 0.5
 _FILE_VERSION = 1
@@ -65,9 +95,57 @@ class _Entry:
     value: bytes
     ttl: float | None = None          # seconds, None = kept until deleted
     deadline: float | None = None     # time.monotonic() after which it is gone
+    b64: bytes | None = None          # the value as persisted, computed once by the writer
 
     def expired(self, now: float) -> bool:
         return self.deadline is not None and now >= self.deadline
+
+
+# put() outcomes
+STORED, UNCHANGED, DUPLICATE, TOO_LARGE, OVER_QUOTA = range(5)
+
+
+def parse_ttl(raw: str) -> float:
+    """The seconds in an ``X-Mooncake-TTL`` header: finite, positive, at most MAX_TTL."""
+    ttl = float(raw)          # ValueError for text
+    if not (math.isfinite(ttl) and 0 < ttl <= MAX_TTL):
+        raise ValueError(raw)
+    return ttl
+
+
+def _body_hash(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def sign_request(token: bytes, method: str, key: str, ttl: str, body: bytes,
+                 when: int | None = None, nonce: str | None = None) -> str:
+    """The ``X-MTE-Auth`` header value for one request (the client half)."""
+    when = int(time.time()) if when is None else when
+    nonce = nonce or os.urandom(16).hex()
+    mac = hmac.new(token, "\n".join(("mte-http-req", method.upper(), key, ttl, str(when),
+                                      nonce, _body_hash(body))).encode(),
+                   hashlib.sha256).hexdigest()
+    return f"v1 {when} {nonce} {mac}"
+
+
+def sign_reply(token: bytes, nonce: str, status: int, body: bytes) -> str:
+    return hmac.new(token, "\n".join(("mte-http-resp", nonce, str(status),
+                                      _body_hash(body))).encode(), hashlib.sha256).hexdigest()
+
+
+class _Nonces:
+    """Nonces seen within the authentication window, to refuse replays."""
+
+    def __init__(self):
+        self._seen: dict[str, float] = {}
+
+    def fresh(self, nonce: str, now: float) -> bool:
+        if len(self._seen) > 4096:
+            self._seen = {n: t for n, t in self._seen.items() if t > now - 2 * AUTH_WINDOW}
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = now
+        return True
 
 
 class KeyStore:
@@ -76,17 +154,49 @@ class KeyStore:
     Parameters
     ----------
     persist_path : str, optional
-        File holding every key; loaded at start and rewritten after every change.
+        File holding every key; loaded at start and rewritten after every change. Its
+        directory is created when missing; one that cannot be written to is an error
+        here, at start, not at the first PUT.
+    max_value, quota : int
+        Largest value, and all keys and values together (plus ``KEY_OVERHEAD`` each).
     """
 
-    def __init__(self, persist_path: str | None = None):
+    def __init__(self, persist_path: str | None = None, max_value: int = MAX_VALUE,
+                 quota: int = QUOTA):
         self.persist_path = os.path.abspath(persist_path) if persist_path else None
+        self.max_value, self.quota = int(max_value), int(quota)
+        self.used = 0                      # bytes counted against the quota
         self._entries: dict[str, _Entry] = {}
-        if self.persist_path and os.path.exists(self.persist_path):
-            self._load()
+        if self.persist_path:
+            self._check_directory()
+            if os.path.exists(self.persist_path):
+                self._load()
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @staticmethod
+    def _cost(key: str, value: bytes) -> int:
+        return len(key.encode("utf-8", "surrogatepass")) + len(value) + KEY_OVERHEAD
+
+    def _drop(self, key: str) -> _Entry | None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.used -= self._cost(key, entry.value)
+        return entry
+
+    def _check_directory(self) -> None:
+        directory = os.path.dirname(self.persist_path)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".metadata-probe-", dir=directory)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            raise MetadataError(f"cannot use the metadata persistence file "
+                                f"{self.persist_path!r}: its directory {directory!r} cannot be "
+                                f"created or written ({e.strerror or e}); pick a writable "
+                                f"path for --persist") from None
 
     # -- operations (called from the event loop only, so no lock is needed) -------------
     def get(self, key: str) -> bytes | None:
@@ -94,26 +204,34 @@ class KeyStore:
         if entry is None:
             return None
         if entry.expired(time.monotonic()):
-            del self._entries[key]
+            self._drop(key)
             return None
         return entry.value
 
-    def put(self, key: str, value: bytes, ttl: float | None) -> tuple[bool, bool]:
-        """Store; return (accepted, changed) where changed means persistence is due."""
+    def put(self, key: str, value: bytes, ttl: float | None) -> int:
+        """Store; returns STORED (persistence is due), UNCHANGED (a renewal), or the
+        refusal: DUPLICATE, TOO_LARGE, OVER_QUOTA."""
         now = time.monotonic()
         old = self._entries.get(key)
         if old is not None and old.expired(now):
+            self._drop(key)
             old = None
-        if (old is not None and old.ttl is None and ttl is None and "rpc_meta" in key
-                and old.value != value):
-            return False, False
+        # Mooncake PR #2311, whatever the TTL header says: one name, one rpc_meta.
+        if old is not None and "rpc_meta" in key and old.value != value:
+            return DUPLICATE
+        if len(value) > self.max_value:
+            return TOO_LARGE
+        grow = self._cost(key, value) - (self._cost(key, old.value) if old else 0)
+        if grow > 0 and self.used + grow > self.quota:
+            return OVER_QUOTA
         deadline = None if ttl is None else now + ttl
         changed = old is None or old.value != value or old.ttl != ttl
-        self._entries[key] = _Entry(value, ttl, deadline)
-        return True, changed
+        self._entries[key] = _Entry(value, ttl, deadline, None if changed else old.b64)
+        self.used += grow
+        return STORED if changed else UNCHANGED
 
     def delete(self, key: str) -> bool:
-        entry = self._entries.pop(key, None)
+        entry = self._drop(key)
         return entry is not None and not entry.expired(time.monotonic())
 
     def keys(self, prefix: str = "") -> list[str]:
@@ -125,31 +243,45 @@ class KeyStore:
         now = time.monotonic()
         dead = [k for k, e in self._entries.items() if e.expired(now)]
         for k in dead:
-            del self._entries[k]
+            self._drop(k)
         return len(dead)
 
     # -- persistence --------------------------------------------------------------------
-    def snapshot(self) -> bytes:
-        return json.dumps({
-            "version": _FILE_VERSION,
-            "saved_at": time.time(),
-            "keys": {k: {"value": base64.b64encode(e.value).decode(), "ttl": e.ttl}
-                     for k, e in self._entries.items()},
-        }).encode()
+    def snapshot(self) -> list:
+        """The entries as they are now: a list of (key, entry), cheap to take on the event
+        loop (entries are replaced, never changed, so the writer can encode them later)."""
+        return list(self._entries.items())
 
-    def save(self, data: bytes | None = None) -> None:
-        """Write the keys atomically: a crash leaves the old file or the new, never half."""
+    def save(self, items: list | None = None) -> None:
+        """Write the keys atomically: a crash leaves the old file or the new, never half.
+        Runs off the event loop (in an executor thread) for a snapshot taken on it."""
         if not self.persist_path:
             return
-        data = self.snapshot() if data is None else data
+        items = self.snapshot() if items is None else items
         directory = os.path.dirname(self.persist_path)
         fd, tmp = tempfile.mkstemp(prefix=".metadata-", dir=directory)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                # "count" lets a load tell a complete file from one cut short. Written in
+                # bytes, value by value: no copy of the whole store is ever built, and the
+                # GIL is free while the kernel takes each piece.
+                f.write(f'{{"version": {_FILE_VERSION}, "saved_at": {time.time()!r}, '
+                        f'"count": {len(items)}, "keys": {{'.encode())
+                for i, (key, e) in enumerate(items):
+                    if e.b64 is None:
+                        e.b64 = base64.b64encode(e.value)
+                    f.write(f'{"," if i else ""}{json.dumps(key)}: {{"value": "'.encode())
+                    f.write(e.b64)
+                    f.write(f'", "ttl": {json.dumps(e.ttl)}}}'.encode())
+                f.write(b"}}")
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.persist_path)
+            dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)           # the rename itself survives a power cut
+            finally:
+                os.close(dfd)
         except BaseException:
             try:
                 os.unlink(tmp)
@@ -158,21 +290,38 @@ class KeyStore:
             raise
 
     def _load(self) -> None:
+        path = self.persist_path
         try:
-            with open(self.persist_path, "rb") as f:
-                doc = json.loads(f.read() or b"{}")
-            if doc and doc.get("version") != _FILE_VERSION:
-                raise ValueError(f"unknown version {doc.get('version')!r}")
+            with open(path, "rb") as f:
+                raw = f.read()
+            if not raw.strip():
+                # A file this server wrote is never empty (even with no keys); an empty
+                # one was truncated (a full disk, a copy gone wrong). Starting empty would
+                # silently drop every segment.
+                raise ValueError(f"the file is empty ({len(raw)} bytes) but this server "
+                                 f"never writes an empty file: it was truncated")
+            doc = json.loads(raw)
+            if not isinstance(doc, dict) or doc.get("version") != _FILE_VERSION:
+                raise ValueError(f"unknown version {doc.get('version') if isinstance(doc, dict) else doc!r}")
+            keys = doc.get("keys")
+            if not isinstance(keys, dict):
+                raise ValueError("it has no 'keys' object")
+            if "count" in doc and doc["count"] != len(keys):
+                raise ValueError(f"it lists {len(keys)} keys but was written with "
+                                 f"{doc['count']}: it was cut short")
             now = time.monotonic()
-            for key, item in (doc.get("keys") or {}).items():
+            for key, item in keys.items():
                 ttl = item.get("ttl")
                 ttl = None if ttl is None else float(ttl)
-                self._entries[str(key)] = _Entry(base64.b64decode(item["value"], validate=True),
-                                                 ttl, None if ttl is None else now + ttl)
+                value = base64.b64decode(item["value"], validate=True)
+                self._entries[str(key)] = _Entry(value, ttl, None if ttl is None else now + ttl,
+                                                 item["value"].encode())
+                self.used += self._cost(str(key), value)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise MetadataError(f"cannot load the metadata persistence file "
-                                f"{self.persist_path!r}: {e}; move it away to start empty") from None
-        log.info("loaded %d keys from %s", len(self._entries), self.persist_path)
+            raise MetadataError(f"cannot load the metadata persistence file {path!r}: {e}. "
+                                f"The server does not start without its keys: restore the "
+                                f"file from a backup, or move it away to start empty") from None
+        log.info("loaded %d keys from %s", len(self._entries), path)
 
 
 class MetadataServer:
@@ -184,6 +333,10 @@ class MetadataServer:
         Where to listen; port 0 picks a free one (see :attr:`port` after start).
     persist_path : str, optional
         Persistence file (see :class:`KeyStore`).
+    max_value, quota : int
+        Limits of one value and of the whole store, bytes (see :class:`KeyStore`).
+    token : bytes or str, optional
+        Require signed requests (``X-MTE-Auth``) made with this ``auth_token``.
 
     Examples
     --------
@@ -193,13 +346,22 @@ class MetadataServer:
     """
 
     def __init__(self, host: str = "0.0.0.0", port: int = 8080,
-                 persist_path: str | None = None):
+                 persist_path: str | None = None, max_value: int = MAX_VALUE,
+                 quota: int = QUOTA, token: bytes | str | None = None):
         _require_aiohttp()
         self.host = host
         self.port = port
-        self.store = KeyStore(persist_path)
+        self.store = KeyStore(persist_path, max_value, quota)
+        self.token = token.encode() if isinstance(token, str) else (token or None)
+        self.auth_failures = 0
+        self._nonces = _Nonces()
         self.started = time.time()
-        self._save_lock: asyncio.Lock | None = None
+        self._version = 0                 # changes made
+        self._saved = 0                   # changes on disk
+        self._saved_cond: asyncio.Condition | None = None
+        self._writer = None               # the task writing the file
+        self._writing = False             # ... while it runs
+        self._save_error: BaseException | None = None
         self._runner = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -213,7 +375,10 @@ class MetadataServer:
 
     # -- the application ----------------------------------------------------------------
     def app(self):
-        app = web.Application(client_max_size=MAX_VALUE)
+        # The body limit: the largest value, plus room so that one just over it gets
+        # our 413 with the limit named rather than aiohttp's.
+        app = web.Application(client_max_size=self.store.max_value + 1,
+                              middlewares=[self._middleware()])
         app.router.add_route("*", "/metadata", self._handle_metadata)
         app.router.add_get("/metadata/keys", self._handle_keys)
         app.router.add_get("/health", self._handle_health)
@@ -230,12 +395,81 @@ class MetadataServer:
         return web.Response(text=text, status=status, headers=h,
                             content_type="application/json")
 
+    # -- authentication -------------------------------------------------------------------
+    def _middleware(self):
+        @web.middleware
+        async def authenticate(request, handler):
+            return await self._authenticate(request, handler)
+        return authenticate
+
+    async def _authenticate(self, request, handler):
+        if self.token is None or not request.path.startswith("/metadata"):
+            return await handler(request)
+        raw = request.headers.get(AUTH_HEADER, "")
+        parts = raw.split()
+        body = await request.read()
+        why = None
+        if len(parts) != 4 or parts[0] != "v1":
+            why = (f"authentication required: this metadata server has an auth_token; sign "
+                   f"requests with the same token ({AUTH_HEADER} header)")
+        else:
+            _, when, nonce, mac = parts
+            want = sign_request(self.token, request.method, request.query.get("key", ""),
+                                request.headers.get(TTL_HEADER, ""), body,
+                                int(when) if when.isdigit() else 0, nonce).split()[3]
+            if not hmac.compare_digest(mac, want):
+                why = "wrong auth token (the request's signature does not check out)"
+            elif abs(time.time() - int(when)) > AUTH_WINDOW:
+                why = (f"signed request is {time.time() - int(when):+.0f} s off this server's "
+                       f"clock (window {AUTH_WINDOW:g} s): check the clocks")
+            elif not self._nonces.fresh(nonce, time.time()):
+                why = "replayed request (its nonce was seen before)"
+        if why is not None:
+            self.auth_failures += 1
+            log.warning("refused %s %s from %s: %s", request.method, request.path_qs,
+                        request.remote, why)
+            return self._reply(why, 401)
+        resp = await handler(request)
+        resp.headers[AUTH_HEADER] = sign_reply(self.token, parts[2], resp.status,
+                                               resp.body or b"")
+        return resp
+
+    # -- persistence ----------------------------------------------------------------------
     async def _persist(self) -> None:
+        """Returns once the changes made so far are on disk. Concurrent callers share one
+        write (group commit); the file is encoded and written in an executor thread, so
+        the loop keeps answering (renewals included) however big the store is."""
         if not self.store.persist_path:
             return
-        data = self.store.snapshot()          # taken on the loop: a consistent view
-        async with self._save_lock:
-            await asyncio.get_running_loop().run_in_executor(None, self.store.save, data)
+        self._version += 1
+        mine = self._version
+        started = False
+        async with self._saved_cond:
+            while self._saved < mine:
+                if not self._writing:
+                    if started:
+                        raise MetadataError(f"cannot write the persistence file "
+                                            f"{self.store.persist_path!r}: {self._save_error}")
+                    started, self._writing, self._save_error = True, True, None
+                    self._writer = asyncio.ensure_future(self._write_loop())
+                await self._saved_cond.wait()
+
+    async def _write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._saved < self._version:
+                target, items = self._version, self.store.snapshot()
+                await loop.run_in_executor(None, self.store.save, items)
+                async with self._saved_cond:
+                    self._saved = target
+                    self._saved_cond.notify_all()
+        except Exception as e:
+            self._save_error = e
+            log.error("writing %s failed: %s", self.store.persist_path, e)
+        finally:
+            async with self._saved_cond:
+                self._writing = False
+                self._saved_cond.notify_all()
 
     async def _handle_metadata(self, request):
         key = request.query.get("key", "").strip()
@@ -251,26 +485,44 @@ class MetadataServer:
             raw_ttl = request.headers.get(TTL_HEADER)
             if raw_ttl is not None:
                 try:
-                    ttl = float(raw_ttl)
-                    if not ttl > 0:
-                        raise ValueError
+                    ttl = parse_ttl(raw_ttl)
                 except ValueError:
-                    return self._reply(f"{TTL_HEADER} must be a positive number of seconds, "
-                                       f"got {raw_ttl!r}", 400)
+                    return self._reply(f"{TTL_HEADER} must be a finite number of seconds, "
+                                       f"above 0 and at most {MAX_TTL:g}, got {raw_ttl!r}", 400)
+            if request.content_length is not None and \
+                    request.content_length > self.store.max_value:
+                return self._too_large(request.content_length)
             value = await request.read()
-            ok, changed = self.store.put(key, value, ttl)
-            if not ok:
+            outcome = self.store.put(key, value, ttl)
+            if outcome == DUPLICATE:
                 return self._reply("Duplicate rpc_meta key not allowed", 400)
-            if changed:
-                await self._persist()
+            if outcome == TOO_LARGE:
+                return self._too_large(len(value))
+            if outcome == OVER_QUOTA:
+                return self._reply(
+                    f"metadata store full: {self.store.used} of {self.store.quota} bytes used, "
+                    f"this value needs {len(value)}; delete unused keys or raise "
+                    f"--quota-bytes", 507)
+            if outcome == STORED:
+                try:
+                    await self._persist()
+                except MetadataError as e:
+                    return self._reply(str(e), 500)
             headers = {TTL_HEADER: f"{ttl:g}"} if ttl is not None else None
             return self._reply("metadata updated", headers=headers)
         if request.method == "DELETE":
             if not self.store.delete(key):
                 return self._reply(NOT_FOUND_TEXT, 404)
-            await self._persist()
+            try:
+                await self._persist()
+            except MetadataError as e:
+                return self._reply(str(e), 500)
             return self._reply("metadata deleted")
         return self._reply("Method not allowed", 405)
+
+    def _too_large(self, n: int):
+        return self._reply(f"value of {n} bytes exceeds the limit of {self.store.max_value} "
+                           f"bytes (--max-value-bytes)", 413)
 
     async def _handle_keys(self, request):
         keys = self.store.keys(request.query.get("prefix", ""))
@@ -278,7 +530,8 @@ class MetadataServer:
 
     async def _handle_health(self, request):
         return self._reply("", body=json.dumps({
-            "status": "ok", "keys": len(self.store.keys()),
+            "status": "ok", "keys": len(self.store.keys()), "bytes": self.store.used,
+            "quota": self.store.quota, "auth": self.token is not None,
             "uptime_s": round(time.time() - self.started, 3),
             "persist": self.store.persist_path}).encode())
 
@@ -294,7 +547,7 @@ class MetadataServer:
     # -- running ------------------------------------------------------------------------
     async def start_async(self) -> "MetadataServer":
         """Listen on the running loop (for embedding in an asyncio program)."""
-        self._save_lock = asyncio.Lock()
+        self._saved_cond = asyncio.Condition()
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host=self.host, port=self.port)
@@ -311,7 +564,7 @@ class MetadataServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._save_lock is not None and self.store.persist_path:
+        if self._saved_cond is not None and self.store.persist_path:
             await self._persist()
 
     def start(self) -> "MetadataServer":

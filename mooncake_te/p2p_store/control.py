@@ -13,23 +13,41 @@ Framing is the engine's handshake framing (``u64 length | u8 type | payload``,
 :mod:`mooncake_te.metadata.framing`) with a type of our own, so a store's port that is
 mistakenly given to an engine (or the reverse) fails with a clear reply instead of
 garbage. Connections are persistent: a getter keeps one per holder for the whole get.
+
+The port is guarded like the engine's RPC port (issue #20 item 9): with the engine's
+``auth_token`` a connection starts with the same HMAC challenge-response (with labels of
+its own, so a proof for one port is none for the other); the accept loop is
+:class:`~mooncake_te.metadata.listener.Listener` (connection limits, survives descriptor
+and thread exhaustion); authentication must finish within ``AUTH_TIMEOUT``, a started
+frame within ``FRAME_TIMEOUT``, and a connection idle for ``IDLE_TIMEOUT`` is closed
+(clients reconnect once on their own).
 """
 from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
+import time
 import weakref
 from typing import Callable
 
 from ..errors import ERR_SOCKET, MetadataError
 from ..metadata import framing, split_host_port
+from ..metadata.listener import Listener
 
 log = logging.getLogger("mooncake_te.p2p_store")
 
 #: frame type of P2P store requests ("P"); the engine's own types are 0..3
 FRAME = 0x50
+#: HMAC labels of this port's authentication (framing.client_auth/server_auth)
+LABELS = (b"mte-p2p-server", b"mte-p2p-client")
+MAX_CONNECTIONS = 256       # connections served at once
+MAX_PER_PEER = 64           # of them from one peer address
+AUTH_TIMEOUT = 10.0         # s from accept to a proven token
+FRAME_TIMEOUT = 10.0        # s from a frame's first byte to its last
+IDLE_TIMEOUT = 120.0        # s without a request before the connection is closed
 
 
 class ControlServer:
@@ -42,9 +60,16 @@ class ControlServer:
         reads in progress there so a vanished getter's are released).
     on_close : callable(session: dict)
         Called when a connection ends.
+    token : bytes, optional
+        The engine's ``auth_token``: peers must prove it before their first request.
     """
 
-    def __init__(self, host: str, port: int, handle: Callable, on_close: Callable):
+    def __init__(self, host: str, port: int, handle: Callable, on_close: Callable,
+                 token: bytes | None = None, max_connections: int = MAX_CONNECTIONS,
+                 max_per_peer: int = MAX_PER_PEER, idle_timeout: float = IDLE_TIMEOUT):
+        self._token = token or None
+        self.auth_failures = 0
+        self.idle_timeout = float(idle_timeout)
         # Weak: the serving threads must not keep an unclosed store alive for ever.
         self._handle = _weak(handle)
         self._on_close = _weak(on_close)
@@ -63,37 +88,53 @@ class ControlServer:
         self._closed = False
         self._conns: set = set()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, daemon=True,
-                                        name=f"mte-p2p-{self.port}")
-        self._thread.start()
+        self._listener = Listener(self._sock, f"mte-p2p-{self.port}", self._connection,
+                                  max_connections, max_per_peer).start()
 
     @property
     def address(self) -> str:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
-    def _serve(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._conns.add(conn)
-            threading.Thread(target=self._connection, args=(conn,), daemon=True,
-                             name=f"mte-p2p-{self.port}-conn").start()
+    @property
+    def shed(self) -> int:
+        """Connections closed unserved (limits, descriptors or threads exhausted)."""
+        return self._listener.shed
 
-    def _connection(self, conn: socket.socket) -> None:
-        session: dict = {}
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    def _authenticate(self, conn: socket.socket, peer: str) -> bool:
+        deadline = time.monotonic() + AUTH_TIMEOUT
         try:
+            length, kind = framing.recv_header(conn, deadline)
+            payload = b"" if kind != framing.AUTH and length > framing.PRE_AUTH_MAX_FRAME \
+                else framing.recv_payload(conn, length, framing.PRE_AUTH_MAX_FRAME, deadline)
+            why = framing.server_auth(conn, self._token, kind, payload, deadline, LABELS)
+        except (OSError, ConnectionError, MetadataError):
+            why = "authentication did not complete"
+        if why is not None:
+            self.auth_failures += 1
+            log.warning("refused P2P store peer %s: %s", peer, why)
+            return False
+        return True
+
+    def _connection(self, conn: socket.socket, peer: str = "") -> None:
+        session: dict = {}
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._conns.add(conn)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(FRAME_TIMEOUT)
+            if self._token and not self._authenticate(conn, peer):
+                return
             while not self._closed:
                 try:
-                    kind, payload = framing.recv_frame(conn)
+                    frame = framing.recv_request(conn, self.idle_timeout, FRAME_TIMEOUT)
                 except (OSError, ConnectionError, MetadataError):
                     return
+                if frame is None:
+                    return
+                kind, payload = frame
                 if kind != FRAME:
                     framing.send_frame(conn, kind, json.dumps(
                         {"reply_msg": "this is a mooncake_te P2P store port, not an engine's "
@@ -133,6 +174,7 @@ class ControlServer:
         except OSError:
             pass
         self._sock.close()
+        self._listener.close()
         with self._lock:
             conns = list(self._conns)
         for c in conns:         # wake the connection threads so they end
@@ -140,7 +182,6 @@ class ControlServer:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._thread.join(timeout=2.0)
 
 
 def _weak(fn):
@@ -153,16 +194,24 @@ def _weak(fn):
 class ControlClient:
     """One persistent connection to another store's control port (thread-safe)."""
 
-    def __init__(self, address: str, timeout: float = 5.0):
+    def __init__(self, address: str, timeout: float = 5.0, token: bytes | None = None):
         self.address = address
         self.host, self.port = split_host_port(address)
         self.timeout = timeout
+        # The CLI's clients have no engine: they take the token from MC_AUTH_TOKEN.
+        self.token = token or os.environ.get("MC_AUTH_TOKEN", "").encode() or None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
     def _connect(self) -> socket.socket:
         s = socket.create_connection((self.host, self.port), timeout=self.timeout)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.token:
+            try:
+                framing.client_auth(s, self.token, f"P2P store {self.address}", LABELS)
+            except BaseException:
+                s.close()
+                raise
         return s
 
     def call(self, request: dict) -> dict:

@@ -42,6 +42,8 @@ class Directory(ABC):
     """Manifests and holder lists, wherever they live."""
 
     kind = "?"
+    #: auth_token for other stores' control ports (set by the store from its engine)
+    token: bytes | None = None
 
     @abstractmethod
     def publish(self, manifest: Manifest) -> None:
@@ -76,9 +78,9 @@ class Directory(ABC):
         pass
 
 
-def _alive(ref: HolderRef, timeout: float = 1.0) -> bool:
+def _alive(ref: HolderRef, timeout: float = 1.0, token: bytes | None = None) -> bool:
     """Does the store ``ref`` names still run (same instance)?"""
-    c = ControlClient(ref.address, timeout)
+    c = ControlClient(ref.address, timeout, token)
     try:
         reply = c.call({"op": "hello"})
         return reply.get("ref", {}).get("instance") == ref.instance
@@ -146,7 +148,7 @@ class StoreDirectory(Directory):
     def publish(self, manifest: Manifest) -> None:
         old = self.manifest(manifest.name)
         if old is not None and old.origin.key != manifest.origin.key:
-            if _alive(old.origin):
+            if _alive(old.origin, token=self.token):
                 raise ObjectExistsError(
                     f"an object named {manifest.name!r} is already published by "
                     f"{old.origin.name} ({old.origin.address}) in {self.describe()}; "
@@ -256,7 +258,7 @@ class SeedDirectory(Directory):
         for s in self.seeds:
             c = self._clients.get(s)
             if c is None:
-                c = self._clients[s] = ControlClient(s, self._timeout)
+                c = self._clients[s] = ControlClient(s, self._timeout, self.token)
             try:
                 reply = c.call(request)
             except MetadataError as e:

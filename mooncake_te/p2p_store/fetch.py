@@ -209,7 +209,8 @@ class Fetch:
             if ref.key in self.peers or ref.key == self.store.ref.key or \
                     self._ignored.get(ref.key, 0) > now:
                 continue
-            peer = _Peer(ref, ControlClient(ref.address, self.store.control_timeout), self.n)
+            peer = _Peer(ref, ControlClient(ref.address, self.store.control_timeout,
+                                            self.store.directory.token), self.n)
             try:
                 reply = peer.client.call({"op": "bitmap", "name": self.m.name,
                                           "object_id": self.m.object_id,

@@ -174,7 +174,10 @@ class P2PStore:
         self._gets: dict[str, dict] = {}
         self._fetches: set = set()               # gets and repairs in progress
         try:
-            self._server = ControlServer(host or engine.host, port, self._handle, self._release)
+            token = getattr(engine, "_token", None)      # the engine's auth_token (#20.9)
+            self.directory.token = token
+            self._server = ControlServer(host or engine.host, port, self._handle, self._release,
+                                         token=token)
         except BaseException:
             self.directory.close()
             raise
@@ -606,7 +609,8 @@ class P2PStore:
         if isinstance(self.directory, SeedDirectory) and m.origin.key != self.ref.key:
             # No store: the publisher is the authority. Unreachable is not "withdrawn"
             # (replicas keep serving when the publisher dies).
-            c = ControlClient(m.origin.address, min(self.control_timeout, 2.0))
+            c = ControlClient(m.origin.address, min(self.control_timeout, 2.0),
+                              self.directory.token)
             try:
                 reply = c.call({"op": "manifest", "name": m.name})
             except MetadataError:

@@ -8,12 +8,18 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define PIN_REMOVED 0x80000000u
+#define PIN_COUNT   0x7fffffffu
+
 struct mte_region {
     uint64_t addr, len;
     unsigned access;
     int device;                /* CUDA ordinal, -1: host memory */
-    atomic_int pins;
-    atomic_int removed;
+    /* Pin count, with PIN_REMOVED set once the region left the table. One word, so
+     * that an unpinner learns "last pin of a removed region" from its own atomic
+     * operation and never reads the region after letting go of it (issue #20 item 1:
+     * reading a separate `removed` flag after the decrement raced with free()). */
+    atomic_uint pins;
     mte_regions_t *table;
 };
 
@@ -125,11 +131,15 @@ int mte_regions_remove(mte_regions_t *t, uint64_t addr)
     mte_region_t *r = t->v[i];
     memmove(&t->v[i], &t->v[i + 1], (t->n - (size_t)i - 1) * sizeof(*t->v));
     t->n--;
-    atomic_store(&r->removed, 1);
+    /* Under the write lock: no pin can be taken any more (pins need the read lock and
+     * the region is no longer in the array), so the count can only go down now. */
+    atomic_fetch_or(&r->pins, PIN_REMOVED);
     pthread_rwlock_unlock(&t->lock);
-    /* In-flight I/O is bounded by the transports' deadlines, so this wait ends. */
+    /* In-flight I/O is bounded by the transports' deadlines, so this wait ends. An
+     * unpinner that sees PIN_REMOVED decrements under wait_mu, so once we hold wait_mu
+     * and read a count of 0, nobody touches r again and it can be freed. */
     pthread_mutex_lock(&t->wait_mu);
-    while (atomic_load(&r->pins) > 0)
+    while (atomic_load(&r->pins) & PIN_COUNT)
         pthread_cond_wait(&t->wait_cv, &t->wait_mu);
     pthread_mutex_unlock(&t->wait_mu);
     free(r);
@@ -162,13 +172,19 @@ mte_region_t *mte_regions_pin(mte_regions_t *t, uint64_t addr, uint64_t len, uns
 
 void mte_region_unpin(mte_region_t *r)
 {
-    /* seq_cst: either we see `removed` and wake the remover, or the remover sees pins 0. */
-    if (atomic_fetch_sub(&r->pins, 1) == 1 && atomic_load(&r->removed)) {
-        mte_regions_t *t = r->table;
-        pthread_mutex_lock(&t->wait_mu);
+    /* Fast path: the region is live, drop the pin with one CAS and never look back. */
+    unsigned v = atomic_load(&r->pins);
+    while (!(v & PIN_REMOVED))
+        if (atomic_compare_exchange_weak(&r->pins, &v, v - 1))
+            return;
+    /* Removal pending: the remover frees r only after it read a count of 0 under
+     * wait_mu, so decrement and wake it while holding wait_mu. r and its table are
+     * alive until we unlock; we touch neither afterwards. */
+    mte_regions_t *t = r->table;
+    pthread_mutex_lock(&t->wait_mu);
+    if ((atomic_fetch_sub(&r->pins, 1) & PIN_COUNT) == 1)
         pthread_cond_broadcast(&t->wait_cv);
-        pthread_mutex_unlock(&t->wait_mu);
-    }
+    pthread_mutex_unlock(&t->wait_mu);
 }
 
 int64_t mte_regions_check_many(mte_regions_t *t, const uint64_t *addrs, const uint64_t *lens,

@@ -50,17 +50,26 @@ def test_mooncake_wire_protocol(http_metadata_server):
 
 
 def test_duplicate_rpc_meta_rule(http_metadata_server):
-    """Mooncake PR #2311: a second, different rpc_meta for one name is refused (no TTL)."""
+    """Mooncake PR #2311: a second, different rpc_meta for one name is refused, and a TTL
+    header is no way around it (issue #20 item 8)."""
     srv = http_metadata_server
     key = "mooncake/rpc_meta/dup"
     assert kv(srv, "PUT", key, b'{"rpc_port":1}').status_code == 200
     assert kv(srv, "PUT", key, b'{"rpc_port":1}').status_code == 200     # idempotent
     r = kv(srv, "PUT", key, b'{"rpc_port":2}')
     assert r.status_code == 400 and "Duplicate" in r.text
-    kv(srv, "DELETE", key)
-    # with a TTL (a mooncake_te engine), a restarted instance may replace it
     h = {"X-Mooncake-TTL": "30"}
+    r = kv(srv, "PUT", key, b'{"rpc_port":2}', h)                         # the bypass
+    assert r.status_code == 400 and "Duplicate" in r.text
+    assert kv(srv, "GET", key).content == b'{"rpc_port":1}'
+    kv(srv, "DELETE", key)
+    # with a TTL: renewals of the same value are fine, another value is not
     assert kv(srv, "PUT", key, b'{"rpc_port":1}', h).status_code == 200
+    assert kv(srv, "PUT", key, b'{"rpc_port":1}', h).status_code == 200
+    assert kv(srv, "PUT", key, b'{"rpc_port":2}', h).status_code == 400
+    assert kv(srv, "PUT", key, b'{"rpc_port":2}').status_code == 400
+    # a restarted instance deletes its dead predecessor's key first (stores/http.py)
+    assert kv(srv, "DELETE", key).status_code == 200
     assert kv(srv, "PUT", key, b'{"rpc_port":2}', h).status_code == 200
     kv(srv, "DELETE", key)
 
@@ -74,7 +83,7 @@ def test_ttl_header_and_expiry(http_metadata_server):
     while kv(srv, "GET", "ttl/a").status_code == 200 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert kv(srv, "GET", "ttl/a").status_code == 404
-    for bad in ("0", "-3", "soon"):
+    for bad in ("0", "-3", "soon", "nan", "NaN", "inf", "-inf", "1e400", "1e12"):
         assert kv(srv, "PUT", "ttl/b", b"1", {"X-Mooncake-TTL": bad}).status_code == 400
     # without the header the key stays (Mooncake semantics) and no TTL is confirmed
     r = kv(srv, "PUT", "ttl/c", b"1")

@@ -16,7 +16,7 @@ from ..url import example, from_config
 __all__ = ["open_store", "spec_from_config"]
 
 
-def open_store(scheme: str, rest: str, spec: str) -> MetadataBackend:
+def open_store(scheme: str, rest: str, spec: str, token: bytes | None = None) -> MetadataBackend:
     """Open the store ``scheme`` at ``rest`` (``spec`` is the whole string, for errors).
 
     Parameters
@@ -27,6 +27,8 @@ def open_store(scheme: str, rest: str, spec: str) -> MetadataBackend:
         Everything after ``scheme://``.
     spec : str
         The user's ``metadata=`` string.
+    token : bytes, optional
+        The engines' ``auth_token``: signs HTTP requests (see :mod:`.http`).
     """
     scheme = scheme.lower()
     if not rest.strip():
@@ -40,7 +42,7 @@ def open_store(scheme: str, rest: str, spec: str) -> MetadataBackend:
         return RedisStore(rest)
     if scheme in ("http", "https"):
         from .http import HttpStore
-        return HttpStore(scheme, rest)
+        return HttpStore(scheme, rest, token=token)
     raise MetadataError(f"unknown metadata store {scheme!r} in {spec!r}; use etcd://, redis:// "
                         f"or http://")
 

@@ -224,6 +224,14 @@ class LeasedStore(KeyValueBackend):
                 f"{len(raw)} bytes that are not a segment descriptor ({e}; starts with "
                 f"{preview!r}); something other than a mooncake engine wrote it. Delete the "
                 f"key or use another MC_METADATA_CLUSTER_ID.", status=ERR_MALFORMED_JSON) from None
+        if desc.name != name:
+            # Another engine's descriptor under this name (copied there by mistake or by
+            # someone who can write the store): using it would send A's bytes to B.
+            raise MetadataError(
+                f"{self.kind} metadata store {self.address!r}: the key for segment {name!r} "
+                f"({key!r}) holds the descriptor of segment {desc.name!r} (instance "
+                f"{desc.instance_id}); refusing to use it. The key is stale or forged: "
+                f"delete it, and set an auth_token so the data handshake checks identities")
         if self.on_change is not None:
             with self._watch_lock:
                 self._seen[name] = desc.instance_id

@@ -9,14 +9,26 @@ against Mooncake's own servers and against ``mooncake-te metadata-server``
 asks for in the ``X-Mooncake-TTL`` request header and confirms in the reply. Mooncake's
 servers ignore the header (keys then live until deleted; a warning says so).
 
+With an ``auth_token`` (the engine's, or ``MC_AUTH_TOKEN``) every request is signed
+(``X-MTE-Auth``, see :mod:`mooncake_te.metadata.server`) and a signed reply is checked;
+servers without authentication ignore the header.
+
+Mooncake's rule "one segment name, one ``rpc_meta``" holds on our server whatever the
+TTL: an engine restarted under its old name, whose dead predecessor's key has not
+expired yet, checks that the old RPC port no longer answers, deletes the stale key and
+publishes its own. A live engine under that name is an error naming both.
+
 Client: ``requests`` (keep-alive session; ``pip install mooncake-te[http]``).
 """
 from __future__ import annotations
 
+import hmac
+import json
 import logging
+import os
 from urllib.parse import urlsplit, urlunsplit, urlencode
 
-from ...errors import MetadataError, ERR_SOCKET
+from ...errors import AuthenticationError, MetadataError, ERR_SOCKET
 from ._leased import LeasedStore, is_rpc_meta, port_hint, split_options, ttl_from
 
 try:
@@ -32,6 +44,8 @@ TTL_HEADER = "X-Mooncake-TTL"
 SERVER_HEADER = "X-Mooncake-Metadata-Server"
 #: the body Mooncake's servers send for a missing key
 NOT_FOUND_TEXT = "metadata not found"
+#: request signature and reply MAC (mooncake_te.metadata.server)
+AUTH_HEADER = "X-MTE-Auth"
 
 
 class HttpStore(LeasedStore):
@@ -48,7 +62,7 @@ class HttpStore(LeasedStore):
     kind = "http"
 
     def __init__(self, scheme: str, rest: str, cluster_id: str | None = None,
-                 timeout: float = 3.0):
+                 timeout: float = 3.0, token: bytes | None = None):
         if _requests is None:
             raise MetadataError("metadata='http://...' needs the requests library: "
                                 "pip install mooncake-te[http]")
@@ -72,16 +86,34 @@ class HttpStore(LeasedStore):
         # Mooncake's libcurl client: 1.5 s to connect, 3 s per request (reference §5).
         self._timeout = (min(1.5, timeout), timeout)
         self._ttl_warned = False
+        token = token or os.environ.get("MC_AUTH_TOKEN", "").encode() or None
+        self._token = token.encode() if isinstance(token, str) else token
 
     # -- requests & errors -----------------------------------------------------------------
     def _request(self, method: str, key: str, data: bytes | None = None,
                  headers: dict | None = None):
         sep = "&" if "?" in self.url else "?"
         url = f"{self.url}{sep}{urlencode({'key': key})}"
+        nonce = None
+        if self._token:
+            from ..server import sign_request
+            headers = dict(headers or {})
+            headers[AUTH_HEADER] = sign_request(self._token, method, key,
+                                                headers.get(TTL_HEADER, ""), data or b"")
+            nonce = headers[AUTH_HEADER].split()[2]
         try:
             with self._lock:
-                return self._session.request(method, url, data=data, headers=headers,
+                resp = self._session.request(method, url, data=data, headers=headers,
                                              timeout=self._timeout)
+            if nonce is not None and AUTH_HEADER in resp.headers:
+                from ..server import sign_reply
+                if not hmac.compare_digest(resp.headers[AUTH_HEADER], sign_reply(
+                        self._token, nonce, resp.status_code, resp.content)):
+                    raise AuthenticationError(
+                        f"HTTP metadata server {self.address}: the reply to {method} {key!r} "
+                        f"is not signed with this engine's auth_token (a different token on "
+                        f"the server, or something on the path altered it)")
+            return resp
         except _requests.exceptions.ConnectionError as e:
             text = str(e)
             why = ("connection refused: is the metadata server running there? "
@@ -111,7 +143,14 @@ class HttpStore(LeasedStore):
                     "names is alive: give this engine another segment name, or stop "
                     "that engine.")
         elif resp.status_code in (401, 403):
-            msg += " The server wants credentials this client does not send."
+            msg += (" The server authenticates requests: give this engine the server's "
+                    "auth_token (TransferEngine(auth_token=...), [transfer_engine] auth_token "
+                    "or MC_AUTH_TOKEN)." if not self._token else
+                    " The server refused this engine's auth_token: the tokens differ, or the "
+                    "clocks are more than a minute apart.")
+            return AuthenticationError(msg, status=ERR_SOCKET)
+        elif resp.status_code in (413, 507):
+            msg += " The server's size limits refused the value (see docs/security.md)."
         return MetadataError(msg, status=ERR_SOCKET)
 
     def _why_404(self) -> str:
@@ -187,22 +226,22 @@ class HttpStore(LeasedStore):
 
     def _replace_stale_rpc_meta(self, key: str, value: bytes) -> bool:
         """Another ``rpc_meta`` holds our name: True (after deleting it) when the engine it
-        names is gone (nothing accepts connections at its RPC address), so a restarted
-        engine takes its name back; False when that engine is alive (or the value cannot
-        be read: we do not delete what we cannot judge)."""
-        import json
-        import socket
+        names is gone (its RPC port does not answer), so that a restarted engine takes
+        its name back without waiting for the old key's TTL."""
+        from .. import framing
         old = self.get(key)
         if old is None:
-            return True                  # deleted meanwhile
+            return True                  # expired meanwhile
         try:
             info = json.loads(old)
             host, port = str(info["ip_or_host_name"]), int(info["rpc_port"])
         except (ValueError, KeyError, TypeError):
             return False
         try:
-            socket.create_connection((host, port), 1.0).close()
-        except OSError:
+            framing.request(host, port, framing.PROBE, b"", 1.0, self._token)
+        except AuthenticationError:
+            return False                 # something answers there: alive
+        except MetadataError:
             log.info("segment name of %s was held by a dead engine at %s:%d; replacing its "
                      "stale key", key, host, port)
             self.delete(key)
