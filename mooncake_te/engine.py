@@ -25,6 +25,7 @@ from .core._regions import Regions, READ as ACC_READ, WRITE as ACC_WRITE
 from .memory import ACCESS, MemoryRegion, cpu_location, intake
 from .metadata import BufferInfo, SegmentCache, SegmentDescriptor, open_backend
 from .metadata.rpc import RpcServer
+from .metrics.engine import attach as _attach_metrics, detach as _detach_metrics, engine_metrics
 from .transports import probe as probe_transports
 from .transports.base import Transport, TransportContext
 
@@ -156,6 +157,7 @@ class TransferEngine:
                 self._backend.on_change = lambda name, inst: (ref() or (lambda *a: None))(
                     name, inst)
             self._closed = False
+            _attach_metrics(self, te)      # eng.metrics(), /metrics on metrics_port
             self._publish()
         except BaseException:
             self._closed = False
@@ -168,6 +170,7 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
+        _detach_metrics(self)
         if os.getpid() != self._pid:
             # A forked child's copy: the sockets, threads and published keys are the
             # parent's; tearing them down here would break the parent (pyzmq does the same).
@@ -554,14 +557,20 @@ class TransferEngine:
                 f"with this engine; register the buffer first (eng.register(...)), or check "
                 f"the address and length")
         desc = self._resolve(name)
-        t, _ = self._pick(desc, int(op), src, dst)
-        if not hasattr(t, "transfer_sync"):
+        t, route = self._pick(desc, int(op), src, dst)
+        tm = self._tmetrics
+        if not hasattr(t, "transfer_sync") or (tm is not None and t.name != "tcp"):
             one = lambda v: np.array([v], dtype=np.uint64)     # noqa: E731
             self._submit_groups({(name, int(op)): (None, one(src), one(dst), one(length))},
                                 1, None, timeout, nbytes=length).wait()
             return
-        _, code = t.transfer_sync(desc, int(op), src, dst, length,
-                                  self._deadline(length, timeout))
+        if tm is None:
+            _, code = t.transfer_sync(desc, int(op), src, dst, length,
+                                      self._deadline(length, timeout))
+        else:
+            _, code = t.transfer_sync(desc, int(op), src, dst, length,
+                                      self._deadline(length, timeout),
+                                      tm.cell(name, route, int(op)))
         if code != 0:
             if code in (-1006, -102):
                 self._peer_restarted(name)     # re-resolve the peer before its next use
@@ -644,19 +653,22 @@ class TransferEngine:
                     f"(eng.register(...)), or check the address and length")
             desc = self._resolve(name)
             plan.append((name, op, idx, src, dst, lens, desc,
-                         self._pick(desc, op, src, dst)[0]))
+                         *self._pick(desc, op, src, dst)))
         deadline = self._deadline(nbytes, timeout)
         native = NativeBatch(n, deadline)
         parts = []
         routes = set()
         order = np.empty(n, dtype=np.int64) if any(p[2] is not None for p in plan) else None
         first = 0
+        tm = self._tmetrics
         try:
-            for name, op, idx, src, dst, lens, desc, tr in plan:
+            for name, op, idx, src, dst, lens, desc, tr, route in plan:
                 if order is not None:
                     # submit(): requests are carried grouped by (target, op); remember where
                     # each one came from so status() and errors use the caller's indices.
                     order[idx] = np.arange(first, first + len(src))
+                if tm is not None:          # counted when they finish (src/core/metrics.h)
+                    native.tag(first, len(src), tm.cell(name, route, op))
                 routes.add(tr.submit(native, desc, op, src, dst, lens, first, False))
                 parts.append((name, first, src, dst, lens, op))
                 first += len(src)
@@ -673,6 +685,13 @@ class TransferEngine:
         native.seal()
         return Batch(native, ",".join(sorted(routes)) or self.protocol, deadline, parts, self,
                      order)
+
+    def metrics(self) -> dict:
+        """Transfer counters and latency histograms per (peer, transport, op), failures
+        by status code, connections, auth refusals, notifications, queue depths and
+        registered bytes per location, read now (docs/observability.md lists every key).
+        """
+        return engine_metrics(self)
 
     def stats(self) -> dict:
         """Counters: refused peers (auth), regions, peers."""

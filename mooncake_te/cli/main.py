@@ -18,6 +18,7 @@ COMMANDS = {
     "lab": "lab",
     "p2p": "p2p",
     "trace": "trace",
+    "top": "top",
 }
 
 

@@ -36,6 +36,8 @@ import time
 from dataclasses import dataclass
 
 from ..errors import MetadataError
+from ..metrics.metadata import ServerCounters
+from ..metrics.prometheus import track
 
 try:
     from aiohttp import web
@@ -205,6 +207,7 @@ class MetadataServer:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._sweeper = None
+        self._counters = ServerCounters()       # stats(), /metrics (docs/observability.md)
 
     @property
     def url(self) -> str:
@@ -213,7 +216,9 @@ class MetadataServer:
 
     # -- the application ----------------------------------------------------------------
     def app(self):
-        app = web.Application(client_max_size=MAX_VALUE)
+        app = web.Application(client_max_size=MAX_VALUE,
+                              middlewares=[self._counters.middleware()])
+        app.router.add_get("/metrics", self._counters.handle_metrics)
         app.router.add_route("*", "/metadata", self._handle_metadata)
         app.router.add_get("/metadata/keys", self._handle_keys)
         app.router.add_get("/health", self._handle_health)
@@ -235,7 +240,13 @@ class MetadataServer:
             return
         data = self.store.snapshot()          # taken on the loop: a consistent view
         async with self._save_lock:
-            await asyncio.get_running_loop().run_in_executor(None, self.store.save, data)
+            with self._counters.persist_timer():
+                await asyncio.get_running_loop().run_in_executor(None, self.store.save, data)
+
+    def stats(self) -> dict:
+        """``keys``, ``requests`` ({(method, status): count}), ``persist`` (histogram of
+        persistence writes in seconds), ``url``."""
+        return self._counters.stats(len(self.store), self.url)
 
     async def _handle_metadata(self, request):
         key = request.query.get("key", "").strip()
@@ -295,6 +306,7 @@ class MetadataServer:
     async def start_async(self) -> "MetadataServer":
         """Listen on the running loop (for embedding in an asyncio program)."""
         self._save_lock = asyncio.Lock()
+        track("metadata_server", self)
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host=self.host, port=self.port)

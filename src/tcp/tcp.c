@@ -4,6 +4,7 @@
 #include "tcp.h"
 #include "../core/gpu.h"
 #include "../core/hmac_sha256.h"
+#include "../core/metrics.h"
 
 #include <endian.h>
 #include <errno.h>
@@ -351,6 +352,11 @@ struct mte_batch {
     _Atomic uint64_t *bytes;
     atomic_uint *slices_left;
     atomic_int *err;
+    /* Metrics (src/core/metrics.h): the cell of each request, set by mte_batch_tag before
+     * the request is queued; NULL cells (metrics off) cost one load per request. */
+    int64_t t0;                 /* first tag: submit time */
+    uint64_t *cell0;            /* the cell of every request while `cells` is NULL */
+    uint64_t **cells;           /* per request, once requests name different cells */
 };
 
 typedef struct {
@@ -399,6 +405,7 @@ void mte_batch_unref(mte_batch_t *b)
         free(r);
     }
     free(b->notify_msg);
+    free(b->cells);
     free(b->state); free(b->bytes); free(b->slices_left); free(b->err);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
@@ -410,6 +417,8 @@ int32_t mte_batch_notify_error(const mte_batch_t *b) { return atomic_load(&b->no
 
 static void batch_finish(mte_batch_t *b)
 {
+    if (b->cell0)
+        mte_metrics_batch(b->cell0, mte_now_ns() - b->t0);
     pthread_mutex_lock(&b->mu);
     b->finished = 1;
     pthread_cond_broadcast(&b->cv);
@@ -447,6 +456,49 @@ static uint8_t state_for(int err)
          : err == MTE_E_CANCELED ? MTE_ST_CANCELED : MTE_ST_FAILED;
 }
 
+/* Request i finished (its last slice): count it in its metrics cell, if it has one. */
+static void batch_count_request(mte_batch_t *b, uint32_t i)
+{
+    uint64_t **cells = __atomic_load_n(&b->cells, __ATOMIC_ACQUIRE);
+    uint64_t *cell = cells ? cells[i] : b->cell0;
+    if (!cell)
+        return;
+    int err = 0;
+    if (atomic_load(&b->state[i]) != MTE_ST_COMPLETED)
+        err = atomic_load(&b->err[i]) ? atomic_load(&b->err[i]) : MTE_E_TIMEOUT;
+    mte_metrics_request(cell, atomic_load(&b->bytes[i]), err, mte_now_ns() - b->t0);
+}
+
+int mte_batch_tag(mte_batch_t *b, uint32_t first, uint32_t n, uint64_t *cell)
+{
+    if ((uint64_t)first + n > b->n || !cell)
+        return MTE_E_PROTOCOL;
+    if (!b->t0)
+        b->t0 = mte_now_ns();
+    if (!b->cell0) {
+        b->cell0 = cell;
+        return 0;
+    }
+    uint64_t **cells = b->cells;
+    if (!cells) {
+        if (cell == b->cell0)
+            return 0;
+        /* Requests already queued keep cell0; publish the array only once it says so. */
+        cells = malloc(sizeof(*cells) * (b->n ? b->n : 1));
+        if (!cells)
+            return MTE_E_NOMEM;
+        for (uint32_t i = 0; i < b->n; i++)
+            cells[i] = b->cell0;
+        for (uint32_t i = first; i < first + n; i++)
+            cells[i] = cell;
+        __atomic_store_n(&b->cells, cells, __ATOMIC_RELEASE);
+        return 0;
+    }
+    for (uint32_t i = first; i < first + n; i++)
+        cells[i] = cell;          /* not queued yet: nobody reads these entries */
+    return 0;
+}
+
 /* One slice finished. The caller must not touch it->b afterwards. */
 static void item_done(const item_t *it, int err)
 {
@@ -473,6 +525,7 @@ static void item_done(const item_t *it, int err)
     if (atomic_fetch_sub(&b->slices_left[i], 1) == 1) {
         uint8_t pending = MTE_ST_PENDING;
         atomic_compare_exchange_strong(&b->state[i], &pending, MTE_ST_COMPLETED);
+        batch_count_request(b, i);
         if (atomic_fetch_sub(&b->pending, 1) == 1)
             batch_requests_done(b);
     }
@@ -649,6 +702,7 @@ struct mte_tcp {
     uint8_t token[256];          /* shared secret; token_len 0 = no authentication */
     size_t token_len;
     atomic_ullong auth_failures;
+    atomic_ullong conns_accepted, notifs_received, notifs_dropped;   /* mte_tcp_counters */
     pthread_t accept_thread;
     atomic_int closing;
     pthread_mutex_t mu;          /* guards conns, nconns, notifs */
@@ -1145,6 +1199,14 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *u
 
 uint64_t mte_peer_seen_instance(const mte_peer_t *p) { return atomic_load(&p->seen_instance); }
 int mte_peer_broken(const mte_peer_t *p) { return atomic_load(&p->restarted); }
+size_t mte_peer_queued(mte_peer_t *p)
+{
+    pthread_mutex_lock(&p->mu);
+    size_t n = p->qlen;
+    pthread_mutex_unlock(&p->mu);
+    return n;
+}
+
 int mte_peer_cma(const mte_peer_t *p) { return atomic_load(&p->cma_seen); }
 
 void mte_peer_shutdown(mte_peer_t *p)
@@ -1595,10 +1657,15 @@ static void conn_serve(conn_t *c)
                 free(msg);
                 break;
             }
-            mte_tcp_push_notification(t, c->peer_name, msg, len);
+            if (mte_tcp_push_notification(t, c->peer_name, msg, len) == 0)
+                atomic_fetch_add(&t->notifs_received, 1);
+            else
+                atomic_fetch_add(&t->notifs_dropped, 1);
             free(msg);
             oresp(&o, 0, seq, 0);
         } else {
+            if (op == MTE_OP_NOTIFY)
+                atomic_fetch_add(&t->notifs_dropped, 1);     /* over NOTIFY_MAX */
             break;    /* protocol violation: drop the connection */
         }
     }
@@ -1682,6 +1749,7 @@ static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
         c->next = t->conns;
         t->conns = c;
         t->nconns++;
+        atomic_fetch_add(&t->conns_accepted, 1);
         pthread_mutex_unlock(&t->mu);
     }
     return NULL;
@@ -1790,6 +1858,17 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
 int mte_tcp_port(const mte_tcp_t *t) { return t->port; }
 const char *mte_tcp_uds_name(const mte_tcp_t *t) { return t->uds_name; }
 uint64_t mte_tcp_auth_failures(const mte_tcp_t *t) { return atomic_load(&t->auth_failures); }
+
+void mte_tcp_counters(mte_tcp_t *t, uint64_t out[MTE_TCP_COUNTERS])
+{
+    pthread_mutex_lock(&t->mu);
+    out[0] = (uint64_t)t->nconns;
+    pthread_mutex_unlock(&t->mu);
+    out[1] = atomic_load(&t->conns_accepted);
+    out[2] = atomic_load(&t->auth_failures);
+    out[3] = atomic_load(&t->notifs_received);
+    out[4] = atomic_load(&t->notifs_dropped);
+}
 
 void mte_tcp_free(mte_tcp_t *t)
 {

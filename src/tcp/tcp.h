@@ -77,6 +77,10 @@ int mte_tcp_port(const mte_tcp_t *t);
 /* Name of the same-host listener (abstract unix socket), "" if there is none. */
 const char *mte_tcp_uds_name(const mte_tcp_t *t);
 uint64_t mte_tcp_auth_failures(const mte_tcp_t *t);
+/* [connections open, connections accepted, auth refusals, notifications received,
+ *  notifications dropped (over 1 MiB or out of memory)]: server counters for metrics. */
+#define MTE_TCP_COUNTERS 5
+void mte_tcp_counters(mte_tcp_t *t, uint64_t out[MTE_TCP_COUNTERS]);
 void mte_tcp_free(mte_tcp_t *t);
 int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len);
 mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t);
@@ -94,6 +98,7 @@ void mte_peer_free(mte_peer_t *p);
 uint64_t mte_peer_seen_instance(const mte_peer_t *p);
 int mte_peer_broken(const mte_peer_t *p);     /* the peer reported a new instance id */
 int mte_peer_cma(const mte_peer_t *p);        /* some lane moves bytes by process_vm_* */
+size_t mte_peer_queued(mte_peer_t *p);       /* slices queued, not yet on a lane */
 
 /* --- batches ----------------------------------------------------------------------- */
 mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns);   /* CLOCK_MONOTONIC ns, 0=none */
@@ -110,6 +115,9 @@ int mte_batch_add_notify(mte_batch_t *b, mte_peer_t *p, const void *msg, size_t 
 void mte_batch_abandon(mte_batch_t *b, uint32_t first, uint32_t n);
 /* Called after the last submit/add_notify: from now on the batch may finish. */
 void mte_batch_seal(mte_batch_t *b);
+/* Requests [first, first+n) count in metrics cell `cell` (src/core/metrics.h) when they
+ * finish; call before queuing them. The first tag also stamps the batch's submit time. */
+int mte_batch_tag(mte_batch_t *b, uint32_t first, uint32_t n, uint64_t *cell);
 /* 1 when finished, 0 when deadline_ns (monotonic) passed first. */
 int mte_batch_wait(mte_batch_t *b, int64_t deadline_ns);
 int mte_batch_done(mte_batch_t *b);

@@ -21,6 +21,8 @@ cdef extern from "tcp/tcp.h" nogil:
                            const void *token, size_t token_len, int *err)
     int mte_tcp_port(const mte_tcp_t *t)
     uint64_t mte_tcp_auth_failures(const mte_tcp_t *t)
+    int MTE_TCP_COUNTERS
+    void mte_tcp_counters(mte_tcp_t *t, uint64_t *out)
     const char *mte_tcp_uds_name(const mte_tcp_t *t)
     void mte_tcp_free(mte_tcp_t *t)
     int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len)
@@ -33,6 +35,7 @@ cdef extern from "tcp/tcp.h" nogil:
     uint64_t mte_peer_seen_instance(const mte_peer_t *p)
     int mte_peer_broken(const mte_peer_t *p)
     int mte_peer_cma(const mte_peer_t *p)
+    size_t mte_peer_queued(mte_peer_t *p)
     mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns)
     void mte_batch_unref(mte_batch_t *b)
     int mte_batch_submit(mte_batch_t *b, mte_peer_t *p, int op, const uint64_t *local,
@@ -41,6 +44,7 @@ cdef extern from "tcp/tcp.h" nogil:
     int mte_batch_add_notify(mte_batch_t *b, mte_peer_t *p, const void *msg, size_t len)
     void mte_batch_abandon(mte_batch_t *b, uint32_t first, uint32_t n)
     void mte_batch_seal(mte_batch_t *b)
+    int mte_batch_tag(mte_batch_t *b, uint32_t first, uint32_t n, uint64_t *cell)
     int mte_batch_wait(mte_batch_t *b, int64_t deadline_ns)
     int mte_batch_done(mte_batch_t *b)
     void mte_batch_cancel(mte_batch_t *b)
