@@ -55,7 +55,10 @@ class TransferMetrics:
             with self._lock:
                 c = self._cells.get(key)
                 if c is None:
-                    c = np.zeros(CELL_WORDS, dtype=np.uint64)
+                    # 64-byte aligned, so each thread's shard has cache lines of its own.
+                    raw = np.zeros(CELL_WORDS + 8, dtype=np.uint64)
+                    skip = (-raw.ctypes.data % 64) // 8
+                    c = raw[skip:skip + CELL_WORDS]
                     with _forever_lock:
                         _forever.append(c)
                     self._cells[key] = c

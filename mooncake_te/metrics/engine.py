@@ -73,6 +73,17 @@ def attach(eng, te: dict) -> None:
         log.info("metrics of %s at %s", eng.name, eng._metrics_server.url)
 
 
+def set_enabled(eng, on: bool) -> None:
+    """Turn the counting of ``eng``'s transfers on or off while it runs (batches already
+    submitted keep their cells); what was counted stays readable. For A/B measurements
+    of the overhead in one process (benchmarks/metrics_overhead.py)."""
+    from .cells import TransferMetrics
+    keep = getattr(eng, "_tmetrics_kept", None) or getattr(eng, "_tmetrics", None) \
+        or TransferMetrics()
+    eng._tmetrics_kept = keep
+    eng._tmetrics = keep if on else None
+
+
 def detach(eng) -> None:
     """Stop exporting ``eng`` (its counters stay readable)."""
     from . import prometheus

@@ -146,6 +146,7 @@ static int64_t spin_ns(void)
 
 static ssize_t recv_some(sockio_t *s, void *dst, size_t n)
 {
+    mte_metrics_input();        /* what arrives now finishes at a new time */
     int64_t spin = s->spin ? spin_ns() : 0;
     if (spin > 0) {
         int64_t until = mte_now_ns() + spin;
@@ -418,7 +419,7 @@ int32_t mte_batch_notify_error(const mte_batch_t *b) { return atomic_load(&b->no
 static void batch_finish(mte_batch_t *b)
 {
     if (b->cell0)
-        mte_metrics_batch(b->cell0, mte_now_ns() - b->t0);
+        mte_metrics_batch(b->cell0, mte_metrics_clock() - b->t0);
     pthread_mutex_lock(&b->mu);
     b->finished = 1;
     pthread_cond_broadcast(&b->cv);
@@ -466,7 +467,7 @@ static void batch_count_request(mte_batch_t *b, uint32_t i)
     int err = 0;
     if (atomic_load(&b->state[i]) != MTE_ST_COMPLETED)
         err = atomic_load(&b->err[i]) ? atomic_load(&b->err[i]) : MTE_E_TIMEOUT;
-    mte_metrics_request(cell, atomic_load(&b->bytes[i]), err, mte_now_ns() - b->t0);
+    mte_metrics_request(cell, atomic_load(&b->bytes[i]), err, mte_metrics_clock() - b->t0);
 }
 
 int mte_batch_tag(mte_batch_t *b, uint32_t first, uint32_t n, uint64_t *cell)
@@ -998,7 +999,9 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
         if (!err)
             err = send_iov(&L->io, L->iov, niov);
     }
-    /* Then collect the responses, in order. */
+    /* Then collect the responses, in order. Requests answered by one recv share one
+     * clock read in their metrics (src/core/metrics.h). */
+    mte_metrics_group(1);
     int j = 0;
     for (; !err && j < nlive; j++) {
         item_t *x = &it[live[j]];
@@ -1045,6 +1048,7 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
             item_done(&it[live[j]], err);
         }
     }
+    mte_metrics_group(0);
     L->group_deadline = 0;
 }
 
