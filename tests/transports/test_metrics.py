@@ -10,6 +10,7 @@ import pytest
 
 import mooncake_te as mte
 from mooncake_te import errors as E
+from metrics_names import documented, family
 from peers import PeerProcess
 
 pytest.importorskip("prometheus_client")
@@ -106,6 +107,7 @@ def test_scrape_counts_what_moved(protocol):
         assert _sum(s, "mooncake_te_transfer_request_duration_seconds_bucket",
                     engine=eng.name, transport=route, op="write", le="+Inf") == 15
         assert _sum(s, "mooncake_te_registered_bytes", engine=eng.name) == buf.nbytes
+        assert not {family(n) for n, _ in s} - documented()
     # The listener went away with its only engine.
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
