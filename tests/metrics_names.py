@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The metric names docs/observability.md documents (tests check exports against it)."""
+"""Reading /metrics in tests: samples of the text format, sums over labels, and the
+metric names docs/observability.md documents (exports are checked against it)."""
 from __future__ import annotations
 
 import os
@@ -26,3 +27,22 @@ def documented() -> set:
 def family(sample_name: str) -> str:
     """The family a sample belongs to (``_bucket``/``_count``/``_sum`` dropped)."""
     return re.sub(r"_(bucket|count|sum)$", "", sample_name)
+
+
+def samples(text: str) -> dict:
+    """``{(sample name, frozenset of (label, value)): value}`` of a text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def total(got: dict, name: str, **labels) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels``; at least one
+    must exist."""
+    want = set(labels.items())
+    hits = [v for (n, lab), v in got.items() if n == name and want <= lab]
+    assert hits, f"{name}{labels} not exported"
+    return sum(hits)

@@ -149,15 +149,34 @@ def _export_engine(f: _Families, eng) -> None:
     f.gauge("mooncake_te_registered_regions", "Registered memory regions", e, m["regions"])
     for dev, s in m["rdma"].items():
         lab = dict(e, device=dev)
-        f.counter("mooncake_te_rdma_slices", "RDMA slices posted", lab, s.get("slices", 0))
-        f.counter("mooncake_te_rdma_posted_bytes", "Bytes posted to the NIC", lab,
-                  s.get("bytes", 0))
-        f.counter("mooncake_te_rdma_completions", "RDMA work completions", lab,
-                  s.get("completions", 0))
-        f.counter("mooncake_te_rdma_errors", "RDMA work completions with an error", lab,
-                  s.get("errors", 0))
-        f.counter("mooncake_te_rdma_retries", "Slices posted again on another rail after a "
-                  "transport error (rail failovers)", lab, s.get("retries", 0))
+        for key, name, doc in _RDMA:
+            f.counter(f"mooncake_te_rdma_{name}", doc, lab, s.get(key, 0))
+
+
+# (key in the transport's stats, metric name, help) of the RDMA device counters.
+_RDMA = (("slices", "slices", "RDMA slices posted"),
+         ("bytes", "posted_bytes", "Bytes posted to the NIC"),
+         ("completions", "completions", "RDMA work completions"),
+         ("errors", "errors", "RDMA work completions with an error"),
+         ("retries", "retries", "Slices posted again on another rail after a transport "
+                                "error (rail failovers)"))
+
+# (key in KVCache.stats() = metric name, help) of the KV cache's plain counters.
+_KV_COUNTERS = (
+    ("miss_blocks", "Blocks of looked-up prefixes not found"),
+    ("lookup_blocks", "Blocks asked for by lookups"),
+    ("lookup_tokens", "Tokens asked for by lookups"),
+    ("hit_tokens", "Tokens of looked-up prefixes found"),
+    ("get_misses", "get() calls for blocks held nowhere"),
+    ("put_bytes", "Bytes stored by put()"),
+    ("demoted_bytes", "Bytes demoted from DRAM to SSD"),
+    ("demotions", "Blocks demoted from DRAM to SSD"),
+    ("promotions", "Blocks promoted from SSD to DRAM"),
+    ("promoted_bytes", "Bytes promoted from SSD to DRAM"),
+    ("corrupt_dropped", "Blocks dropped because their checksum did not "
+                                           "match"),
+    ("remote_failed", "Reads from peers that failed"),
+)
 
 
 def _export_kvcache(f: _Families, cache) -> None:
@@ -166,29 +185,12 @@ def _export_kvcache(f: _Families, cache) -> None:
     for tier in ("dram", "ssd", "remote"):
         f.counter("mooncake_te_kvcache_hit_blocks", "Blocks of looked-up prefixes found, by "
                   "tier", dict(c, tier=tier), s.get(f"hit_blocks_{tier}", 0))
-    f.counter("mooncake_te_kvcache_miss_blocks", "Blocks of looked-up prefixes not found",
-              c, s.get("miss_blocks", 0))
-    f.counter("mooncake_te_kvcache_lookup_blocks", "Blocks asked for by lookups", c,
-              s.get("lookup_blocks", 0))
-    f.counter("mooncake_te_kvcache_lookup_tokens", "Tokens asked for by lookups", c,
-              s.get("lookup_tokens", 0))
-    f.counter("mooncake_te_kvcache_hit_tokens", "Tokens of looked-up prefixes found", c,
-              s.get("hit_tokens", 0))
+    for key, doc in _KV_COUNTERS:
+        if key in s:                  # promoted_bytes: once the cache counts it
+            f.counter(f"mooncake_te_kvcache_{key}", doc, c, s[key])
     for tier in ("dram", "ssd", "remote"):
         f.counter("mooncake_te_kvcache_served_bytes", "Bytes served by get(), by tier",
                   dict(c, tier=tier), s.get(f"served_{tier}_bytes", 0))
-    f.counter("mooncake_te_kvcache_get_misses", "get() calls for blocks held nowhere", c,
-              s.get("get_misses", 0))
-    f.counter("mooncake_te_kvcache_put_bytes", "Bytes stored by put()", c, s.get("put_bytes", 0))
-    f.counter("mooncake_te_kvcache_demoted_bytes", "Bytes demoted from DRAM to SSD", c,
-              s.get("demoted_bytes", 0))
-    f.counter("mooncake_te_kvcache_demotions", "Blocks demoted from DRAM to SSD", c,
-              s.get("demotions", 0))
-    f.counter("mooncake_te_kvcache_promotions", "Blocks promoted from SSD to DRAM", c,
-              s.get("promotions", 0))
-    if "promoted_bytes" in s:
-        f.counter("mooncake_te_kvcache_promoted_bytes", "Bytes promoted from SSD to DRAM", c,
-                  s["promoted_bytes"])
     for tier in ("dram", "ssd"):
         f.counter("mooncake_te_kvcache_evictions", "Blocks evicted, by tier",
                   dict(c, tier=tier), s.get(f"evictions_{tier}", 0))
@@ -198,10 +200,6 @@ def _export_kvcache(f: _Families, cache) -> None:
                 s.get(f"{tier}_capacity_bytes", 0))
         f.gauge("mooncake_te_kvcache_blocks", "Blocks held, by tier", dict(c, tier=tier),
                 s.get(f"{tier}_blocks", 0))
-    f.counter("mooncake_te_kvcache_corrupt_dropped", "Blocks dropped because their checksum "
-              "did not match", c, s.get("corrupt_dropped", 0))
-    f.counter("mooncake_te_kvcache_remote_failed", "Reads from peers that failed", c,
-              s.get("remote_failed", 0))
 
 
 def _export_p2p_store(f: _Families, store) -> None:

@@ -15,25 +15,9 @@ import pytest
 
 import mooncake_te as mte
 from mooncake_te import metrics
-from metrics_names import documented, family
+from metrics_names import documented, family, samples as _samples, total as _get
 
 pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-
-def _samples(text: str) -> dict:
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def _get(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    hits = [v for (n, lab), v in samples.items() if n == name and want <= lab]
-    assert hits, f"{name}{labels} not exported"
-    return sum(hits)
 
 
 def test_kvcache_exports_hits_misses_and_tiers(tmp_path):

@@ -10,27 +10,15 @@ import pytest
 
 import mooncake_te as mte
 from mooncake_te import errors as E
-from metrics_names import documented, family
+from metrics_names import documented, family, samples, total as _sum
 from peers import PeerProcess
 
 pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 
 def _scrape(url: str) -> dict:
-    """{(sample name, frozenset of labels): value}."""
     with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, frozenset(s.labels.items()))] = s.value
-    return out
-
-
-def _sum(samples: dict, name: str, **labels) -> float:
-    want = set(labels.items())
-    return sum(v for (n, lab), v in samples.items() if n == name and want <= lab)
+        return samples(r.read().decode())
 
 
 def _free_port() -> int:
