@@ -170,11 +170,11 @@ class TransferEngine:
         if self._closed:
             return
         self._closed = True
-        _detach_metrics(self)
         if os.getpid() != self._pid:
             # A forked child's copy: the sockets, threads and published keys are the
             # parent's; tearing them down here would break the parent (pyzmq does the same).
             return
+        _detach_metrics(self)
         backend = getattr(self, "_backend", None)
         if backend is not None:
             try:
