@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from ..errors import MooncakeError
+
 log = logging.getLogger("mooncake_te")
 
 
@@ -69,7 +71,13 @@ def attach(eng, te: dict) -> None:
         return
     port = int(te.get("metrics_port", 0) or 0)
     if port:
-        eng._metrics_server = prometheus.serve(port, "127.0.0.1")
+        try:
+            eng._metrics_server = prometheus.serve(port, "127.0.0.1")
+        except MooncakeError as e:
+            # Metrics must not stop an engine from moving bytes; a busy port is common
+            # when processes inherit MC_METRICS_PORT (bench targets, vLLM workers).
+            log.warning("engine %s: %s", eng.name, e)
+            return
         log.info("metrics of %s at %s", eng.name, eng._metrics_server.url)
 
 
