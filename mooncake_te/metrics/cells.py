@@ -43,15 +43,17 @@ class TransferMetrics:
     """Cells of one engine, keyed by (peer, route, op)."""
 
     def __init__(self):
-        self._cells: dict = {}
+        self._cells: dict = {}        # key -> array
+        self._addr: dict = {}         # key -> its address (ndarray.ctypes costs us)
         self._lock = threading.Lock()
 
     def cell(self, peer: str, route: str, op: int) -> int:
         """Address of the cell for requests to ``peer`` over ``route`` (``"tcp"``,
-        ``"shm"``, ``"rdma"``, ...) in direction ``op``; made on first use."""
+        ``"shm"``, ``"rdma"``, ...) in direction ``op``; made on first use. Called for
+        every submit: one dict lookup."""
         key = (peer, route, op)
-        c = self._cells.get(key)
-        if c is None:
+        a = self._addr.get(key)
+        if a is None:
             with self._lock:
                 c = self._cells.get(key)
                 if c is None:
@@ -62,7 +64,9 @@ class TransferMetrics:
                     with _forever_lock:
                         _forever.append(c)
                     self._cells[key] = c
-        return c.ctypes.data
+                    self._addr[key] = c.ctypes.data
+                a = self._addr[key]
+        return a
 
     def snapshot(self) -> list:
         """One dict per (peer, transport, op) with its totals and histograms."""
