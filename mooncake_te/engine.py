@@ -564,13 +564,11 @@ class TransferEngine:
             self._submit_groups({(name, int(op)): (None, one(src), one(dst), one(length))},
                                 1, None, timeout, nbytes=length).wait()
             return
-        if tm is None:
-            _, code = t.transfer_sync(desc, int(op), src, dst, length,
-                                      self._deadline(length, timeout))
-        else:
-            _, code = t.transfer_sync(desc, int(op), src, dst, length,
-                                      self._deadline(length, timeout),
-                                      tm.cell(name, route, int(op)))
+        # Only TCP's transfer_sync takes a metrics cell; with metrics on, the others go
+        # through a batch above.
+        kw = {} if tm is None else {"cell": tm.cell(name, route, int(op))}
+        _, code = t.transfer_sync(desc, int(op), src, dst, length,
+                                  self._deadline(length, timeout), **kw)
         if code != 0:
             if code in (-1006, -102):
                 self._peer_restarted(name)     # re-resolve the peer before its next use
