@@ -51,7 +51,7 @@ def ext(name, pyx, sources, libraries=(), core=False):
                      define_macros=macros)
 
 
-CORE = ["src/core/" + f for f in ("api.c", "batch.c", "clock.c", "regions.c", "sockio.c",
+CORE = ["src/core/" + f for f in ("api.c", "batch.c", "clock.c", "metrics.c", "regions.c", "sockio.c",
                                   "gpu.c", "stage.c", "hmac_sha256.c")]
 
 

@@ -61,6 +61,9 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "rpc_max_connections": (_INT, 256, None),
         "rpc_max_per_peer": (_INT, 64, None),
         "rpc_request_timeout_s": (_NUM, 10.0, None),
+        # Observability (docs/observability.md): counters on/off, /metrics port (0: none).
+        "metrics": (_BOOL, True, None),
+        "metrics_port": (_INT, 0, None),
     },
     "kvcache": {
         "cache_dir": (_STR, "", None),
@@ -93,6 +96,7 @@ _BOUNDS: dict[str, tuple] = {
     "rdma_rail_pause_s": (0, None, "seconds, 0 or more"),
     "rdma_cq_entries": (16, 1 << 22, "16 to 4194304 completion-queue entries"),
     "port": (0, 65535, "a TCP port, 0 to pick a free one"),
+    "metrics_port": (0, 65535, "a TCP port for /metrics, 0 to serve none"),
     "block_size": (1, None, "a positive number of tokens per KV block"),
     "dram_cache_gb": (0, None, "a size in GB, 0 or more"),
     "ssd_cache_gb": (0, None, "a size in GB, 0 or more"),
@@ -135,6 +139,8 @@ ENV: dict[str, tuple[str, str, Any]] = {
     "MC_RDMA_RAIL_PAUSE_SECONDS": ("transfer_engine", "rdma_rail_pause_s", float),
     "MC_MAX_CQE_PER_CTX": ("transfer_engine", "rdma_cq_entries", int),
     "MC_AUTH_TOKEN": ("transfer_engine", "auth_token", str),
+    "MC_METRICS": ("transfer_engine", "metrics", lambda v: _bool(v)),
+    "MC_METRICS_PORT": ("transfer_engine", "metrics_port", int),
     "MC_FORCE_TCP": ("transfer_engine", "protocol", lambda v: "tcp" if _bool(v) else None),
     # MC_FORCE_HCA: "force RDMA, error if no HCA" (Mooncake PR #1259) is protocol = "rdma".
     "MC_FORCE_HCA": ("transfer_engine", "protocol", lambda v: "rdma" if _bool(v) else None),

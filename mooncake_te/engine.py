@@ -25,6 +25,7 @@ from .memory import MemoryRegion
 from .metadata import SegmentDescriptor, open_backend
 from .metadata.rpc import RpcServer
 from .metadata.url import from_config as _metadata_from_config, parse as parse_metadata_url
+from .metrics.engine import attach as _attach_metrics, detach as _detach_metrics, engine_metrics
 from .netif import default_host
 from .regions import RegionBook
 from .routing import Transports, probe_transports
@@ -122,6 +123,7 @@ class TransferEngine:
                                          token=self._token)
             self._peers = Peers(self._backend, self._tx.forget, self.timeout)
             self._closed = False
+            _attach_metrics(self, te)      # eng.metrics(), /metrics on metrics_port
             self._publish()
             self._published = True       # from now on close() withdraws the descriptor
         except BaseException:
@@ -144,6 +146,7 @@ class TransferEngine:
             # A forked child's copy: the sockets, threads and published keys are the
             # parent's; tearing them down here would break the parent (pyzmq does the same).
             return
+        _detach_metrics(self)
         backend = getattr(self, "_backend", None)
         if backend is not None:
             try:
@@ -366,13 +369,17 @@ class TransferEngine:
         src, dst, length = S.check_one(src, dst, length)
         S.check_local(self._regions, src, length)
         desc = self._peers.resolve(name)
-        t, _ = self._tx.pick(desc, int(op), src, dst)
-        if not t.capabilities.sync:
+        t, route = self._tx.pick(desc, int(op), src, dst)
+        tm = self._tmetrics
+        # Only TCP's transfer_sync takes a metrics cell; with metrics on, the others go
+        # through a batch.
+        if not t.capabilities.sync or (tm is not None and t.name != "tcp"):
             self._start(S.one(name, int(op), src, dst, length), 1, None, timeout,
                         nbytes=length, checked=True).wait()
             return
+        kw = {} if tm is None else {"cell": tm.cell(name, route, int(op))}
         _, code = t.transfer_sync(desc, int(op), src, dst, length,
-                                  S.deadline(self.timeout, length, timeout))
+                                  S.deadline(self.timeout, length, timeout), **kw)
         if code != 0:
             if code in (-1006, -102):
                 self._peers.lost(name)     # re-resolve the peer before its next use
@@ -402,7 +409,14 @@ class TransferEngine:
         plan = S.plan(groups, self._regions, self._peers.resolve, self._tx.pick, checked)
         deadline = S.deadline(self.timeout, nbytes, timeout)
         return S.queue(plan, n, notify, deadline, self._tx.new_batch, self._notifier,
-                       self._peers, self.protocol)
+                       self._peers, self.protocol, self._tmetrics)
+
+    def metrics(self) -> dict:
+        """Transfer counters and latency histograms per (peer, transport, op), failures
+        by status code, connections, auth refusals, notifications, queue depths and
+        registered bytes per location, read now (docs/observability.md lists every key).
+        """
+        return engine_metrics(self)
 
     def stats(self) -> dict:
         """Counters: refused peers (auth), regions, peers."""

@@ -132,31 +132,35 @@ def notice(name: str) -> dict:
 
 def plan(groups: dict, table, resolve, pick, checked: bool = False) -> list:
     """Check every group and find who carries it, before anything is queued: [(name, op,
-    caller indices, local, remote, lengths, descriptor, transport)]. ``checked``: the
+    caller indices, local, remote, lengths, descriptor, transport, route)]. ``checked``: the
     caller ran :func:`check_local` already (a sync request)."""
     out = []
     for (name, op), (idx, src, dst, lens) in groups.items():
         if not checked:
             check_local(table, src, lens, None if idx is None else (lambda k, idx=idx: idx[k]))
         desc = resolve(name)
-        out.append((name, op, idx, src, dst, lens, desc, pick(desc, op, src, dst)[0]))
+        out.append((name, op, idx, src, dst, lens, desc, *pick(desc, op, src, dst)))
     return out
 
 
-def queue(plan, n, notify, deadline, new_batch, notifier, peers, protocol) -> Batch:
+def queue(plan, n, notify, deadline, new_batch, notifier, peers, protocol,
+          metrics=None) -> Batch:
     """Queue a checked plan in one native batch; on a failure part-way, the batch is
-    finished so nothing waits on it."""
+    finished so nothing waits on it. ``metrics``: the engine's TransferMetrics (each
+    request is tagged with its cell before it is queued), or None."""
     native = new_batch(n, deadline)
     parts = []
     routes = set()
     order = np.empty(n, dtype=np.int64) if any(p[2] is not None for p in plan) else None
     first = 0
     try:
-        for name, op, idx, src, dst, lens, desc, tr in plan:
+        for name, op, idx, src, dst, lens, desc, tr, route in plan:
             if order is not None:
                 # submit(): requests are carried grouped by (target, op); remember where
                 # each one came from so status() and errors use the caller's indices.
                 order[idx] = np.arange(first, first + len(src))
+            if metrics is not None:     # counted when they finish (src/core/metrics.h)
+                native.tag(first, len(src), metrics.cell(name, route, op))
             routes.add(tr.submit(native, desc, op, src, dst, lens, first, False))
             parts.append((name, first, src, dst, lens, op))
             first += len(src)

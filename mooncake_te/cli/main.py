@@ -21,6 +21,7 @@ COMMANDS = {
     "p2p": "p2p",
     "trace": "trace",
     "compat": "compat",
+    "top": "top",
 }
 
 

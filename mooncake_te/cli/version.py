@@ -10,7 +10,7 @@ import sys
 # Optional packages worth naming in a bug report: module -> what it enables.
 _OPTIONAL = {"rich": "tables and progress bars", "matplotlib": "bench --plot",
              "redis": "redis:// metadata", "aiohttp": "http:// metadata client/server",
-             "cupy": "GPU memory"}
+             "cupy": "GPU memory", "prometheus_client": "/metrics and mooncake-te top"}
 
 
 def add_parser(subparsers) -> None:

@@ -169,6 +169,13 @@ cdef class NativeBatch:
         """Deliver ``msg`` to ``peer`` once every request succeeded: ``peer.add_notify``."""
         return peer.add_notify(self, msg)
 
+    def tag(self, uint32_t first, uint32_t n, uintptr_t cell):
+        """Requests [first, first+n) count in the metrics cell at address ``cell``
+        (src/core/metrics.h) when they finish; call before submitting them."""
+        if n:
+            return mte_batch_tag(self.b, first, n, <uint64_t *>cell)
+        return 0
+
     def abandon(self, uint32_t first, uint32_t n):
         """Requests [first, first+n) will never be submitted: count them canceled."""
         with nogil:

@@ -40,6 +40,7 @@ cdef extern from "core/batch.h" nogil:
     uint32_t mte_batch_size(const mte_batch_t *b)
     void mte_batch_abandon(mte_batch_t *b, uint32_t first, uint32_t n)
     void mte_batch_seal(mte_batch_t *b)
+    int mte_batch_tag(mte_batch_t *b, uint32_t first, uint32_t n, uint64_t *cell)
     int mte_batch_wait(mte_batch_t *b, int64_t deadline_ns)
     int mte_batch_done(mte_batch_t *b)
     void mte_batch_cancel(mte_batch_t *b)

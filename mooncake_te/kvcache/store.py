@@ -30,6 +30,7 @@ import numpy as np
 
 from ..config import Config
 from ..errors import ConfigError, InvalidArgumentError, MooncakeError
+from ..metrics.prometheus import track as _track_metrics
 from .keys import as_key
 from .policy import make_policy
 from .record import HEADER_SIZE, pack_header, parse_header, slot_size_for
@@ -110,6 +111,7 @@ class KVCache:
         self._dpol = make_policy(self.policy_name)
         self._lock = threading.RLock()
         self._c = new_counters()
+        _track_metrics("kvcache", self)         # /metrics (docs/observability.md)
         self._dram: dict = {}                      # key -> (slot, length)
         self._free = list(range(ndram - 1, -1, -1))
         # One anonymous mapping: page-aligned (O_DIRECT needs 4 KiB alignment) and lazily

@@ -56,6 +56,8 @@ import time
 from dataclasses import dataclass
 
 from ..errors import MetadataError
+from ..metrics.metadata import ServerCounters
+from ..metrics.prometheus import track
 
 try:
     from aiohttp import web
@@ -367,6 +369,7 @@ class MetadataServer:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._sweeper = None
+        self._counters = ServerCounters()       # stats(), /metrics (docs/observability.md)
 
     @property
     def url(self) -> str:
@@ -378,7 +381,8 @@ class MetadataServer:
         # The body limit: the largest value, plus room so that one just over it gets
         # our 413 with the limit named rather than aiohttp's.
         app = web.Application(client_max_size=self.store.max_value + 1,
-                              middlewares=[self._middleware()])
+                              middlewares=[self._counters.middleware(), self._middleware()])
+        app.router.add_get("/metrics", self._counters.handle_metrics)
         app.router.add_route("*", "/metadata", self._handle_metadata)
         app.router.add_get("/metadata/keys", self._handle_keys)
         app.router.add_get("/health", self._handle_health)
@@ -459,7 +463,8 @@ class MetadataServer:
         try:
             while self._saved < self._version:
                 target, items = self._version, self.store.snapshot()
-                await loop.run_in_executor(None, self.store.save, items)
+                with self._counters.persist_timer():
+                    await loop.run_in_executor(None, self.store.save, items)
                 async with self._saved_cond:
                     self._saved = target
                     self._saved_cond.notify_all()
@@ -470,6 +475,11 @@ class MetadataServer:
             async with self._saved_cond:
                 self._writing = False
                 self._saved_cond.notify_all()
+
+    def stats(self) -> dict:
+        """``keys``, ``requests`` ({(method, status): count}), ``persist`` (histogram of
+        persistence writes in seconds), ``url``."""
+        return self._counters.stats(len(self.store), self.url)
 
     async def _handle_metadata(self, request):
         key = request.query.get("key", "").strip()
@@ -548,6 +558,7 @@ class MetadataServer:
     async def start_async(self) -> "MetadataServer":
         """Listen on the running loop (for embedding in an asyncio program)."""
         self._saved_cond = asyncio.Condition()
+        track("metadata_server", self)
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host=self.host, port=self.port)

@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import InvalidArgumentError, MetadataError, MooncakeError
 from ..memory import MemoryRegion
 from ..metadata import KeyValueBackend, MetadataBackend, open_backend
+from ..metrics.prometheus import track as _track_metrics
 from .control import ControlClient, ControlServer
 from .directory import Directory, SeedDirectory, StoreDirectory
 from .errors import ObjectExistsError, ObjectNotFoundError
@@ -172,6 +173,7 @@ class P2PStore:
         self._chunks_to: dict[str, int] = {}
         self._failed: dict[str, str] = {}
         self._gets: dict[str, dict] = {}
+        _track_metrics("p2p_store", self)       # /metrics (docs/observability.md)
         self._fetches: set = set()               # gets and repairs in progress
         try:
             token = getattr(engine, "_token", None)      # the engine's auth_token (#20.9)

@@ -30,6 +30,7 @@
 #include "hmac_sha256.h"
 #include "sockio.h"
 #include "status.h"
+#include "metrics.h"
 
 /* Bump when a field changes meaning or moves; appending fields keeps it. */
 #define MTE_CORE_API_VERSION 1u
@@ -98,6 +99,11 @@
     X(mte_sha256) \
     X(mte_hmac_sha256) \
     X(mte_ct_compare) \
+    /* metrics.h, batch.h (appended) */ \
+    X(mte_metrics_group) \
+    X(mte_metrics_input) \
+    X(mte_metrics_clock) \
+    X(mte_batch_tag) \
 
 
 typedef struct mte_core_api {
@@ -173,6 +179,10 @@ int mte_core_import(void) __attribute__((visibility("hidden")));
 #define mte_sha256(...) (mte_core->mte_sha256(__VA_ARGS__))
 #define mte_hmac_sha256(...) (mte_core->mte_hmac_sha256(__VA_ARGS__))
 #define mte_ct_compare(...) (mte_core->mte_ct_compare(__VA_ARGS__))
+#define mte_metrics_group(...) (mte_core->mte_metrics_group(__VA_ARGS__))
+#define mte_metrics_input(...) (mte_core->mte_metrics_input(__VA_ARGS__))
+#define mte_metrics_clock(...) (mte_core->mte_metrics_clock(__VA_ARGS__))
+#define mte_batch_tag(...) (mte_core->mte_batch_tag(__VA_ARGS__))
 #endif
 
 #endif

@@ -2,6 +2,7 @@
 /* The engine-wide batch and its completion; see batch.h. */
 #include "batch.h"
 #include "clock.h"
+#include "metrics.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -37,6 +38,11 @@ struct mte_batch {
     _Atomic uint64_t *bytes;
     atomic_uint *slices_left;
     atomic_int *err;
+    /* Metrics (metrics.h): the cell of each request, set by mte_batch_tag before the
+     * request is queued; NULL cells (metrics off) cost one load per request. */
+    int64_t t0;                 /* first tag: submit time */
+    uint64_t *cell0;            /* the cell of every request while `cells` is NULL */
+    uint64_t **cells;           /* per request, once requests name different cells */
 };
 
 mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns)
@@ -76,6 +82,7 @@ void mte_batch_unref(mte_batch_t *b)
         free(r);
     }
     free(b->notify_msg);
+    free(b->cells);
     free(b->state); free(b->bytes); free(b->slices_left); free(b->err);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
@@ -87,6 +94,8 @@ int32_t mte_batch_notify_error(const mte_batch_t *b) { return atomic_load(&b->no
 
 static void batch_finish(mte_batch_t *b)
 {
+    if (b->cell0)
+        mte_metrics_batch(b->cell0, mte_metrics_clock() - b->t0);
     pthread_mutex_lock(&b->mu);
     b->finished = 1;
     pthread_cond_broadcast(&b->cv);
@@ -153,6 +162,49 @@ static uint8_t state_for(int err)
          : err == MTE_E_CANCELED ? MTE_ST_CANCELED : MTE_ST_FAILED;
 }
 
+/* Request i finished (its last slice): count it in its metrics cell, if it has one. */
+static void batch_count_request(mte_batch_t *b, uint32_t i)
+{
+    uint64_t **cells = __atomic_load_n(&b->cells, __ATOMIC_ACQUIRE);
+    uint64_t *cell = cells ? cells[i] : b->cell0;
+    if (!cell)
+        return;
+    int err = 0;
+    if (atomic_load(&b->state[i]) != MTE_ST_COMPLETED)
+        err = atomic_load(&b->err[i]) ? atomic_load(&b->err[i]) : MTE_E_TIMEOUT;
+    mte_metrics_request(cell, atomic_load(&b->bytes[i]), err, mte_metrics_clock() - b->t0);
+}
+
+int mte_batch_tag(mte_batch_t *b, uint32_t first, uint32_t n, uint64_t *cell)
+{
+    if ((uint64_t)first + n > b->n || !cell)
+        return -EINVAL;
+    if (!b->t0)
+        b->t0 = mte_now_ns();
+    if (!b->cell0) {
+        b->cell0 = cell;
+        return 0;
+    }
+    uint64_t **cells = b->cells;
+    if (!cells) {
+        if (cell == b->cell0)
+            return 0;
+        /* Requests already queued keep cell0; publish the array only once it says so. */
+        cells = malloc(sizeof(*cells) * (b->n ? b->n : 1));
+        if (!cells)
+            return MTE_E_NOMEM;
+        for (uint32_t i = 0; i < b->n; i++)
+            cells[i] = b->cell0;
+        for (uint32_t i = first; i < first + n; i++)
+            cells[i] = cell;
+        __atomic_store_n(&b->cells, cells, __ATOMIC_RELEASE);
+        return 0;
+    }
+    for (uint32_t i = first; i < first + n; i++)
+        cells[i] = cell;          /* not queued yet: nobody reads these entries */
+    return 0;
+}
+
 void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices)
 {
     if (idx < b->n)
@@ -177,6 +229,7 @@ void mte_batch_slice_done(mte_batch_t *b, uint32_t i, uint64_t len, int err)
     if (atomic_fetch_sub(&b->slices_left[i], 1) == 1) {
         uint8_t pending = MTE_ST_PENDING;
         atomic_compare_exchange_strong(&b->state[i], &pending, MTE_ST_COMPLETED);
+        batch_count_request(b, i);
         if (atomic_fetch_sub(&b->pending, 1) == 1)
             batch_requests_done(b);
     }

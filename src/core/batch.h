@@ -54,6 +54,9 @@ void mte_batch_notify_done(mte_batch_t *b, int err);
 /* Requests [first, first+n) will never be submitted (submission failed part-way):
  * count them as canceled so the batch can finish. */
 void mte_batch_abandon(mte_batch_t *b, uint32_t first, uint32_t n);
+/* Requests [first, first+n) count in metrics cell `cell` (metrics.h) when they finish;
+ * call before queuing them. The first tag also stamps the batch's submit time. */
+int mte_batch_tag(mte_batch_t *b, uint32_t first, uint32_t n, uint64_t *cell);
 /* Called after the last submit/add_notify: from now on the batch may finish. */
 void mte_batch_seal(mte_batch_t *b);
 /* 1 when finished, 0 when deadline_ns (monotonic) passed first. Polls for

@@ -2,6 +2,7 @@
 /* See sockio.h. */
 #define _GNU_SOURCE
 #include "sockio.h"
+#include "metrics.h"
 #include "clock.h"
 #include "status.h"
 
@@ -58,6 +59,7 @@ int mte_sock_send_all(mte_sockio_t *s, const void *p, size_t n)
  * polls for mte_spin_ns() before blocking (clock.h says why). */
 static ssize_t recv_some(mte_sockio_t *s, void *dst, size_t n)
 {
+    mte_metrics_input();        /* what arrives now finishes at a new time (metrics.h) */
     int64_t spin = s->spin ? mte_spin_ns() : 0;
     if (spin > 0) {
         int64_t until = mte_now_ns() + spin;

@@ -138,8 +138,11 @@ static void *poller(void *arg)
     while (1) {
         int n = ibv_poll_cq(d->cq, POLL_BATCH, wc);
         if (n > 0) {
+            /* Completions of one poll share one clock read in the metrics (metrics.h). */
+            mte_metrics_group(1);
             for (int i = 0; i < n; i++)
                 on_completion(d, &wc[i]);
+            mte_metrics_group(0);
             idle_since = 0;
             continue;
         }

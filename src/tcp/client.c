@@ -277,7 +277,9 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
         if (!err)
             err = mte_sock_send_iov(&L->io, L->iov, niov);
     }
-    /* Then collect the responses, in order. */
+    /* Then collect the responses, in order. Requests answered by one recv share one
+     * clock read in their metrics (src/core/metrics.h). */
+    mte_metrics_group(1);
     int j = 0;
     for (; !err && j < nlive; j++) {
         item_t *x = &it[live[j]];
@@ -325,6 +327,7 @@ static void lane_run_group(lane_t *L, item_t *it, int k)
             item_done(&it[live[j]], err);
         }
     }
+    mte_metrics_group(0);
     L->group_deadline = 0;
 }
 
@@ -479,6 +482,14 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *u
 
 uint64_t mte_peer_seen_instance(const mte_peer_t *p) { return atomic_load(&p->seen_instance); }
 int mte_peer_broken(const mte_peer_t *p) { return atomic_load(&p->restarted); }
+size_t mte_peer_queued(mte_peer_t *p)
+{
+    pthread_mutex_lock(&p->mu);
+    size_t n = p->qlen;
+    pthread_mutex_unlock(&p->mu);
+    return n;
+}
+
 int mte_peer_cma(const mte_peer_t *p) { return atomic_load(&p->cma_seen); }
 
 void mte_peer_shutdown(mte_peer_t *p)

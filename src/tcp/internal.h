@@ -28,6 +28,7 @@ struct mte_tcp {
     uint8_t token[256];          /* shared secret; token_len 0 = no authentication */
     size_t token_len;
     atomic_ullong auth_failures;
+    atomic_ullong conns_accepted, notifs_received, notifs_dropped;   /* mte_tcp_counters */
     pthread_t accept_thread;
     atomic_int closing;
     pthread_mutex_t mu;          /* guards conns, nconns, notifs */

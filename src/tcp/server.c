@@ -318,7 +318,10 @@ static int serve_notify(serve_t *s, const mte_wire_req_t *q)
         free(msg);
         return -1;
     }
-    mte_tcp_push_notification(s->t, s->c->peer_name, msg, q->len);
+    if (mte_tcp_push_notification(s->t, s->c->peer_name, msg, q->len) == 0)
+        atomic_fetch_add(&s->t->notifs_received, 1);
+    else
+        atomic_fetch_add(&s->t->notifs_dropped, 1);
     free(msg);
     oresp(&s->o, 0, q->seq, 0);
     return 0;
@@ -367,8 +370,11 @@ static void conn_serve(conn_t *c)
             e = serve_cma(&s, &q);
         else if (q.op == MTE_OP_NOTIFY && q.len <= MTE_NOTIFY_MAX)
             e = serve_notify(&s, &q);
-        else
+        else {
+            if (q.op == MTE_OP_NOTIFY)
+                atomic_fetch_add(&s.t->notifs_dropped, 1);     /* over MTE_NOTIFY_MAX */
             e = -1;    /* protocol violation: drop the connection */
+        }
         if (e)
             break;
     }
@@ -452,6 +458,7 @@ static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
         c->next = t->conns;
         t->conns = c;
         t->nconns++;
+        atomic_fetch_add(&t->conns_accepted, 1);
         pthread_mutex_unlock(&t->mu);
     }
     return NULL;
@@ -551,6 +558,17 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
 int mte_tcp_port(const mte_tcp_t *t) { return t->port; }
 const char *mte_tcp_uds_name(const mte_tcp_t *t) { return t->uds_name; }
 uint64_t mte_tcp_auth_failures(const mte_tcp_t *t) { return atomic_load(&t->auth_failures); }
+
+void mte_tcp_counters(mte_tcp_t *t, uint64_t out[MTE_TCP_COUNTERS])
+{
+    pthread_mutex_lock(&t->mu);
+    out[0] = (uint64_t)t->nconns;
+    pthread_mutex_unlock(&t->mu);
+    out[1] = atomic_load(&t->conns_accepted);
+    out[2] = atomic_load(&t->auth_failures);
+    out[3] = atomic_load(&t->notifs_received);
+    out[4] = atomic_load(&t->notifs_dropped);
+}
 
 void mte_tcp_free(mte_tcp_t *t)
 {

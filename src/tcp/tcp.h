@@ -45,6 +45,10 @@ int mte_tcp_port(const mte_tcp_t *t);
 /* Name of the same-host listener (abstract unix socket), "" if there is none. */
 const char *mte_tcp_uds_name(const mte_tcp_t *t);
 uint64_t mte_tcp_auth_failures(const mte_tcp_t *t);
+/* [connections open, connections accepted, auth refusals, notifications received,
+ *  notifications dropped (over 1 MiB or out of memory)]: server counters for metrics. */
+#define MTE_TCP_COUNTERS 5
+void mte_tcp_counters(mte_tcp_t *t, uint64_t out[MTE_TCP_COUNTERS]);
 void mte_tcp_free(mte_tcp_t *t);
 int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len);
 mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t);
@@ -62,6 +66,7 @@ void mte_peer_free(mte_peer_t *p);
 uint64_t mte_peer_seen_instance(const mte_peer_t *p);
 int mte_peer_broken(const mte_peer_t *p);     /* the peer reported a new instance id */
 int mte_peer_cma(const mte_peer_t *p);        /* some lane moves bytes by process_vm_* */
+size_t mte_peer_queued(mte_peer_t *p);       /* slices queued, not yet on a lane */
 
 /* Queues requests [first, first+n) of batch b to peer p (op MTE_OP_WRITE/READ). len_stride
  * 0: all lens[0]. run_inline: a single-slice request may be carried by the calling

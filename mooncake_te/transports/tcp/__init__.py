@@ -108,11 +108,22 @@ class TcpTransport(Transport):
                                 f"(error {rc})", status=rc if rc < 0 else None)
         return "shm" if peer.uds else "tcp"
 
-    def transfer_sync(self, desc, op, local, remote, length, deadline_ns) -> tuple:
-        """One request, waited for on this thread: (route, 0 or error code)."""
+    def transfer_sync(self, desc, op, local, remote, length, deadline_ns, cell=0) -> tuple:
+        """One request, waited for on this thread: (route, 0 or error code). ``cell``:
+        the address of the metrics cell it counts in (0: none)."""
         peer = self._peer(desc)
         return ("shm" if peer.uds else "tcp",
-                peer.transfer_sync(op, local, remote, length, deadline_ns))
+                peer.transfer_sync(op, local, remote, length, deadline_ns, cell))
+
+    def counters(self) -> dict:
+        """Server and client counters for metrics (read on demand)."""
+        open_, accepted, auth, received, dropped = self.server.counters()
+        with self._lock:
+            peers = dict(self._peers)
+        return {"connections": open_, "connections_accepted": accepted,
+                "auth_failures": auth, "notifications_received": received,
+                "notifications_dropped": dropped,
+                "queued": {name: p.queued() for name, p in peers.items()}}
 
     def add_notify(self, batch, desc, message):
         rc = batch.add_notify(self._peer(desc), message)

@@ -63,6 +63,15 @@ cdef class TcpServer(Resource):
         """Data connections refused because the peer could not prove the token."""
         return mte_tcp_auth_failures(self.t) if self.t != NULL else 0
 
+    def counters(self):
+        """(connections open, connections accepted, auth refusals, notifications received,
+        notifications dropped)."""
+        cdef uint64_t out[5]
+        if self.t == NULL:
+            return (0, 0, 0, 0, 0)
+        mte_tcp_counters(self.t, out)
+        return (out[0], out[1], out[2], out[3], out[4])
+
     def push_notification(self, str sender, bytes msg):
         if self.t != NULL:
             mte_tcp_push_notification(self.t, sender.encode(), <const char *>msg, len(msg))
@@ -119,8 +128,12 @@ cdef class Peer(Resource):
     def restarted(self):
         return self.p != NULL and mte_peer_broken(self.p) != 0
 
+    def queued(self):
+        """Slices queued to this peer and not yet taken by a lane."""
+        return mte_peer_queued(self.p) if self.p != NULL else 0
+
     def transfer_sync(self, int op, uint64_t local, uint64_t remote, uint64_t length,
-                      int64_t deadline_ns):
+                      int64_t deadline_ns, uintptr_t cell=0):
         """One request, carried on this thread when a lane is idle, waited for here.
         Returns 0 or the request's error code; the fast path of eng.write/eng.read."""
         cdef mte_batch_t *b
@@ -134,6 +147,8 @@ cdef class Peer(Resource):
         b = mte_batch_new(1, deadline_ns)
         if b == NULL:
             raise MemoryError()
+        if cell:
+            mte_batch_tag(b, 0, 1, <uint64_t *>cell)
         try:
             with nogil:
                 rc = mte_tcp_submit(self.p, b, op, &local, &remote, &length, 0, 0, 1, 1)

@@ -18,6 +18,8 @@ cdef extern from "tcp/tcp.h" nogil:
                            const void *token, size_t token_len, int *err)
     int mte_tcp_port(const mte_tcp_t *t)
     uint64_t mte_tcp_auth_failures(const mte_tcp_t *t)
+    int MTE_TCP_COUNTERS
+    void mte_tcp_counters(mte_tcp_t *t, uint64_t *out)
     const char *mte_tcp_uds_name(const mte_tcp_t *t)
     void mte_tcp_free(mte_tcp_t *t)
     int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len)
@@ -30,6 +32,7 @@ cdef extern from "tcp/tcp.h" nogil:
     uint64_t mte_peer_seen_instance(const mte_peer_t *p)
     int mte_peer_broken(const mte_peer_t *p)
     int mte_peer_cma(const mte_peer_t *p)
+    size_t mte_peer_queued(mte_peer_t *p)
     int mte_tcp_submit(mte_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
                        const uint64_t *remote, const uint64_t *lens, int len_stride,
                        uint32_t first, uint32_t n, int run_inline)

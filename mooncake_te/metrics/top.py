@@ -1,0 +1,208 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``mooncake-te top``: what a running engine is doing, from its /metrics endpoint.
+
+:func:`scrape` reads the text format, :func:`summarize` turns one scrape (and, for rates,
+the one before it) into a plain dict (what ``--once --json`` prints), :func:`render` into
+rich tables (the live view).
+"""
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+
+from .. import errors as E
+from .cells import quantile
+
+P = "mooncake_te_"
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict:
+    """``{metric family name: [(labels dict, sample name, value)]}`` of one scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError) as e:
+        raise E.MooncakeError(f"cannot read {url}: {getattr(e, 'reason', e)}; is an engine "
+                              f"running with metrics_port (MC_METRICS_PORT) set to that "
+                              f"port?") from None
+    out: dict = {}
+    for fam in text_string_to_metric_families(text):
+        out[fam.name] = [(dict(s.labels), s.name, s.value) for s in fam.samples]
+    return out
+
+
+def _totals(snap: dict, family: str, keys: tuple, suffix: str = "_total") -> dict:
+    """{label values: value} of a counter or gauge family."""
+    out: dict = {}
+    for labels, name, value in snap.get(family, ()):
+        if suffix and not name.endswith(suffix):
+            continue
+        k = tuple(labels.get(x, "") for x in keys)
+        out[k] = out.get(k, 0.0) + value
+    return out
+
+
+def _histograms(snap: dict, family: str, keys: tuple) -> dict:
+    """{label values: {"count", "sum_s", "buckets"}} of a histogram family."""
+    out: dict = {}
+    for labels, name, value in snap.get(family, ()):
+        k = tuple(labels.get(x, "") for x in keys)
+        h = out.setdefault(k, {"count": 0, "sum_s": 0.0, "buckets": []})
+        if name.endswith("_bucket"):
+            h["buckets"].append((float(labels["le"]), value))
+        elif name.endswith("_count"):
+            h["count"] = value
+        elif name.endswith("_sum"):
+            h["sum_s"] = value
+    for h in out.values():
+        h["buckets"].sort()
+    return out
+
+
+def _minus(cur: dict, prev: dict | None) -> dict:
+    """The histogram of what happened between two scrapes."""
+    if not prev or len(prev["buckets"]) != len(cur["buckets"]):
+        return cur
+    return {"count": cur["count"] - prev["count"], "sum_s": cur["sum_s"] - prev["sum_s"],
+            "buckets": [(b, c - p) for (b, c), (_, p) in zip(cur["buckets"], prev["buckets"])]}
+
+
+def summarize(cur: dict, prev: dict | None = None, dt: float = 0.0) -> dict:
+    """The view of one scrape: totals, rates (when ``prev`` was taken ``dt`` s earlier),
+    latency percentiles (of the interval when ``prev`` is given, else since start)."""
+    rate = prev is not None and dt > 0
+    tk = ("engine", "peer", "transport", "op")
+    nbytes = _totals(cur, P + "transfer_bytes", tk)
+    reqs = _totals(cur, P + "transfer_requests", tk)
+    fails = _totals(cur, P + "transfer_failures", tk)
+    if rate:
+        pb = _totals(prev, P + "transfer_bytes", tk)
+        pr = _totals(prev, P + "transfer_requests", tk)
+    transfers = []
+    for k in sorted(set(nbytes) | set(reqs) | set(fails)):
+        row = dict(zip(tk, k), bytes=int(nbytes.get(k, 0)), requests=int(reqs.get(k, 0)),
+                   failures=int(fails.get(k, 0)))
+        if rate:
+            row["bytes_per_s"] = (nbytes.get(k, 0) - pb.get(k, 0)) / dt
+            row["requests_per_s"] = (reqs.get(k, 0) - pr.get(k, 0)) / dt
+        transfers.append(row)
+    latency = []
+    for kind, fam, keys in (("request", "transfer_request_duration_seconds",
+                             ("engine", "transport", "op")),
+                            ("batch", "transfer_batch_duration_seconds", ("engine", "transport"))):
+        hc = _histograms(cur, P + fam, keys)
+        hp = _histograms(prev, P + fam, keys) if rate else {}
+        for k, h in sorted(hc.items()):
+            h = _minus(h, hp.get(k))
+            n = h["count"]
+            latency.append(dict(zip(keys, k), kind=kind, count=int(n),
+                                mean_s=h["sum_s"] / n if n else 0.0,
+                                p50_s=quantile(h, 0.5), p90_s=quantile(h, 0.9),
+                                p99_s=quantile(h, 0.99)))
+    failures = [dict(zip(tk + ("status",), k), count=int(v)) for k, v in
+                sorted(_totals(cur, P + "transfer_failures", tk + ("status",)).items()) if v]
+    engines: dict = {}
+    for fam, key in (("connections", "connections"), ("notifications_dropped",
+                                                      "notifications_dropped"),
+                     ("notifications_received", "notifications_received"),
+                     ("registered_regions", "regions")):
+        suffix = "_total" if "notifications" in fam else ""
+        for (eng,), v in _totals(cur, P + fam, ("engine",), suffix).items():
+            engines.setdefault(eng, {})[key] = int(v)
+    for (eng, _ch), v in _totals(cur, P + "auth_failures", ("engine", "channel")).items():
+        e = engines.setdefault(eng, {})
+        e["auth_failures"] = e.get("auth_failures", 0) + int(v)
+    for (eng, loc), v in _totals(cur, P + "registered_bytes", ("engine", "location"), "").items():
+        engines.setdefault(eng, {}).setdefault("registered_bytes", {})[loc] = int(v)
+    for (eng, peer), v in _totals(cur, P + "queue_depth", ("engine", "peer"), "").items():
+        engines.setdefault(eng, {}).setdefault("queue_depth", {})[peer] = int(v)
+    kv = {}
+    for (cache,), v in _totals(cur, P + "kvcache_lookup_blocks", ("cache",)).items():
+        hits = sum(x for (c, _t), x in _totals(cur, P + "kvcache_hit_blocks",
+                                               ("cache", "tier")).items() if c == cache)
+        kv[cache] = {"lookup_blocks": int(v), "hit_blocks": int(hits),
+                     "hit_rate": hits / v if v else 0.0}
+    p2p = {s: {"bytes_uploaded": int(v)} for (s,), v in
+           _totals(cur, P + "p2p_bytes_uploaded", ("store",)).items()}
+    for (s,), v in _totals(cur, P + "p2p_bytes_downloaded", ("store",)).items():
+        p2p.setdefault(s, {})["bytes_downloaded"] = int(v)
+    return {"time": time.time(), "interval_s": dt if rate else None, "transfers": transfers,
+            "latency": latency, "failures": failures, "engines": engines, "kvcache": kv,
+            "p2p_store": p2p}
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return ""
+
+
+def _secs(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.0f} us"
+
+
+def render(view: dict, url: str):
+    """Rich renderables of a :func:`summarize` view."""
+    from rich.console import Group
+    from rich.table import Table
+    rate = view["interval_s"] is not None
+    t = Table(title=f"transfers  ({url})", expand=True)
+    for c in ("engine", "peer", "transport", "op"):
+        t.add_column(c)
+    for c in (("throughput", "req/s") if rate else ()) + ("bytes", "requests", "failures"):
+        t.add_column(c, justify="right")
+    for r in view["transfers"]:
+        cells = [r["engine"], r["peer"], r["transport"], r["op"]]
+        if rate:
+            cells += [f"{_bytes(r['bytes_per_s'])}/s", f"{r['requests_per_s']:.0f}"]
+        cells += [_bytes(r["bytes"]), str(r["requests"]),
+                  f"[red]{r['failures']}[/red]" if r["failures"] else "0"]
+        t.add_row(*cells)
+    lat = Table(title="latency, submit to complete" + (" (this interval)" if rate else ""),
+                expand=True)
+    for c in ("engine", "kind", "transport", "op"):
+        lat.add_column(c)
+    for c in ("count", "mean", "p50", "p90", "p99"):
+        lat.add_column(c, justify="right")
+    for r in view["latency"]:
+        lat.add_row(r["engine"], r["kind"], r["transport"], r.get("op", ""), str(r["count"]),
+                    _secs(r["mean_s"]), _secs(r["p50_s"]), _secs(r["p90_s"]),
+                    _secs(r["p99_s"]))
+    parts = [t, lat]
+    if view["failures"]:
+        err = Table(title="failures by status", expand=True)
+        for c in ("engine", "peer", "transport", "op", "status"):
+            err.add_column(c)
+        err.add_column("count", justify="right")
+        for r in view["failures"]:
+            err.add_row(r["engine"], r["peer"], r["transport"], r["op"], r["status"],
+                        f"[red]{r['count']}[/red]")
+        parts.append(err)
+    eng = Table(title="engines", expand=True)
+    for c in ("engine", "connections", "auth refusals", "notif. dropped", "registered",
+              "queued"):
+        eng.add_column(c)
+    for name, e in sorted(view["engines"].items()):
+        reg = ", ".join(f"{k} {_bytes(v)}" for k, v in sorted(e.get("registered_bytes",
+                                                                      {}).items()))
+        eng.add_row(name, str(e.get("connections", 0)), str(e.get("auth_failures", 0)),
+                    str(e.get("notifications_dropped", 0)), reg,
+                    str(sum(e.get("queue_depth", {}).values())))
+    parts.append(eng)
+    if view["kvcache"]:
+        kv = Table(title="kv cache", expand=True)
+        for c in ("cache", "lookup blocks", "hit blocks", "hit rate"):
+            kv.add_column(c)
+        for name, k in sorted(view["kvcache"].items()):
+            kv.add_row(name, str(k["lookup_blocks"]), str(k["hit_blocks"]),
+                       f"{k['hit_rate']:.1%}")
+        parts.append(kv)
+    return Group(*parts)
