@@ -10,6 +10,8 @@ import subprocess
 import sys
 import urllib.request
 
+import time
+
 import numpy as np
 import pytest
 
@@ -62,7 +64,15 @@ def test_p2p_store_exports_uploads_and_holders():
         with P2PStore(e2, "p2p", seeds=[a.address], host="127.0.0.1", name="getter") as b:
             out = b.get("obj")
             assert np.array_equal(out, data)
-            got = _samples(metrics.exposition().decode())
+            # The holder learns each chunk's outcome from the getter's report, which may
+            # arrive just after get() returned: wait (bounded) for the last one.
+            deadline = time.monotonic() + 10
+            while True:
+                got = _samples(metrics.exposition().decode())
+                if (_get(got, "mooncake_te_p2p_getter_chunks_total", store="pub") == 3
+                        or time.monotonic() > deadline):
+                    break
+                time.sleep(0.05)
             assert _get(got, "mooncake_te_p2p_bytes_downloaded_total", store="getter") == data.nbytes
             assert _get(got, "mooncake_te_p2p_holder_bytes_total", store="getter",
                         holder="pub") == data.nbytes
