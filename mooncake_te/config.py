@@ -54,6 +54,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "rdma_ib_port": (_INT, 1, None),
         "rdma_rail_pause_s": (_NUM, 30, None),
         "rdma_cq_entries": (_INT, 4096, None),
+        "rdma_qp_timeout": (_INT, 14, None),
         "host": (_STR, "", None),
         "port": (_INT, 0, None),
         "auth_token": (_STR, "", None),
@@ -85,6 +86,7 @@ _BOUNDS: dict[str, tuple] = {
     "rdma_ib_port": (1, 255, "an HCA port number (1 on almost every NIC)"),
     "rdma_rail_pause_s": (0, None, "seconds, 0 or more"),
     "rdma_cq_entries": (16, 1 << 22, "16 to 4194304 completion-queue entries"),
+    "rdma_qp_timeout": (1, 31, "1 to 31 (the ACK timeout is 4.096 us x 2^value)"),
     "port": (0, 65535, "a TCP port, 0 to pick a free one"),
     "block_size": (1, None, "a positive number of tokens per KV block"),
     "dram_cache_gb": (0, None, "a size in GB, 0 or more"),
@@ -127,6 +129,7 @@ ENV: dict[str, tuple[str, str, Any]] = {
     "MC_IB_PORT": ("transfer_engine", "rdma_ib_port", int),
     "MC_RDMA_RAIL_PAUSE_SECONDS": ("transfer_engine", "rdma_rail_pause_s", float),
     "MC_MAX_CQE_PER_CTX": ("transfer_engine", "rdma_cq_entries", int),
+    "MC_RDMA_QP_TIMEOUT": ("transfer_engine", "rdma_qp_timeout", int),
     "MC_AUTH_TOKEN": ("transfer_engine", "auth_token", str),
     "MC_FORCE_TCP": ("transfer_engine", "protocol", lambda v: "tcp" if _bool(v) else None),
     # MC_FORCE_HCA: "force RDMA, error if no HCA" (Mooncake PR #1259) is protocol = "rdma".

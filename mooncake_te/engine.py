@@ -618,6 +618,35 @@ class TransferEngine:
         return self._submit_groups({(self._target_name(target), int(op)): (None, src, dst, lens)},
                                    len(src), notify, timeout, nbytes=nbytes)
 
+    def prepare(self, target, local, remote, block_size) -> "PreparedTransfer":
+        """Check block tables once, then post transfers by block index (NIXL's
+        ``prep_xfer_dlist``/``make_prepped_xfer``): see :mod:`mooncake_te.prepared`."""
+        self._check_open()
+        from .prepared import PreparedTransfer
+        return PreparedTransfer(self, target, local, remote, block_size)
+
+    def _submit_prepared(self, tr, route, desc, op, src, dst, lens, n, nbytes, notify,
+                         timeout) -> Batch:
+        """One group, already checked and routed (PreparedTransfer.post)."""
+        self._check_open()
+        if notify is not None and (not isinstance(notify, (bytes, bytearray, memoryview))
+                                   or len(notify) > 1 << 20):
+            raise E.InvalidArgumentError("notify must be bytes of at most 1 MiB")
+        from .transports.tcp import NativeBatch
+        deadline = self._deadline(nbytes, timeout)
+        native = NativeBatch(n, deadline)
+        try:
+            route = tr.submit(native, desc, op, src, dst, lens, 0, False) if n else route
+            if notify is not None:
+                self._transport.add_notify(native, desc, bytes(notify))
+        except BaseException:
+            native.cancel()
+            native.abandon(0, n)
+            native.seal()
+            raise
+        native.seal()
+        return Batch(native, route, deadline, [(desc.name, 0, src, dst, lens, op)], self)
+
     def _submit_groups(self, groups: dict, n: int, notify, timeout, nbytes=0) -> Batch:
         self._check_open()
         if notify is not None and not isinstance(notify, (bytes, bytearray, memoryview)):
