@@ -19,6 +19,7 @@ typedef void *CUstream;
 typedef void *CUevent;
 
 #define CU_STREAM_NON_BLOCKING 1u
+#define CU_EVENT_BLOCKING_SYNC 1u
 #define CU_EVENT_DISABLE_TIMING 2u
 #define CU_MEMHOSTALLOC_PORTABLE 1u      /* usable from every context */
 
@@ -242,8 +243,11 @@ static per_device_t *enter(mte_stage_t *s, int device)
         p = calloc(1, sizeof(*p));
         int ok = p && failed("cuStreamCreate",
                              cu.StreamCreate(&p->stream, CU_STREAM_NON_BLOCKING)) == 0;
+        /* MC_GPU_BLOCKING_SYNC=1: waiting threads sleep instead of spinning (A/B). */
+        const char *bs = getenv("MC_GPU_BLOCKING_SYNC");
+        unsigned flags = CU_EVENT_DISABLE_TIMING | (bs && *bs == '1' ? CU_EVENT_BLOCKING_SYNC : 0);
         for (int k = 0; ok && k < MTE_STAGE_SLOTS; k++)
-            ok = failed("cuEventCreate", cu.EventCreate(&p->ev[k], CU_EVENT_DISABLE_TIMING)) == 0;
+            ok = failed("cuEventCreate", cu.EventCreate(&p->ev[k], flags)) == 0;
         if (!ok) {
             if (p) {
                 for (int k = 0; k < MTE_STAGE_SLOTS; k++)
