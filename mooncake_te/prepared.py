@@ -109,9 +109,9 @@ class PreparedTransfer:
             raise E.InvalidArgumentError(f"{what} must be a 1-D array of integer block "
                                          f"indices, got {ids!r:.80}")
         try:
-            # As unsigned, a negative index is out of range too: one bounds check in take.
-            return np.take(table, ids.astype(np.uintp, copy=False), axis=table.ndim - 1,
-                           mode="raise").ravel()
+            if ids.dtype.kind == "i" and len(ids) and ids.min() < 0:
+                raise IndexError      # take would count it from the end
+            return np.take(table, ids, axis=table.ndim - 1, mode="raise").ravel()
         except IndexError:
             raise E.InvalidArgumentError(
                 f"{what} holds an index outside [0, {table.shape[-1]}): "

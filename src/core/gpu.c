@@ -19,7 +19,6 @@ typedef void *CUstream;
 typedef void *CUevent;
 
 #define CU_STREAM_NON_BLOCKING 1u
-#define CU_EVENT_BLOCKING_SYNC 1u
 #define CU_EVENT_DISABLE_TIMING 2u
 #define CU_MEMHOSTALLOC_PORTABLE 1u      /* usable from every context */
 
@@ -117,7 +116,7 @@ size_t mte_stage_chunk(void)
 {
     static size_t cached;
     if (!cached)
-        cached = env_size("MC_GPU_STAGE_CHUNK", 512u << 10, 64u << 10, 16u << 20);
+        cached = env_size("MC_GPU_STAGE_CHUNK", 2u << 20, 64u << 10, 16u << 20);
     return cached;
 }
 
@@ -243,11 +242,10 @@ static per_device_t *enter(mte_stage_t *s, int device)
         p = calloc(1, sizeof(*p));
         int ok = p && failed("cuStreamCreate",
                              cu.StreamCreate(&p->stream, CU_STREAM_NON_BLOCKING)) == 0;
-        /* MC_GPU_BLOCKING_SYNC=1: waiting threads sleep instead of spinning (A/B). */
-        const char *bs = getenv("MC_GPU_BLOCKING_SYNC");
-        unsigned flags = CU_EVENT_DISABLE_TIMING | (bs && *bs == '1' ? CU_EVENT_BLOCKING_SYNC : 0);
+        /* Events wait by spinning (the default): blocking sync was 0.62 of CPU TCP against
+         * 0.75 spinning, same run (benchmarks/results/perf-2026-12-02/sweep.log). */
         for (int k = 0; ok && k < MTE_STAGE_SLOTS; k++)
-            ok = failed("cuEventCreate", cu.EventCreate(&p->ev[k], flags)) == 0;
+            ok = failed("cuEventCreate", cu.EventCreate(&p->ev[k], CU_EVENT_DISABLE_TIMING)) == 0;
         if (!ok) {
             if (p) {
                 for (int k = 0; k < MTE_STAGE_SLOTS; k++)

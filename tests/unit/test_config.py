@@ -183,6 +183,12 @@ def test_env_overrides_file(tmp_path):
         "mlx5_0", "mlx5_1"]
 
 
+def test_rdma_qp_timeout_default_and_variable():
+    assert Config.load(None, env={})["transfer_engine"]["rdma_qp_timeout"] == 14
+    assert Config.load(None, env={"MC_RDMA_QP_TIMEOUT": "18"})[
+        "transfer_engine"]["rdma_qp_timeout"] == 18
+
+
 def test_force_tcp_and_hca():
     assert Config.load(None, env={"MC_FORCE_TCP": "1"})["transfer_engine"]["protocol"] == "tcp"
     assert Config.load(None, env={"MC_FORCE_HCA": "true"})["transfer_engine"]["protocol"] == "rdma"
@@ -196,6 +202,7 @@ def test_force_tcp_and_hca():
                                         "[transfer_engine] tcp_lanes: expected an integer"),
     ({"MC_TRANSFER_TIMEOUT": "0"}, "timeout_ms = 0: expected a positive number"),
     ({"MC_METADATA_SERVER": "zookeeper://h:1"}, "server_type = 'zookeeper'"),
+    ({"MC_RDMA_QP_TIMEOUT": "32"}, "rdma_qp_timeout = 32: expected 1 to 31"),
 ])
 def test_bad_env_values(env, needle):
     with pytest.raises(ConfigError) as e:
