@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from mooncake_te.config import Config, find_problems, split_metadata_url, validate
+from mooncake_te.config import (Config, default_tcp_lanes, find_problems, split_metadata_url,
+                                validate)
 from mooncake_te.errors import ConfigError
 
 FULL = """
@@ -54,7 +55,7 @@ def test_defaults():
     assert cfg.source == "<defaults>"
     assert cfg["metadata"]["server_type"] == "p2p"
     assert cfg.get("transfer_engine", "protocol") == "auto"
-    assert cfg["transfer_engine"]["tcp_lanes"] == 4
+    assert cfg["transfer_engine"]["tcp_lanes"] == default_tcp_lanes()
     assert cfg.timeout_s == 30.0
     assert cfg["kvcache"]["block_size"] == 16
 
@@ -181,6 +182,10 @@ def test_env_overrides_file(tmp_path):
     # Empty variables are ignored, as unset.
     assert Config.load(path, env={"MC_TE_FILTERS": ""})["transfer_engine"]["device_names"] == [
         "mlx5_0", "mlx5_1"]
+
+
+def test_default_lanes_follow_the_cores():
+    assert [default_tcp_lanes(n) for n in (1, 2, 4, 8, 16, 64)] == [2, 2, 2, 4, 8, 8]
 
 
 def test_rdma_qp_timeout_default_and_variable():
