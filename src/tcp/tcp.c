@@ -1329,61 +1329,19 @@ static int conn_stop(void *ctx)
     return 0;
 }
 
-/* Replies waiting to go out: coalesced headers (and small READ payloads) in buf, and,
- * for big READ replies, their payloads straight from registered memory (pinned until
- * sent). A burst of READ requests is answered with one writev of up to OPEND_MAX
- * payloads or GROUP_BYTES, as a lane sends a group of WRITEs: one writev per 256 KiB
- * reply left gaps in the stream, and the reading lane blocked twice as often per GB as
- * the server receiving WRITEs (benchmarks/tcp_read_write.py). */
-#define OPEND_MAX 16
-
 typedef struct {
     sockio_t *io;
     uint8_t *buf;
     size_t len;
-    size_t mark;                          /* buf[0, mark) is already in iov */
-    struct iovec iov[2 * OPEND_MAX + 1];
-    int niov;
-    mte_region_t *pins[OPEND_MAX];
-    int npins;
-    uint64_t pend_bytes;
 } obuf_t;
-
-static void odrop(obuf_t *o)
-{
-    for (int i = 0; i < o->npins; i++)
-        mte_region_unpin(o->pins[i]);
-    o->npins = o->niov = 0;
-    o->len = o->mark = 0;
-    o->pend_bytes = 0;
-}
 
 static int oflush(obuf_t *o)
 {
-    if (!o->niov) {
-        if (!o->len)
-            return 0;
-        int e = send_all(o->io, o->buf, o->len);
-        o->len = 0;
-        return e;
-    }
-    if (o->len > o->mark)
-        o->iov[o->niov++] = (struct iovec){o->buf + o->mark, o->len - o->mark};
-    int e = send_iov(o->io, o->iov, o->niov);
-    odrop(o);
+    if (!o->len)
+        return 0;
+    int e = send_all(o->io, o->buf, o->len);
+    o->len = 0;
     return e;
-}
-
-/* Queue a READ payload (after its header, already in buf); flushes when full. */
-static int opayload(obuf_t *o, const void *p, size_t n, mte_region_t *pin)
-{
-    if (o->len > o->mark)
-        o->iov[o->niov++] = (struct iovec){o->buf + o->mark, o->len - o->mark};
-    o->mark = o->len;
-    o->iov[o->niov++] = (struct iovec){(void *)p, n};
-    o->pins[o->npins++] = pin;
-    o->pend_bytes += n;
-    return o->npins == OPEND_MAX || o->pend_bytes >= GROUP_BYTES ? oflush(o) : 0;
 }
 
 static void oresp(obuf_t *o, int32_t st, uint64_t seq, uint64_t len)
@@ -1541,9 +1499,6 @@ static void conn_serve(conn_t *c)
         if (o.len + RESP_SIZE > OBUF_SIZE && oflush(&o))
             break;
         int why = 0;
-        /* A WRITE payload may block on the wire: send pinned READ replies before it. */
-        if (op == MTE_OP_WRITE && o.niov && oflush(&o))
-            break;
         if (op == MTE_OP_WRITE) {
             mte_region_t *r = len ? mte_regions_pin(t->regions, addr, len,
                                                     MTE_ACC_REMOTE_WRITE, &why) : NULL;
@@ -1595,11 +1550,11 @@ static void conn_serve(conn_t *c)
                 }
             } else {
                 oresp(&o, 0, seq, len);
-                e = opayload(&o, (const void *)(uintptr_t)addr, len, r);
-                r = NULL;                 /* unpinned once sent (oflush) */
+                struct iovec iov[2] = {{o.buf, o.len}, {(void *)(uintptr_t)addr, len}};
+                e = send_iov(&io, iov, 2);
+                o.len = 0;
             }
-            if (r)
-                mte_region_unpin(r);
+            mte_region_unpin(r);
             if (e)
                 break;
         } else if ((op == MTE_OP_WRITE_CMA || op == MTE_OP_READ_CMA) && c->cma) {
@@ -1648,7 +1603,6 @@ static void conn_serve(conn_t *c)
         }
     }
 out:
-    odrop(&o);
     mte_stage_free(stage);
     free(io.buf);
     free(o.buf);
