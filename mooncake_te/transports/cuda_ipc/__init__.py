@@ -35,11 +35,21 @@ import numpy as np
 from ... import cuda
 from ...errors import MooncakeError
 from ..base import Transport
+from . import host_dma
 from .slots import SlotTable, SlotView
 
 log = logging.getLogger("mooncake_te")
 
 _WRITE = 1
+_ACC_READ, _ACC_WRITE = 1, 2            # core/_regions READ, WRITE (remote rights)
+
+
+class _NoSlots:
+    """Host-DMA copies hold region pins, not IPC slots."""
+
+    @staticmethod
+    def release(slot) -> None:
+        pass
 _E_REMOTE_NOT_REG, _E_LOCAL_NOT_REG, _E_REMOTE_ACCESS, _E_CUDA = -3, -1003, -1004, -1010
 
 
@@ -125,11 +135,16 @@ class CudaIpcTransport(Transport):
         self._bus = None
         self._q = queue.SimpleQueue()
         self._thread = None
+        self._host: dict = {}           # our host regions (page-locked by a local peer?)
+        self._key = (ctx.name, ctx.instance)
+        if ctx.engine is not None:
+            host_dma.add(ctx.name, ctx.instance, ctx.engine)
 
     # --- our regions ---------------------------------------------------------------
     def register(self, region) -> None:
         loc = region.location or ""
         if not loc.startswith("cuda:"):
+            self._host[region.address] = region
             return
         ordinal = int(loc[5:])
         with self._mu:
@@ -153,6 +168,8 @@ class CudaIpcTransport(Transport):
                                               self._bus_id(ordinal)]
 
     def unregister(self, region) -> None:
+        if self._host.pop(region.address, None) is not None:
+            host_dma.unlock(region)      # page-locked by an engine of this process
         with self._mu:
             rec = self._exports.pop(region.address, None)
             if region.address in self._dev_info:
@@ -197,6 +214,12 @@ class CudaIpcTransport(Transport):
         return v
 
     def route(self, desc, op, local, remote):
+        if local is not None and len(local) and self._host_peer(desc) is not None \
+                and self._local_device(int(local[0])) >= 0:
+            starts, ends, _ = host_dma.host_regions(self._host_peer(desc))
+            r = np.atleast_1d(np.asarray(remote, dtype=np.uint64))
+            if host_dma.covers(starts, ends, r, np.ones(len(r), np.uint64)) is not None:
+                return "cuda_dma"
         info = desc.extra.get("cuda_ipc")
         if not info:
             return None
@@ -245,7 +268,111 @@ class CudaIpcTransport(Transport):
             cuda.enable_peer_access(a, b)
             self._peer_access.add((a, b))
 
+    def _host_peer(self, desc):
+        """The engine of this process ``desc`` names, when it runs this transport (which
+        undoes the page-locking of its regions on unregister), else None."""
+        other = host_dma.lookup(desc)
+        if other is None or "cuda_ipc" not in getattr(other, "_transports", {}):
+            return None
+        return other
+
+    def _submit_host(self, other, batch, op, local, remote, lens, first) -> str:
+        """GPU memory here <-> host memory of an engine of this process: one cuMemcpyAsync
+        a request, the host region page-locked once (host_dma)."""
+        n = len(local)
+        lens = lens if len(lens) == n else np.full(n, lens[0], dtype=np.uint64)
+        starts, ends, mrs = host_dma.host_regions(other)
+        k = np.searchsorted(starts, remote, side="right").astype(np.int64) - 1
+        ok = k >= 0
+        if len(starts):
+            ok &= remote + lens <= ends[np.where(ok, k, 0)]
+        need = _ACC_WRITE if op == _WRITE else _ACC_READ
+        rpins: dict = {}                # their region index -> pin (0: refused)
+        lpins: dict = {}                # our GPU region start -> pin
+        extra: list = []                # (table, pin) released after the copies
+        issued: dict = {}
+        cur = None
+        try:
+            for j in range(n):
+                i = first + j
+                batch.begin(i, 1)
+                la, ra, ln = int(local[j]), int(remote[j]), int(lens[j])
+                if not ok[j]:
+                    batch.finish(i, 0, _E_REMOTE_NOT_REG)
+                    continue
+                rk = int(k[j])
+                rp = rpins.get(rk)
+                if rp is None:
+                    rp = rpins[rk] = other._regions.pin(mrs[rk].address, 1, need)
+                    if rp:
+                        extra.append((other._regions, rp))
+                if not rp:
+                    batch.finish(i, 0, _E_REMOTE_ACCESS)
+                    continue
+                s = bisect.bisect_right(self._dev_starts, la) - 1
+                end, ordinal = self._dev_info.get(self._dev_starts[s], (0, -1)) if s >= 0 \
+                    else (0, -1)
+                if ordinal < 0 or la + ln > end:
+                    batch.finish(i, 0, _E_LOCAL_NOT_REG)
+                    continue
+                lstart = self._dev_starts[s]
+                if lstart not in lpins:
+                    lp = lpins[lstart] = self._regions.pin(la, ln)
+                    if lp:
+                        extra.append((self._regions, lp))
+                if not lpins[lstart]:
+                    batch.finish(i, 0, _E_LOCAL_NOT_REG)
+                    continue
+                try:
+                    host_dma.lock(mrs[rk], ordinal)
+                    stream = self._stream(ordinal)
+                    if ordinal != cur:
+                        if cur is not None:
+                            cuda.pop_device()
+                            cur = None
+                        cuda.push_device(ordinal)
+                        cur = ordinal
+                    dst, src = (ra, la) if op == _WRITE else (la, ra)
+                    cuda.memcpy_async(dst, src, ln, stream)
+                except MooncakeError as e:
+                    log.warning("GPU <-> host copy in this process: %s", e)
+                    batch.finish(i, 0, _E_CUDA)
+                    continue
+                issued.setdefault(ordinal, []).append((i, dst, src, ln, 0, None))
+        finally:
+            if cur is not None:
+                cuda.pop_device()
+        if not issued:
+            for table, h in extra:
+                table.unpin(h)
+            return "cuda_dma"
+        last = list(issued)[-1]
+        for ordinal, items in issued.items():
+            self._finish_on_event(ordinal, items, _NoSlots, batch,
+                                  extra if ordinal == last else ())
+        return "cuda_dma"
+
+    def _finish_on_event(self, ordinal, items, slots, batch, extra=()) -> None:
+        stream = self._stream(ordinal)
+        event, err = None, 0
+        try:
+            event = cuda.Event(ordinal)
+            event.record(stream)
+        except MooncakeError as e:
+            log.warning("CUDA copy failed: %s", e)
+            err = _E_CUDA
+            if event is not None:
+                event.close()
+                event = None
+            stream.synchronize()               # what was queued must end before unpin
+        self._completions().put((event, err, items, slots, batch, extra))
+
     def submit(self, batch, desc, op, local, remote, lens, first, run_inline):
+        other = self._host_peer(desc)
+        if other is not None and len(local) and self._local_device(int(local[0])) >= 0:
+            starts, ends, _ = host_dma.host_regions(other)
+            if host_dma.covers(starts, ends, remote[:1], np.ones(1, np.uint64)) is not None:
+                return self._submit_host(other, batch, op, local, remote, lens, first)
         view = self._view(desc)
         if view.slots is None:
             # One view of a peer's slot table per path, shared by its descriptors.
@@ -308,19 +435,7 @@ class CudaIpcTransport(Transport):
             if cur is not None:
                 cuda.pop_device()
         for ordinal, items in issued.items():
-            stream = self._stream(ordinal)
-            event, err = None, 0
-            try:
-                event = cuda.Event(ordinal)
-                event.record(stream)
-            except MooncakeError as e:
-                log.warning("CUDA IPC copy to %s failed: %s", view.name, e)
-                err = _E_CUDA
-                if event is not None:
-                    event.close()
-                    event = None
-                stream.synchronize()               # what was queued must end before unpin
-            self._completions().put((event, err, items, view.slots, batch))
+            self._finish_on_event(ordinal, items, view.slots, batch)
         return "cuda_ipc"
 
     # --- completion ----------------------------------------------------------------
@@ -338,13 +453,15 @@ class CudaIpcTransport(Transport):
             job = self._q.get()
             if job is None:
                 return
-            event, err, items, slots, batch = job
+            event, err, items, slots, batch, extra = job
             if event is not None:
                 try:
                     event.synchronize()            # ctypes releases the GIL meanwhile
                 except MooncakeError:
                     err = _E_CUDA
                 event.close()
+            for table, h in extra:                 # host-DMA region pins
+                table.unpin(h)
             for i, _, _, ln, pin, slot in items:
                 self._regions.unpin(pin)
                 slots.release(slot)
@@ -355,6 +472,10 @@ class CudaIpcTransport(Transport):
         self._views.pop(name, None)
 
     def close(self) -> None:
+        host_dma.remove(*self._key)
+        for region in list(self._host.values()):
+            host_dma.unlock(region)
+        self._host.clear()
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(timeout=self._timeout)
