@@ -291,7 +291,7 @@ class CudaIpcTransport(Transport):
         lpins: dict = {}                # our GPU region start -> pin
         extra: list = []                # (table, pin) released after the copies
         issued: dict = {}
-        cur = None
+        cur = [None]                    # the ordinal whose context this thread pushed
         try:
             for j in range(n):
                 i = first + j
@@ -325,22 +325,15 @@ class CudaIpcTransport(Transport):
                     continue
                 try:
                     host_dma.lock(mrs[rk], ordinal)
-                    stream = self._stream(ordinal)
-                    if ordinal != cur:
-                        if cur is not None:
-                            cuda.pop_device()
-                            cur = None
-                        cuda.push_device(ordinal)
-                        cur = ordinal
                     dst, src = (ra, la) if op == _WRITE else (la, ra)
-                    cuda.memcpy_async(dst, src, ln, stream)
+                    self._copy(ordinal, cur, dst, src, ln)
                 except MooncakeError as e:
                     log.warning("GPU <-> host copy in this process: %s", e)
                     batch.finish(i, 0, _E_CUDA)
                     continue
                 issued.setdefault(ordinal, []).append((i, dst, src, ln, 0, None))
         finally:
-            if cur is not None:
+            if cur[0] is not None:
                 cuda.pop_device()
         if not issued:
             for table, h in extra:
@@ -351,6 +344,19 @@ class CudaIpcTransport(Transport):
             self._finish_on_event(ordinal, items, _NoSlots, batch,
                                   extra if ordinal == last else ())
         return "cuda_dma"
+
+    def _copy(self, ordinal: int, cur: list, dst: int, src: int, n: int) -> None:
+        """Queue one copy on ``ordinal``'s stream, first making its context current if
+        ``cur[0]`` (the ordinal pushed on this thread, or None) is another; ``cur[0]``
+        always says what is pushed, also when this raises (the caller pops it)."""
+        stream = self._stream(ordinal)
+        if ordinal != cur[0]:
+            if cur[0] is not None:
+                cuda.pop_device()
+                cur[0] = None
+            cuda.push_device(ordinal)
+            cur[0] = ordinal
+        cuda.memcpy_async(dst, src, n, stream)
 
     def _finish_on_event(self, ordinal, items, slots, batch, extra=()) -> None:
         stream = self._stream(ordinal)
@@ -386,7 +392,7 @@ class CudaIpcTransport(Transport):
         # Each copy is queued as soon as it is checked, so the GPU copies while the next
         # request is prepared; one event per device then marks the group's end.
         issued: dict = {}               # ordinal -> [(idx, dst, src, len, pin, slot)]
-        cur = None                      # ordinal whose context is pushed on this thread
+        cur = [None]                    # the ordinal whose context this thread pushed
         try:
             for k in range(n):
                 i = first + k
@@ -415,15 +421,8 @@ class CudaIpcTransport(Transport):
                         ordinal = other
                     elif view.same_process:
                         self._enable_peer(ordinal, other)
-                    stream = self._stream(ordinal)
-                    if ordinal != cur:
-                        if cur is not None:
-                            cuda.pop_device()
-                            cur = None
-                        cuda.push_device(ordinal)
-                        cur = ordinal
                     dst, src = (rptr, la) if op == _WRITE else (la, rptr)
-                    cuda.memcpy_async(dst, src, ln, stream)
+                    self._copy(ordinal, cur, dst, src, ln)
                 except MooncakeError as e:
                     log.warning("CUDA IPC to %s: %s", view.name, e)
                     self._regions.unpin(pin)
@@ -432,7 +431,7 @@ class CudaIpcTransport(Transport):
                     continue
                 issued.setdefault(ordinal, []).append((i, dst, src, ln, pin, b.slot))
         finally:
-            if cur is not None:
+            if cur[0] is not None:
                 cuda.pop_device()
         for ordinal, items in issued.items():
             self._finish_on_event(ordinal, items, view.slots, batch)
