@@ -620,7 +620,31 @@ class TransferEngine:
 
     def prepare(self, target, local, remote, block_size) -> "PreparedTransfer":
         """Check block tables once, then post transfers by block index (NIXL's
-        ``prep_xfer_dlist``/``make_prepped_xfer``): see :mod:`mooncake_te.prepared`."""
+        ``prep_xfer_dlist``/``make_prepped_xfer``; :mod:`mooncake_te.prepared`).
+
+        Parameters
+        ----------
+        target : str or Segment
+            The peer.
+        local, remote : numpy.ndarray of uint64
+            Block start addresses: 1-D (one per block slot) or 2-D ``[regions, blocks]``
+            (both the same number of regions).
+        block_size : int or sequence of int
+            Bytes per block, or one value per region.
+
+        Returns
+        -------
+        PreparedTransfer
+            ``post(op, local_ids, remote_ids, notify=None, timeout=None)`` -> Batch.
+
+        Raises
+        ------
+        AddressNotRegisteredError
+            A local block outside our regions, or a remote one outside the peer's
+            published buffers.
+        InvalidArgumentError
+            Tables of the wrong shape, or a block size that is not positive.
+        """
         self._check_open()
         from .prepared import PreparedTransfer
         return PreparedTransfer(self, target, local, remote, block_size)
