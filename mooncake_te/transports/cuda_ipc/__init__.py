@@ -214,12 +214,15 @@ class CudaIpcTransport(Transport):
         return v
 
     def route(self, desc, op, local, remote):
-        if local is not None and len(local) and self._host_peer(desc) is not None \
-                and self._local_device(int(local[0])) >= 0:
-            starts, ends, _ = host_dma.host_regions(self._host_peer(desc))
-            r = np.atleast_1d(np.asarray(remote, dtype=np.uint64))
-            if host_dma.covers(starts, ends, r, np.ones(len(r), np.uint64)) is not None:
-                return "cuda_dma"
+        # local/remote: arrays for batches, ints for a synchronous single request.
+        other = self._host_peer(desc) if local is not None else None
+        if other is not None:
+            loc = np.atleast_1d(np.asarray(local, dtype=np.uint64))
+            if len(loc) and self._local_device(int(loc[0])) >= 0:
+                starts, ends, _ = host_dma.host_regions(other)
+                r = np.atleast_1d(np.asarray(remote, dtype=np.uint64))
+                if host_dma.covers(starts, ends, r, np.ones(len(r), np.uint64)) is not None:
+                    return "cuda_dma"
         info = desc.extra.get("cuda_ipc")
         if not info:
             return None
