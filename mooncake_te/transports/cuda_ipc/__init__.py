@@ -281,60 +281,75 @@ class CudaIpcTransport(Transport):
 
     def _submit_host(self, other, batch, op, local, remote, lens, first) -> str:
         """GPU memory here <-> host memory of an engine of this process: one cuMemcpyAsync
-        a request, the host region page-locked once (host_dma)."""
+        a request, the host region page-locked once (host_dma). Checks and pins are done
+        for the whole group with numpy, per region; the per-request loop only queues the
+        copy (its cost bounds small blocks: docs/benchmarks.md, section 6.6)."""
         n = len(local)
         lens = lens if len(lens) == n else np.full(n, lens[0], dtype=np.uint64)
+        codes = np.zeros(n, np.int32)
         starts, ends, mrs = host_dma.host_regions(other)
         k = np.searchsorted(starts, remote, side="right").astype(np.int64) - 1
         ok = k >= 0
         if len(starts):
             ok &= remote + lens <= ends[np.where(ok, k, 0)]
+        codes[~ok] = _E_REMOTE_NOT_REG
+        with self._mu:
+            dstarts = list(self._dev_starts)
+            dinfo = [self._dev_info[x] for x in dstarts]
+        ds = np.array(dstarts, np.uint64)
+        de = np.array([e for e, _ in dinfo], np.uint64)
+        lk = np.searchsorted(ds, local, side="right").astype(np.int64) - 1
+        lok = lk >= 0
+        if len(ds):
+            lok &= local + lens <= de[np.where(lok, lk, 0)]
+        codes[~lok & (codes == 0)] = _E_LOCAL_NOT_REG
         need = _ACC_WRITE if op == _WRITE else _ACC_READ
-        rpins: dict = {}                # their region index -> pin (0: refused)
-        lpins: dict = {}                # our GPU region start -> pin
         extra: list = []                # (table, pin) released after the copies
+        for rk in np.unique(k[codes == 0]).tolist():
+            h = other._regions.pin(mrs[rk].address, 1, need)
+            if h:
+                extra.append((other._regions, h))
+            else:                       # the right is missing, or the region just went
+                codes[(k == rk) & (codes == 0)] = _E_REMOTE_ACCESS
+        for li in np.unique(lk[codes == 0]).tolist():
+            h = self._regions.pin(dstarts[li], 1)
+            if h:
+                extra.append((self._regions, h))
+            else:
+                codes[(lk == li) & (codes == 0)] = _E_LOCAL_NOT_REG
+        for j in np.flatnonzero(codes).tolist():
+            batch.begin(first + j, 1)
+            batch.finish(first + j, 0, int(codes[j]))
+        good = np.flatnonzero(codes == 0)
         issued: dict = {}
+        dsts = (remote if op == _WRITE else local)[good].tolist()
+        srcs = (local if op == _WRITE else remote)[good].tolist()
+        lns = lens[good].tolist()
+        ords = [dinfo[x][1] for x in lk[good].tolist()]
+        idx = good.tolist()
+        lib = cuda._lib()
         cur = [None]                    # the ordinal whose context this thread pushed
+        handled = 0                     # idx[:handled] are begun (and finished or issued)
         try:
-            for j in range(n):
-                i = first + j
+            for rk in np.unique(k[good]).tolist():
+                host_dma.lock(mrs[rk], ords[0])        # portable: every context
+            h = None
+            for m, j in enumerate(idx):
+                i, ordinal = first + j, ords[m]
+                if ordinal != cur[0] or h is None:
+                    h = self._stream(ordinal).handle
+                    self._switch(ordinal, cur)
                 batch.begin(i, 1)
-                la, ra, ln = int(local[j]), int(remote[j]), int(lens[j])
-                if not ok[j]:
-                    batch.finish(i, 0, _E_REMOTE_NOT_REG)
-                    continue
-                rk = int(k[j])
-                rp = rpins.get(rk)
-                if rp is None:
-                    rp = rpins[rk] = other._regions.pin(mrs[rk].address, 1, need)
-                    if rp:
-                        extra.append((other._regions, rp))
-                if not rp:
-                    batch.finish(i, 0, _E_REMOTE_ACCESS)
-                    continue
-                s = bisect.bisect_right(self._dev_starts, la) - 1
-                end, ordinal = self._dev_info.get(self._dev_starts[s], (0, -1)) if s >= 0 \
-                    else (0, -1)
-                if ordinal < 0 or la + ln > end:
-                    batch.finish(i, 0, _E_LOCAL_NOT_REG)
-                    continue
-                lstart = self._dev_starts[s]
-                if lstart not in lpins:
-                    lp = lpins[lstart] = self._regions.pin(la, ln)
-                    if lp:
-                        extra.append((self._regions, lp))
-                if not lpins[lstart]:
-                    batch.finish(i, 0, _E_LOCAL_NOT_REG)
-                    continue
-                try:
-                    host_dma.lock(mrs[rk], ordinal)
-                    dst, src = (ra, la) if op == _WRITE else (la, ra)
-                    self._copy(ordinal, cur, dst, src, ln)
-                except MooncakeError as e:
-                    log.warning("GPU <-> host copy in this process: %s", e)
+                handled = m + 1
+                if lib.cuMemcpyAsync(dsts[m], srcs[m], lns[m], h) != 0:
                     batch.finish(i, 0, _E_CUDA)
                     continue
-                issued.setdefault(ordinal, []).append((i, dst, src, ln, 0, None))
+                issued.setdefault(ordinal, []).append((i, dsts[m], srcs[m], lns[m], 0, None))
+        except MooncakeError as e:       # page-locking or a context switch failed
+            log.warning("GPU <-> host copy in this process: %s", e)
+            for j in idx[handled:]:
+                batch.begin(first + j, 1)
+                batch.finish(first + j, 0, _E_CUDA)
         finally:
             if cur[0] is not None:
                 cuda.pop_device()
@@ -353,13 +368,19 @@ class CudaIpcTransport(Transport):
         ``cur[0]`` (the ordinal pushed on this thread, or None) is another; ``cur[0]``
         always says what is pushed, also when this raises (the caller pops it)."""
         stream = self._stream(ordinal)
+        self._switch(ordinal, cur)
+        cuda.memcpy_async(dst, src, n, stream)
+
+    @staticmethod
+    def _switch(ordinal: int, cur: list) -> None:
+        """Make ``ordinal``'s context the one this thread pushed (``cur[0]``, kept true
+        also when this raises)."""
         if ordinal != cur[0]:
             if cur[0] is not None:
                 cuda.pop_device()
                 cur[0] = None
             cuda.push_device(ordinal)
             cur[0] = ordinal
-        cuda.memcpy_async(dst, src, n, stream)
 
     def _finish_on_event(self, ordinal, items, slots, batch, extra=()) -> None:
         stream = self._stream(ordinal)
