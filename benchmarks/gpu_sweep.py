@@ -4,7 +4,7 @@
 Each point is a fresh pair of processes (``gpu_bench.py --tcp-only``: CPU WRITE, GPU
 WRITE and GPU READ of 64 MiB requests, 1 GiB per batch, over TCP loopback) with
 ``MC_GPU_STAGE_CHUNK`` and ``MC_GPU_SLICE`` set, and optionally other variables
-(``--extra VAR=VALUE``, e.g. ``MC_GPU_BLOCKING_SYNC=1``). Prints GB/s and the ratio of GPU
+(``--extra VAR=VALUE``, e.g. ``MC_TCP_LANES_PER_PEER=8``). Prints GB/s and the ratio of GPU
 to the CPU figure of the same point, so defaults can be chosen from it.
 
     python benchmarks/gpu_sweep.py [--chunks 256K,512K,1M,2M] [--slices 1M,4M,16M] [--json F]
