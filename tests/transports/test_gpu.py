@@ -440,3 +440,25 @@ def test_gpu_blocks_to_a_host_pool_of_this_process_by_dma():
         with pytest.raises(mte.MooncakeError):
             bad.wait(timeout=30)
         b.unregister(pr)
+
+
+def test_host_dma_route_takes_arrays_and_ints_and_skips_host_memory():
+    """The same-process GPU<->host route is asked with arrays (batches) and with ints (a
+    synchronous request); with host memory on our side it must decline, not raise (a
+    TypeError here once broke every synchronous CUDA IPC transfer)."""
+    from mooncake_te.core._regions import Regions
+    from mooncake_te.transports.base import TransportContext
+    from mooncake_te.transports.cuda_ipc import CudaIpcTransport
+    with mte.TransferEngine(host="127.0.0.1", protocol="tcp") as a, \
+            mte.TransferEngine(host="127.0.0.1", protocol="tcp") as b:
+        pr = b.register(np.zeros(1 << 16, np.uint8))
+        t = CudaIpcTransport(TransportContext(regions=Regions(), host="127.0.0.1",
+                                              name="probe", instance=1, config={},
+                                              engine=weakref.proxy(a)))
+        try:
+            desc = a.open_segment(b.name).descriptor
+            assert t.route(desc, mte.WRITE, 4096, pr.address) is None
+            assert t.route(desc, mte.READ, np.array([4096], np.uint64),
+                           np.array([pr.address], np.uint64)) is None
+        finally:
+            t.close()
