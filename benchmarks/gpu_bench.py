@@ -14,8 +14,8 @@ with the issue's aims: IPC >= 80 % of the device-to-device copy at 64 MiB, GPU o
 >= 80 % of our CPU TCP figure. Needs CuPy and a CUDA GPU.
 
 Then, each in a fresh pair of processes, GPU and CPU over TCP at 64 MiB with other
-settings (8 lanes; other staging chunk and GPU slice sizes than the 512 KiB and 4 MiB
-defaults), to show what limits the staged path.
+settings (8 lanes; other staging chunk and GPU slice sizes than the 2 MiB and 4 MiB
+defaults; benchmarks/gpu_sweep.py sweeps them), to show what limits the staged path.
 
     python benchmarks/gpu_bench.py [--seconds 1.5] [--json out.json] [--no-sweep]
 """

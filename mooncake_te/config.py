@@ -30,6 +30,19 @@ from .errors import ConfigError
 
 # section -> key -> (accepted types, default, allowed values or None)
 _STR, _INT, _BOOL, _NUM = (str,), (int,), (bool,), (int, float)
+
+
+def default_tcp_lanes(cpus: "int | None" = None) -> int:
+    """TCP lanes per peer when nothing sets them: half the CPUs this process may run on,
+    2 to 8. Measured (docs/benchmarks.md, section 6): on 2 CPUs 2 lanes moved 1.02-1.13x
+    iperf3's one stream and 4 lanes 0.97-1.00x; on 16 CPUs 8 lanes moved 27 GB/s and 4
+    lanes 17."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cpus = os.cpu_count() or 2
+    return max(2, min(8, cpus // 2))
 SCHEMA: dict[str, dict[str, tuple]] = {
     "metadata": {
         "server_type": (_STR, "p2p", ("p2p", "etcd", "redis", "http")),
@@ -43,7 +56,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "topology_aware": (_BOOL, True, None),
         "timeout_ms": (_INT, 30000, None),
         "retry_count": (_INT, 3, None),
-        "tcp_lanes": (_INT, 4, None),
+        "tcp_lanes": (_INT, default_tcp_lanes(), None),
         "tcp_slice_size": (_INT, 256 << 10, None),
         # RDMA (docs/rdma.md); each has Mooncake's MC_* variable.
         "rdma_slice_size": (_INT, 64 << 10, None),
@@ -54,6 +67,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "rdma_ib_port": (_INT, 1, None),
         "rdma_rail_pause_s": (_NUM, 30, None),
         "rdma_cq_entries": (_INT, 4096, None),
+        "rdma_qp_timeout": (_INT, 14, None),
         "host": (_STR, "", None),
         "port": (_INT, 0, None),
         "auth_token": (_STR, "", None),
@@ -95,6 +109,7 @@ _BOUNDS: dict[str, tuple] = {
     "rdma_ib_port": (1, 255, "an HCA port number (1 on almost every NIC)"),
     "rdma_rail_pause_s": (0, None, "seconds, 0 or more"),
     "rdma_cq_entries": (16, 1 << 22, "16 to 4194304 completion-queue entries"),
+    "rdma_qp_timeout": (1, 31, "1 to 31 (the ACK timeout is 4.096 us x 2^value)"),
     "port": (0, 65535, "a TCP port, 0 to pick a free one"),
     "metrics_port": (0, 65535, "a TCP port for /metrics, 0 to serve none"),
     "block_size": (1, None, "a positive number of tokens per KV block"),
@@ -138,6 +153,7 @@ ENV: dict[str, tuple[str, str, Any]] = {
     "MC_IB_PORT": ("transfer_engine", "rdma_ib_port", int),
     "MC_RDMA_RAIL_PAUSE_SECONDS": ("transfer_engine", "rdma_rail_pause_s", float),
     "MC_MAX_CQE_PER_CTX": ("transfer_engine", "rdma_cq_entries", int),
+    "MC_RDMA_QP_TIMEOUT": ("transfer_engine", "rdma_qp_timeout", int),
     "MC_AUTH_TOKEN": ("transfer_engine", "auth_token", str),
     "MC_METRICS": ("transfer_engine", "metrics", lambda v: _bool(v)),
     "MC_METRICS_PORT": ("transfer_engine", "metrics_port", int),

@@ -398,6 +398,46 @@ class TransferEngine:
         groups, n, nbytes = S.arrays(op, target, sources, target_addresses, lengths)
         return self._start(groups, n, notify, timeout, nbytes=nbytes)
 
+    def prepare(self, target, local, remote, block_size) -> "PreparedTransfer":
+        """Check block tables once, then post transfers by block index (NIXL's
+        ``prep_xfer_dlist``/``make_prepped_xfer``; :mod:`mooncake_te.prepared`).
+
+        Parameters
+        ----------
+        target : str or Segment
+            The peer.
+        local, remote : numpy.ndarray of uint64
+            Block start addresses: 1-D (one per block slot) or 2-D ``[regions, blocks]``
+            (both the same number of regions).
+        block_size : int or sequence of int
+            Bytes per block, or one value per region.
+
+        Returns
+        -------
+        PreparedTransfer
+            ``post(op, local_ids, remote_ids, notify=None, timeout=None)`` -> Batch.
+
+        Raises
+        ------
+        AddressNotRegisteredError
+            A local block outside our regions, or a remote one outside the peer's
+            published buffers.
+        InvalidArgumentError
+            Tables of the wrong shape, or a block size that is not positive.
+        """
+        self._check_open()
+        from .prepared import PreparedTransfer
+        return PreparedTransfer(self, target, local, remote, block_size)
+
+    def _submit_prepared(self, tr, route, desc, op, src, dst, lens, n, nbytes, notify,
+                         timeout) -> Batch:
+        """One group, already checked and routed (PreparedTransfer.post)."""
+        self._check_open()
+        S.check_notify(notify)
+        plan = [(desc.name, op, None, src, dst, lens, desc, tr)]
+        return S.queue(plan, n, notify, S.deadline(self.timeout, nbytes, timeout),
+                       self._tx.new_batch, self._notifier, self._peers, self.protocol)
+
     def _start(self, groups: dict, n: int, notify, timeout, nbytes=0,
                checked: bool = False) -> Batch:
         """Check every group, then queue them all in one native batch. ``checked``: the

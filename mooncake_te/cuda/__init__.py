@@ -330,6 +330,23 @@ def memcpy_async(dst: int, src: int, nbytes: int, stream: Stream) -> None:
            f"cuMemcpyAsync({dst:#x} <- {src:#x}, {nbytes})")
 
 
+def host_register(address: int, nbytes: int, ordinal: int = 0) -> bool:
+    """Page-lock host memory for the GPU's copy engines (``cuMemHostRegister``, portable
+    to every context), so copies with it run at the PCIe limit instead of through the
+    driver's own staging. False when it was registered already."""
+    with device(ordinal):
+        rc = _lib().cuMemHostRegister_v2(address, nbytes, 1)     # CU_MEMHOSTREGISTER_PORTABLE
+    if rc == 712:                    # CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
+        return False
+    _check(rc, f"cuMemHostRegister({address:#x}, {nbytes})")
+    return True
+
+
+def host_unregister(address: int, ordinal: int = 0) -> None:
+    with device(ordinal):
+        _check(_lib().cuMemHostUnregister(address), f"cuMemHostUnregister({address:#x})")
+
+
 def synchronize_stream(handle: int, ordinal: int = 0) -> None:
     """Wait for work on a foreign stream handle (a ``__cuda_array_interface__`` v3
     ``stream``: 1 legacy default, 2 per-thread default, else a CUstream)."""

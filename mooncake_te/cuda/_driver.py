@@ -67,6 +67,8 @@ _SIGNATURES = {
     "cuIpcGetMemHandle": (POINTER(CUipcMemHandle), CUdeviceptr),
     "cuIpcOpenMemHandle_v2": (POINTER(CUdeviceptr), CUipcMemHandle, c_uint),
     "cuIpcCloseMemHandle": (CUdeviceptr,),
+    "cuMemHostRegister_v2": (ctypes.c_void_p, c_size_t, c_uint),
+    "cuMemHostUnregister": (ctypes.c_void_p,),
     "cuGetErrorName": (c_int, POINTER(ctypes.c_char_p)),
 }
 

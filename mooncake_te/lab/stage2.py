@@ -382,6 +382,10 @@ def main(rundir: str) -> None:
         result["timings"]["rxe_s"] = round(time.monotonic() - t, 2)
         result["rxe"] = devices
         env["MOONCAKE_LAB_RXE"] = json.dumps(devices)
+        # Soft-RoCE in an emulated guest misses the default 67 ms ACK timeout when the host
+        # is busy; 6.1's rxe then fails the QP on retransmission ("invalid request"),
+        # perftest too (docs/rdma.md, known issues). A 1 s timeout avoids it.
+        env.setdefault("MC_RDMA_QP_TIMEOUT", "18")
         if spec.get("nvmeof"):
             # nvme-tcp over loopback: nvmet-tcp's receive copies straight out of the
             # host's pages, and a TCP fragment crossing the end of a transparent huge

@@ -116,7 +116,7 @@ size_t mte_stage_chunk(void)
 {
     static size_t cached;
     if (!cached)
-        cached = env_size("MC_GPU_STAGE_CHUNK", 512u << 10, 64u << 10, 16u << 20);
+        cached = env_size("MC_GPU_STAGE_CHUNK", 2u << 20, 64u << 10, 16u << 20);
     return cached;
 }
 
@@ -242,6 +242,8 @@ static per_device_t *enter(mte_stage_t *s, int device)
         p = calloc(1, sizeof(*p));
         int ok = p && failed("cuStreamCreate",
                              cu.StreamCreate(&p->stream, CU_STREAM_NON_BLOCKING)) == 0;
+        /* Events wait by spinning (the default): blocking sync was 0.62 of CPU TCP against
+         * 0.75 spinning, same run (benchmarks/results/perf-2026-12-02/sweep.log). */
         for (int k = 0; ok && k < MTE_STAGE_SLOTS; k++)
             ok = failed("cuEventCreate", cu.EventCreate(&p->ev[k], CU_EVENT_DISABLE_TIMING)) == 0;
         if (!ok) {

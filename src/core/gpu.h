@@ -22,7 +22,11 @@
 #include "status.h"             /* MTE_E_CUDA */
 
 #define MTE_STAGE_SLOTS 4
-/* Bytes per staging slot: MC_GPU_STAGE_CHUNK (64 KiB to 16 MiB), default 512 KiB. */
+/* Bytes per staging slot: MC_GPU_STAGE_CHUNK (64 KiB to 16 MiB), default 2 MiB: in a
+ * sweep on an H200 host (benchmarks/gpu_sweep.py, docs/benchmarks.md) GPU over TCP was
+ * 0.56-0.67 of CPU over TCP with 256 KiB chunks, 0.67-0.76 with 512 KiB, 0.69-0.85 with
+ * 1 MiB and 0.86-0.92 with 2 MiB. The ring is MTE_STAGE_SLOTS chunks of pinned memory
+ * per lane and per served connection that touches GPU memory (8 MiB at 2 MiB). */
 size_t mte_stage_chunk(void);
 /* Requests from GPU memory are cut into slices of at least this size: each slice waits
  * once on each side for a copy's round trip (its first device-to-host chunk, its last

@@ -410,3 +410,55 @@ def test_two_gpus_two_processes_ipc():
         eng.read(peer.name, r.address, addr, n)
         with cp.cuda.Device(1):
             assert checksum(r.address, n, True) == expected(n, 32)
+
+
+@gpu
+def test_gpu_blocks_to_a_host_pool_of_this_process_by_dma():
+    """KV offload in one process: GPU blocks to another engine's host pool and back go
+    one cuMemcpyAsync each ("cuda_dma"), bytes intact; an access-"r" pool refuses WRITEs;
+    the pool's owner can unregister it afterwards (its page-locking is undone)."""
+    import cupy as cp
+    with mte.TransferEngine(host="127.0.0.1") as a, mte.TransferEngine(host="127.0.0.1") as b:
+        blk, nblk = 256 << 10, 16
+        g = cp.random.randint(0, 256, blk * nblk, dtype=cp.uint8)
+        a.register(g)
+        pool = np.zeros(blk * nblk, np.uint8)
+        pr = b.register(pool)
+        ids = np.array([3, 0, 9, 15], np.uint64)
+        src = g.data.ptr + ids * blk
+        dst = pr.address + np.arange(len(ids), dtype=np.uint64) * blk
+        batch = a.submit_arrays(mte.WRITE, b.name, src, dst, blk)
+        batch.wait(timeout=30)
+        assert batch.transport == "cuda_dma"
+        host = cp.asnumpy(g).reshape(nblk, blk)
+        assert (pool.reshape(nblk, blk)[:4] == host[ids.astype(int)]).all()
+        g.fill(0)
+        a.submit_arrays(mte.READ, b.name, src, dst, blk).wait(timeout=30)
+        assert (cp.asnumpy(g).reshape(nblk, blk)[ids.astype(int)] == host[ids.astype(int)]).all()
+        ro = b.register(np.zeros(blk, np.uint8), access="r")
+        bad = a.submit_arrays(mte.WRITE, b.name, src[:1], np.array([ro.address], np.uint64), blk)
+        with pytest.raises(mte.MooncakeError):
+            bad.wait(timeout=30)
+        b.unregister(pr)
+
+
+def test_host_dma_route_takes_arrays_and_ints_and_skips_host_memory():
+    """The same-process GPU<->host route is asked with arrays (batches) and with ints (a
+    synchronous request); with host memory on our side it must decline, not raise (a
+    TypeError here once broke every synchronous CUDA IPC transfer)."""
+    from mooncake_te.core._regions import Regions
+    from mooncake_te.transports.base import TransportContext
+    from mooncake_te.transports.cuda_ipc import CudaIpcTransport
+    with mte.TransferEngine(host="127.0.0.1", protocol="tcp") as a, \
+            mte.TransferEngine(host="127.0.0.1", protocol="tcp") as b:
+        pr = b.register(np.zeros(1 << 16, np.uint8))
+        t = CudaIpcTransport(TransportContext(regions=Regions(), host="127.0.0.1",
+                                              name="probe", instance=1, config={},
+                                              engine=weakref.proxy(a)))
+        try:
+            desc = a.open_segment(b.name).descriptor
+            assert t.route(desc, mte.WRITE, 4096, pr.address) is None
+            assert t.route(desc, mte.READ, np.array([4096], np.uint64),
+                           np.array([pr.address], np.uint64)) is None
+        finally:
+            t.close()

@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from mooncake_te.config import Config, find_problems, split_metadata_url, validate
+from mooncake_te.config import (Config, default_tcp_lanes, find_problems, split_metadata_url,
+                                validate)
 from mooncake_te.errors import ConfigError
 
 FULL = """
@@ -54,7 +55,7 @@ def test_defaults():
     assert cfg.source == "<defaults>"
     assert cfg["metadata"]["server_type"] == "p2p"
     assert cfg.get("transfer_engine", "protocol") == "auto"
-    assert cfg["transfer_engine"]["tcp_lanes"] == 4
+    assert cfg["transfer_engine"]["tcp_lanes"] == default_tcp_lanes()
     assert cfg.timeout_s == 30.0
     assert cfg["kvcache"]["block_size"] == 16
 
@@ -183,6 +184,16 @@ def test_env_overrides_file(tmp_path):
         "mlx5_0", "mlx5_1"]
 
 
+def test_default_lanes_follow_the_cores():
+    assert [default_tcp_lanes(n) for n in (1, 2, 4, 8, 16, 64)] == [2, 2, 2, 4, 8, 8]
+
+
+def test_rdma_qp_timeout_default_and_variable():
+    assert Config.load(None, env={})["transfer_engine"]["rdma_qp_timeout"] == 14
+    assert Config.load(None, env={"MC_RDMA_QP_TIMEOUT": "18"})[
+        "transfer_engine"]["rdma_qp_timeout"] == 18
+
+
 def test_force_tcp_and_hca():
     assert Config.load(None, env={"MC_FORCE_TCP": "1"})["transfer_engine"]["protocol"] == "tcp"
     assert Config.load(None, env={"MC_FORCE_HCA": "true"})["transfer_engine"]["protocol"] == "rdma"
@@ -196,6 +207,7 @@ def test_force_tcp_and_hca():
                                         "[transfer_engine] tcp_lanes: expected an integer"),
     ({"MC_TRANSFER_TIMEOUT": "0"}, "timeout_ms = 0: expected a positive number"),
     ({"MC_METADATA_SERVER": "zookeeper://h:1"}, "server_type = 'zookeeper'"),
+    ({"MC_RDMA_QP_TIMEOUT": "32"}, "rdma_qp_timeout = 32: expected 1 to 31"),
 ])
 def test_bad_env_values(env, needle):
     with pytest.raises(ConfigError) as e:

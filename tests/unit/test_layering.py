@@ -30,6 +30,7 @@ LAYER = {
     # the facade: TransferEngine and the modules it is made of
     "": FACADE, "engine": FACADE, "routing": FACADE, "regions": FACADE,
     "segments": FACADE, "submit": FACADE, "auth": FACADE, "netif": FACADE,
+    "prepared": FACADE,
     "kvcache": SERVICES, "p2p_store": SERVICES, "integrations": SERVICES,
     "compat": SERVICES,
     "cli": TOOLS, "bench": TOOLS, "doctor": TOOLS, "lab": TOOLS, "__main__": TOOLS,

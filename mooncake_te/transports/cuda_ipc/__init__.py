@@ -35,6 +35,7 @@ import numpy as np
 from ... import cuda
 from ...errors import MooncakeError
 from ..base import Capabilities, Transport
+from . import host_dma
 from .slots import SlotTable, SlotView
 
 log = logging.getLogger("mooncake_te")
@@ -43,6 +44,15 @@ from ...core import OP_WRITE as _WRITE
 from ...errors import (ERR_ADDRESS_NOT_REGISTERED as _E_REMOTE_NOT_REG, ERR_CUDA as _E_CUDA,
                        ERR_LOCAL_NOT_REGISTERED as _E_LOCAL_NOT_REG,
                        ERR_REMOTE_ACCESS as _E_REMOTE_ACCESS)
+from ...core import ACC_READ as _ACC_READ, ACC_WRITE as _ACC_WRITE
+
+
+class _NoSlots:
+    """Host-DMA copies hold region pins, not IPC slots."""
+
+    @staticmethod
+    def release(slot) -> None:
+        pass
 
 
 def driver_present() -> bool:
@@ -131,11 +141,17 @@ class CudaIpcTransport(Transport):
         self._bus = None
         self._q = queue.SimpleQueue()
         self._thread = None
+        self._host: dict = {}           # our host regions (page-locked by a local peer?)
+        self._key = (ctx.name, ctx.instance)
+        # Engines of this process find each other's host regions through their
+        # transports (this object sees every register/unregister of its engine).
+        host_dma.add(ctx.name, ctx.instance, self)
 
     # --- our regions ---------------------------------------------------------------
     def register(self, region) -> None:
         loc = region.location or ""
         if not loc.startswith("cuda:"):
+            self._host[region.address] = region
             return
         ordinal = int(loc[5:])
         with self._mu:
@@ -159,6 +175,8 @@ class CudaIpcTransport(Transport):
                                               self._bus_id(ordinal)]
 
     def unregister(self, region) -> None:
+        if self._host.pop(region.address, None) is not None:
+            host_dma.unlock(region)      # page-locked by an engine of this process
         with self._mu:
             rec = self._exports.pop(region.address, None)
             if region.address in self._dev_info:
@@ -202,6 +220,15 @@ class CudaIpcTransport(Transport):
         return v
 
     def route(self, desc, op, local, remote):
+        # local/remote: arrays for batches, ints for a synchronous single request.
+        other = self._host_peer(desc) if local is not None else None
+        if other is not None:
+            loc = np.atleast_1d(np.asarray(local, dtype=np.uint64))
+            if len(loc) and self._local_device(int(loc[0])) >= 0:
+                starts, ends, _ = host_dma.host_regions(other)
+                r = np.atleast_1d(np.asarray(remote, dtype=np.uint64))
+                if host_dma.covers(starts, ends, r, np.ones(len(r), np.uint64)) is not None:
+                    return "cuda_dma"
         info = desc.extra.get("cuda_ipc")
         if not info:
             return None
@@ -249,7 +276,138 @@ class CudaIpcTransport(Transport):
             cuda.enable_peer_access(a, b)
             self._peer_access.add((a, b))
 
+    def _host_peer(self, desc):
+        """The engine of this process ``desc`` names, when it runs this transport (which
+        undoes the page-locking of its regions on unregister), else None."""
+        other = host_dma.lookup(desc)
+        if other is None:
+            return None
+        return other
+
+    def _submit_host(self, other, batch, op, local, remote, lens, first) -> str:
+        """GPU memory here <-> host memory of an engine of this process: one cuMemcpyAsync
+        a request, the host region page-locked once (host_dma). Checks and pins are done
+        for the whole group with numpy, per region; the per-request loop only queues the
+        copy (its cost bounds small blocks: docs/benchmarks.md, section 6.6)."""
+        n = len(local)
+        lens = lens if len(lens) == n else np.full(n, lens[0], dtype=np.uint64)
+        codes = np.zeros(n, np.int32)
+        starts, ends, mrs = host_dma.host_regions(other)
+        k = np.searchsorted(starts, remote, side="right").astype(np.int64) - 1
+        ok = k >= 0
+        if len(starts):
+            ok &= remote + lens <= ends[np.where(ok, k, 0)]
+        codes[~ok] = _E_REMOTE_NOT_REG
+        with self._mu:
+            dstarts = list(self._dev_starts)
+            dinfo = [self._dev_info[x] for x in dstarts]
+        ds = np.array(dstarts, np.uint64)
+        de = np.array([e for e, _ in dinfo], np.uint64)
+        lk = np.searchsorted(ds, local, side="right").astype(np.int64) - 1
+        lok = lk >= 0
+        if len(ds):
+            lok &= local + lens <= de[np.where(lok, lk, 0)]
+        codes[~lok & (codes == 0)] = _E_LOCAL_NOT_REG
+        need = _ACC_WRITE if op == _WRITE else _ACC_READ
+        extra: list = []                # (table, pin) released after the copies
+        for rk in np.unique(k[codes == 0]).tolist():
+            h = other._regions.pin(mrs[rk].address, 1, need)
+            if h:
+                extra.append((other._regions, h))
+            else:                       # the right is missing, or the region just went
+                codes[(k == rk) & (codes == 0)] = _E_REMOTE_ACCESS
+        for li in np.unique(lk[codes == 0]).tolist():
+            h = self._regions.pin(dstarts[li], 1)
+            if h:
+                extra.append((self._regions, h))
+            else:
+                codes[(lk == li) & (codes == 0)] = _E_LOCAL_NOT_REG
+        for j in np.flatnonzero(codes).tolist():
+            batch.begin(first + j, 1)
+            batch.finish(first + j, 0, int(codes[j]))
+        good = np.flatnonzero(codes == 0)
+        issued: dict = {}
+        dsts = (remote if op == _WRITE else local)[good].tolist()
+        srcs = (local if op == _WRITE else remote)[good].tolist()
+        lns = lens[good].tolist()
+        ords = [dinfo[x][1] for x in lk[good].tolist()]
+        idx = good.tolist()
+        lib = cuda._lib()
+        cur = [None]                    # the ordinal whose context this thread pushed
+        handled = 0                     # idx[:handled] are begun (and finished or issued)
+        try:
+            for rk in np.unique(k[good]).tolist():
+                host_dma.lock(mrs[rk], ords[0])        # portable: every context
+            h = None
+            for m, j in enumerate(idx):
+                i, ordinal = first + j, ords[m]
+                if ordinal != cur[0] or h is None:
+                    h = self._stream(ordinal).handle
+                    self._switch(ordinal, cur)
+                batch.begin(i, 1)
+                handled = m + 1
+                if lib.cuMemcpyAsync(dsts[m], srcs[m], lns[m], h) != 0:
+                    batch.finish(i, 0, _E_CUDA)
+                    continue
+                issued.setdefault(ordinal, []).append((i, dsts[m], srcs[m], lns[m], 0, None))
+        except MooncakeError as e:       # page-locking or a context switch failed
+            log.warning("GPU <-> host copy in this process: %s", e)
+            for j in idx[handled:]:
+                batch.begin(first + j, 1)
+                batch.finish(first + j, 0, _E_CUDA)
+        finally:
+            if cur[0] is not None:
+                cuda.pop_device()
+        if not issued:
+            for table, h in extra:
+                table.unpin(h)
+            return "cuda_dma"
+        last = list(issued)[-1]
+        for ordinal, items in issued.items():
+            self._finish_on_event(ordinal, items, _NoSlots, batch,
+                                  extra if ordinal == last else ())
+        return "cuda_dma"
+
+    def _copy(self, ordinal: int, cur: list, dst: int, src: int, n: int) -> None:
+        """Queue one copy on ``ordinal``'s stream, first making its context current if
+        ``cur[0]`` (the ordinal pushed on this thread, or None) is another; ``cur[0]``
+        always says what is pushed, also when this raises (the caller pops it)."""
+        stream = self._stream(ordinal)
+        self._switch(ordinal, cur)
+        cuda.memcpy_async(dst, src, n, stream)
+
+    @staticmethod
+    def _switch(ordinal: int, cur: list) -> None:
+        """Make ``ordinal``'s context the one this thread pushed (``cur[0]``, kept true
+        also when this raises)."""
+        if ordinal != cur[0]:
+            if cur[0] is not None:
+                cuda.pop_device()
+                cur[0] = None
+            cuda.push_device(ordinal)
+            cur[0] = ordinal
+
+    def _finish_on_event(self, ordinal, items, slots, batch, extra=()) -> None:
+        stream = self._stream(ordinal)
+        event, err = None, 0
+        try:
+            event = cuda.Event(ordinal)
+            event.record(stream)
+        except MooncakeError as e:
+            log.warning("CUDA copy failed: %s", e)
+            err = _E_CUDA
+            if event is not None:
+                event.close()
+                event = None
+            stream.synchronize()               # what was queued must end before unpin
+        self._completions().put((event, err, items, slots, batch, extra))
+
     def submit(self, batch, desc, op, local, remote, lens, first, run_inline):
+        other = self._host_peer(desc)
+        if other is not None and len(local) and self._local_device(int(local[0])) >= 0:
+            starts, ends, _ = host_dma.host_regions(other)
+            if host_dma.covers(starts, ends, remote[:1], np.ones(1, np.uint64)) is not None:
+                return self._submit_host(other, batch, op, local, remote, lens, first)
         view = self._view(desc)
         if view.slots is None:
             # One view of a peer's slot table per path, shared by its descriptors.
@@ -263,7 +421,7 @@ class CudaIpcTransport(Transport):
         # Each copy is queued as soon as it is checked, so the GPU copies while the next
         # request is prepared; one event per device then marks the group's end.
         issued: dict = {}               # ordinal -> [(idx, dst, src, len, pin, slot)]
-        cur = None                      # ordinal whose context is pushed on this thread
+        cur = [None]                    # the ordinal whose context this thread pushed
         try:
             for k in range(n):
                 i = first + k
@@ -292,15 +450,8 @@ class CudaIpcTransport(Transport):
                         ordinal = other
                     elif view.same_process:
                         self._enable_peer(ordinal, other)
-                    stream = self._stream(ordinal)
-                    if ordinal != cur:
-                        if cur is not None:
-                            cuda.pop_device()
-                            cur = None
-                        cuda.push_device(ordinal)
-                        cur = ordinal
                     dst, src = (rptr, la) if op == _WRITE else (la, rptr)
-                    cuda.memcpy_async(dst, src, ln, stream)
+                    self._copy(ordinal, cur, dst, src, ln)
                 except MooncakeError as e:
                     log.warning("CUDA IPC to %s: %s", view.name, e)
                     self._regions.unpin(pin)
@@ -309,22 +460,10 @@ class CudaIpcTransport(Transport):
                     continue
                 issued.setdefault(ordinal, []).append((i, dst, src, ln, pin, b.slot))
         finally:
-            if cur is not None:
+            if cur[0] is not None:
                 cuda.pop_device()
         for ordinal, items in issued.items():
-            stream = self._stream(ordinal)
-            event, err = None, 0
-            try:
-                event = cuda.Event(ordinal)
-                event.record(stream)
-            except MooncakeError as e:
-                log.warning("CUDA IPC copy to %s failed: %s", view.name, e)
-                err = _E_CUDA
-                if event is not None:
-                    event.close()
-                    event = None
-                stream.synchronize()               # what was queued must end before unpin
-            self._completions().put((event, err, items, view.slots, batch))
+            self._finish_on_event(ordinal, items, view.slots, batch)
         return "cuda_ipc"
 
     # --- completion ----------------------------------------------------------------
@@ -342,13 +481,15 @@ class CudaIpcTransport(Transport):
             job = self._q.get()
             if job is None:
                 return
-            event, err, items, slots, batch = job
+            event, err, items, slots, batch, extra = job
             if event is not None:
                 try:
                     event.synchronize()            # ctypes releases the GIL meanwhile
                 except MooncakeError:
                     err = _E_CUDA
                 event.close()
+            for table, h in extra:                 # host-DMA region pins
+                table.unpin(h)
             for i, _, _, ln, pin, slot in items:
                 self._regions.unpin(pin)
                 slots.release(slot)
@@ -359,6 +500,10 @@ class CudaIpcTransport(Transport):
         self._views.pop(name, None)
 
     def close(self) -> None:
+        host_dma.remove(*self._key)
+        for region in list(self._host.values()):
+            host_dma.unlock(region)
+        self._host.clear()
         if self._thread is not None:
             self._q.put(None)
             self._thread.join(timeout=self._timeout)

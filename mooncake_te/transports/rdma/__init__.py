@@ -174,6 +174,9 @@ class RdmaTransport(Transport):
         self.slice_size = int(te.get("rdma_slice_size", 64 << 10))
         self.nqp = int(te.get("rdma_qps_per_endpoint", 2))
         self.max_wr = int(te.get("rdma_max_wr", 256))
+        # Local ACK timeout exponent (4.096 us x 2^n; 14 = 67 ms, as Mooncake): how long a
+        # QP waits for an ACK before retransmitting (docs/rdma.md, known issues).
+        self.qp_timeout = int(te.get("rdma_qp_timeout", 14))
         self.mtu_cap = int(te.get("rdma_mtu", 4096))
         self.port = int(te.get("rdma_ib_port", 1))
         self.retry_count = int(te.get("retry_count", 3))
@@ -497,7 +500,7 @@ class RdmaTransport(Transport):
         gid = bytes.fromhex(remote["gid"].replace(":", "")) if remote.get("gid") else None
         for q, psn, rq, rpsn in zip(qps, psns, remote["qpns"], remote["psns"]):
             q.rtr(int(rq), int(rpsn), mtu, gid, int(remote.get("lid", 0)), dev.gid_index)
-            q.rts(psn)
+            q.rts(psn, timeout=self.qp_timeout)
 
     def _on_connect(self, payload: bytes) -> bytes:
         """Passive side of the queue-pair handshake (RpcServer handler)."""

@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Prepared descriptor lists: check once, then post transfers by block indices.
+
+What NIXL calls ``prep_xfer_dlist`` + ``make_prepped_xfer``. A paged KV cache moves the
+same kind of transfer again and again: the same peer, the same local and remote regions,
+the same block size, only the block ids change. :meth:`TransferEngine.prepare` takes
+the block-address tables once, checks every local block against the registered regions
+and every remote block against the peer's published buffers, resolves the peer and picks
+the route; :meth:`PreparedTransfer.post` then only gathers addresses with two numpy
+fancy-indexing operations and queues them, with no per-block Python, no region lookup
+and no routing.
+
+Tables are 1-D (one entry per block slot: ``post`` takes indices into it) or 2-D
+``[regions, blocks]`` (block ``b`` of every region: ``post`` takes block ids and moves
+that block of every region, region-major, as vLLM's per-layer K and V planes are).
+
+Safety does not depend on the checks at prepare time staying true: the data path pins
+each local region while its bytes move (a region unregistered since is a per-request
+error, never a write to freed memory), and the owning side checks every remote address
+against its regions, as for any transfer.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import errors as E
+from .batch import Batch, Op
+from .segments import target_name
+
+__all__ = ["PreparedTransfer"]
+
+_OPS = frozenset(int(o) for o in Op)
+
+
+def _table(values, what: str) -> np.ndarray:
+    try:
+        a = np.ascontiguousarray(values, dtype=np.uint64)
+    except (TypeError, ValueError, OverflowError):
+        raise E.InvalidArgumentError(f"{what} must be non-negative integer addresses, got "
+                                     f"{values!r:.80}") from None
+    if isinstance(values, np.ndarray) and values.dtype.kind == "i" and (values < 0).any():
+        raise E.InvalidArgumentError(f"{what} must be non-negative addresses")
+    if a.ndim not in (1, 2) or a.size == 0:
+        raise E.InvalidArgumentError(f"{what} must be a non-empty 1-D table of block "
+                                     f"addresses or a 2-D [regions, blocks] one; got shape "
+                                     f"{a.shape}")
+    return a
+
+
+class PreparedTransfer:
+    """Block transfers to one peer, checked once (:meth:`TransferEngine.prepare`).
+
+    Attributes
+    ----------
+    target : str
+        The peer's segment name.
+    transport : str
+        The route chosen at preparation ("tcp", "shm", "rdma", "cuda_ipc").
+    local_blocks, remote_blocks : int
+        Valid index range of :meth:`post` on each side (blocks per region for 2-D tables).
+    """
+
+    def __init__(self, engine, target, local, remote, block_size):
+        self._eng = engine
+        self.target = target_name(target)
+        self._local = _table(local, "local")
+        self._remote = _table(remote, "remote")
+        if self._local.ndim != self._remote.ndim or (
+                self._local.ndim == 2 and self._local.shape[0] != self._remote.shape[0]):
+            raise E.InvalidArgumentError(
+                f"local {self._local.shape} and remote {self._remote.shape} tables must both "
+                f"be 1-D, or both 2-D with the same number of regions (rows)")
+        rows = self._local.shape[0] if self._local.ndim == 2 else 1
+        bs = np.ascontiguousarray(block_size, dtype=np.uint64).reshape(-1)
+        if len(bs) not in (1, rows) or not bs.all():
+            raise E.InvalidArgumentError(
+                f"block_size must be a positive int, or one per region ({rows}); got "
+                f"{block_size!r:.80}")
+        self._bs = bs
+        self.local_blocks = self._local.shape[-1]
+        self.remote_blocks = self._remote.shape[-1]
+        # Every block, checked now: local ones against our regions, remote ones against
+        # the buffers the peer publishes.
+        lens = (np.broadcast_to(bs[:, None], self._local.shape).ravel() if len(bs) > 1
+                else bs)
+        src = self._local.ravel()
+        bad, _ = engine._regions.check_many(src, lens, 0)
+        if bad >= 0:
+            n = int(lens[bad] if len(lens) > 1 else lens[0])
+            raise E.AddressNotRegisteredError(
+                f"local block {bad} [{int(src[bad]):#x}, +{n}) is not inside a region "
+                f"registered with this engine; register the KV cache first")
+        desc = engine._peers.resolve(self.target)
+        rlens = (np.broadcast_to(bs[:, None], self._remote.shape).ravel() if len(bs) > 1
+                 else np.full(self._remote.size, bs[0], np.uint64))
+        _check_remote(desc, self._remote.ravel(), rlens)
+        self._rlens = rlens
+        self._desc = desc
+        self._routes = {}        # op -> (transport, route), picked on first use
+        self.transport = self._route(int(Op.WRITE))[1]
+        self._lens = {}          # number of descriptors -> lengths array (cached)
+
+    def __repr__(self) -> str:
+        return (f"<PreparedTransfer to {self.target} via {self.transport}: "
+                f"{self._local.shape} local, {self._remote.shape} remote>")
+
+    def _gather(self, table, ids, what):
+        ids = np.asarray(ids)
+        if ids.ndim != 1 or ids.dtype.kind not in "iu":
+            raise E.InvalidArgumentError(f"{what} must be a 1-D array of integer block "
+                                         f"indices, got {ids!r:.80}")
+        try:
+            if ids.dtype.kind == "i" and len(ids) and ids.min() < 0:
+                raise IndexError      # take would count it from the end
+            return np.take(table, ids, axis=table.ndim - 1, mode="raise").ravel()
+        except IndexError:
+            raise E.InvalidArgumentError(
+                f"{what} holds an index outside [0, {table.shape[-1]}): "
+                f"{int(ids.min())}..{int(ids.max())}") from None
+
+    def _route(self, op: int):
+        r = self._routes.get(op)
+        if r is None:
+            r = self._routes[op] = self._eng._tx.pick(self._desc, op, self._local.ravel(),
+                                                   self._remote.ravel())
+        return r
+
+    def post(self, op, local_ids, remote_ids, notify: bytes | None = None,
+             timeout: float | None = None) -> Batch:
+        """Start a batch moving blocks ``remote_ids`` <-> ``local_ids``.
+
+        Parameters
+        ----------
+        op : mte.READ or mte.WRITE
+            READ pulls the remote blocks into the local ones, WRITE pushes.
+        local_ids, remote_ids : numpy.ndarray of int
+            Equal-length 1-D arrays: indices into the 1-D tables, or block ids of the 2-D
+            tables (each id is moved in every region).
+        notify : bytes, optional
+            Delivered to the peer's ``notifications()`` after the last byte landed.
+        timeout : float, optional
+            Seconds; default the engine's.
+
+        Returns
+        -------
+        Batch
+        """
+        eng = self._eng
+        if op not in _OPS:
+            raise E.InvalidArgumentError(f"op must be mte.READ or mte.WRITE, got {op!r}")
+        src = self._gather(self._local, local_ids, "local_ids")
+        dst = self._gather(self._remote, remote_ids, "remote_ids")
+        if len(src) != len(dst):
+            raise E.InvalidArgumentError(f"{len(local_ids)} local_ids but {len(remote_ids)} "
+                                         f"remote_ids")
+        n = len(src)
+        lens = self._lens.get(n)
+        if lens is None:
+            lens = self._bs if len(self._bs) == 1 else np.repeat(self._bs, n // len(self._bs))
+            self._lens[n] = lens
+        nbytes = int(lens[0]) * n if len(lens) == 1 else int(lens.sum())
+        # The descriptor cache drops a peer whose connection failed or who restarted; take
+        # the current one (a dict lookup when nothing changed).
+        desc = eng._peers.resolve(self.target)
+        if desc is not self._desc:       # re-resolved (restarted peer): check again
+            _check_remote(desc, self._remote.ravel(), self._rlens)
+            self._desc, self._routes = desc, {}
+        tr, route = self._route(int(op))
+        return eng._submit_prepared(tr, route, desc, int(op), src, dst, lens, n, nbytes,
+                                    notify, timeout)
+
+
+def _check_remote(desc, addrs: np.ndarray, lens: np.ndarray) -> None:
+    """Every [addr, addr+len) inside one buffer the peer publishes, or a typed error."""
+    bufs = sorted((b.address, b.length) for b in desc.buffers)
+    if not bufs:
+        raise E.AddressNotRegisteredError(f"{desc.name} publishes no buffers")
+    starts = np.array([b[0] for b in bufs], np.uint64)
+    ends = starts + np.array([b[1] for b in bufs], np.uint64)
+    k = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
+    ok = (k >= 0)
+    kk = np.where(ok, k, 0)
+    ok &= addrs + lens <= ends[kk]
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise E.AddressNotRegisteredError(
+            f"remote block {i} [{int(addrs[i]):#x}, +{int(lens[i])}) is not inside a buffer "
+            f"{desc.name} published; check the peer's KV cache layout")
