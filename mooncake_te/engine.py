@@ -434,9 +434,10 @@ class TransferEngine:
         """One group, already checked and routed (PreparedTransfer.post)."""
         self._check_open()
         S.check_notify(notify)
-        plan = [(desc.name, op, None, src, dst, lens, desc, tr)]
+        plan = [(desc.name, op, None, src, dst, lens, desc, tr, route)]
         return S.queue(plan, n, notify, S.deadline(self.timeout, nbytes, timeout),
-                       self._tx.new_batch, self._notifier, self._peers, self.protocol)
+                       self._tx.new_batch, self._notifier, self._peers, self.protocol,
+                       self._tmetrics)
 
     def _start(self, groups: dict, n: int, notify, timeout, nbytes=0,
                checked: bool = False) -> Batch:

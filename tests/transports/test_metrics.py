@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import urllib.request
 
+import time
+
 import numpy as np
 import pytest
 
@@ -116,6 +118,11 @@ def test_server_side_counters():
         host, port = split_host_port(b.name)
         with pytest.raises(E.AuthenticationError):       # a peer without the token
             framing.request(host, port, framing.METADATA, b"{}", 2.0)
+        # The server counts the refusal on its connection thread, which may finish just
+        # after the client saw the refusal: wait (bounded) for it.
+        deadline = time.monotonic() + 5
+        while b.metrics()["auth_failures"]["rpc"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
         m = b.metrics()
         assert m["connections"]["accepted"] >= 1
         assert m["connections"]["open"] >= 1
