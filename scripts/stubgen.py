@@ -8,7 +8,7 @@ module), then review the result: argument types come from the C declarations, re
 types are ``Any``. Usage::
 
     .venv/bin/python scripts/stubgen.py            # every compiled module of the package
-    .venv/bin/python scripts/stubgen.py mooncake_te.core._regions
+    .venv/bin/python scripts/stubgen.py mooncake_te.core._core
 """
 from __future__ import annotations
 

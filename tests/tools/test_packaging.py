@@ -72,8 +72,8 @@ def test_sdist_contents(dists):
     sdist, _, _ = dists
     with tarfile.open(sdist) as t:
         names = [n.split("/", 1)[1] for n in t.getnames() if "/" in n]
-    for need in ("LICENSE", "pyproject.toml", "setup.py", "mooncake_te/core/_regions.pyx",
-                 "mooncake_te/core/_regions.pxd", "src/core/regions.c",
+    for need in ("LICENSE", "pyproject.toml", "setup.py", "mooncake_te/core/_core.pyx",
+                 "mooncake_te/core/_core.pxd", "src/core/regions.c",
                  "mooncake_te/py.typed"):
         assert need in names, f"{need} missing from the sdist"
     generated = [n for n in names if n.startswith("mooncake_te/") and n.endswith((".c", ".so"))]

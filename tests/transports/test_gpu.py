@@ -446,7 +446,7 @@ def test_host_dma_route_takes_arrays_and_ints_and_skips_host_memory():
     """The same-process GPU<->host route is asked with arrays (batches) and with ints (a
     synchronous request); with host memory on our side it must decline, not raise (a
     TypeError here once broke every synchronous CUDA IPC transfer)."""
-    from mooncake_te.core._regions import Regions
+    from mooncake_te.core import Regions
     from mooncake_te.transports.base import TransportContext
     from mooncake_te.transports.cuda_ipc import CudaIpcTransport
     with mte.TransferEngine(host="127.0.0.1", protocol="tcp") as a, \
