@@ -26,10 +26,10 @@ def default_host() -> str:
     """First UP non-loopback IPv4 interface address, else 127.0.0.1 (Mooncake's rule)."""
     sysfs = SysfsTree()
     for _, ifname in socket.if_nameindex():
-        flags = sysfs.read(f"class/net/{ifname}/flags")
-        if flags is None:
+        text = sysfs.read(f"class/net/{ifname}/flags")
+        if text is None:
             continue
-        flags = int(flags, 16)
+        flags = int(text, 16)
         if not flags & _IFF_UP or flags & _IFF_LOOPBACK:
             continue
         addr = interface_address(ifname)

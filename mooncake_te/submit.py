@@ -52,8 +52,8 @@ def check_notify(notify) -> None:
 def check_one(src, dst, length) -> "tuple[int, int, int]":
     """One synchronous request's (``write``/``read``) numbers as ints: any integral
     (numpy integers too), never bool, float or str."""
-    return tuple(arguments.integer(v, what) for what, v in (
-        ("source_address", src), ("target_address", dst), ("length", length)))
+    return (arguments.integer(src, "source_address"), arguments.integer(dst, "target_address"),
+            arguments.integer(length, "length"))
 
 
 def check_local(table, src, lens, caller=None) -> None:

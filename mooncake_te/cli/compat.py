@@ -34,7 +34,7 @@ def run(args) -> int:
     try:
         if args.action == "install":
             path = shim.install(args.target)
-            out = {"installed": path}
+            out: dict = {"installed": path}
             text = (f"installed {path}: `import mooncake.engine` is mooncake_te.compat.engine, "
                     f"`import mooncake.store` is mooncake_te.compat.store "
                     f"(undo: mooncake-te compat uninstall)")

@@ -66,7 +66,7 @@ def real_distribution(site: str | None = None):
     """``(name, version)`` of an installed real Mooncake distribution, else None."""
     paths = [_site(site)]
     for dist in md.distributions(path=paths):
-        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        name = (dist.metadata["Name"] or "").lower().replace("_", "-")
         if name in REAL_DISTS:
             return name, dist.version
     return None

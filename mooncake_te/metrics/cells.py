@@ -76,7 +76,7 @@ class TransferMetrics:
         for (peer, route, op), c in items:
             s = c[:SHARDS * SHARD_WORDS].reshape(SHARDS, SHARD_WORDS).sum(axis=0)
             codes = c[SHARDS * SHARD_WORDS:].reshape(CODES, 2)
-            failures = {}
+            failures: dict = {}
             for code, n in codes.tolist():
                 if n:
                     code = code - (1 << 64) if code >= 1 << 63 else code   # int64 in C

@@ -78,6 +78,7 @@ def summarize(cur: dict, prev: dict | None = None, dt: float = 0.0) -> dict:
     reqs = _totals(cur, P + "transfer_requests", tk)
     fails = _totals(cur, P + "transfer_failures", tk)
     if rate:
+        assert prev is not None
         pb = _totals(prev, P + "transfer_bytes", tk)
         pr = _totals(prev, P + "transfer_requests", tk)
     transfers = []
@@ -93,7 +94,7 @@ def summarize(cur: dict, prev: dict | None = None, dt: float = 0.0) -> dict:
                              ("engine", "transport", "op")),
                             ("batch", "transfer_batch_duration_seconds", ("engine", "transport"))):
         hc = _histograms(cur, P + fam, keys)
-        hp = _histograms(prev, P + fam, keys) if rate else {}
+        hp = _histograms(prev, P + fam, keys) if prev is not None and rate else {}
         for k, h in sorted(hc.items()):
             h = _minus(h, hp.get(k))
             n = h["count"]

@@ -66,7 +66,7 @@ class Connection:
 
 
 def _read(path: str) -> str:
-    return read_attr(path, "")
+    return read_attr(path, "") or ""
 
 
 def _addr(text: str) -> dict:
@@ -116,7 +116,7 @@ def find_namespace(nqn: str, nsid: int = 1) -> str | None:
 
 def list_connections() -> list:
     """Every fabrics subsystem this host is connected to, as :class:`Connection`."""
-    by = {}
+    by: dict = {}
     for c in _controllers():
         by.setdefault(c.nqn, Connection(c.nqn)).controllers.append(c)
     for conn in by.values():
@@ -212,17 +212,30 @@ def _connect_hint(e: OSError, nqn, transport, address, service_id) -> str:
         _errno.EINVAL: f"the kernel rejected the options (an unknown transport module, or a "
                        f"bad address): modprobe nvme-{transport}; see dmesg",
         _errno.EALREADY: "this host is already connected to that subsystem there",
-    }.get(e.errno, "see dmesg")
+    }.get(e.errno or 0, "see dmesg")
     return f"cannot connect to {nqn!r} over {where}: {e.strerror}; {why}"
 
 
 def _wait_devices(nqn: str, timeout: float) -> Connection:
+    # The kernel scans a new controller's namespaces asynchronously: the first block
+    # device can appear well before the last one (seen in the lab's emulated guest). Sysfs
+    # does not say how many are coming, so a connection is ready when its device list has
+    # stayed the same for SETTLE seconds (bounded by the deadline).
+    SETTLE = 0.5
     deadline = time.monotonic() + timeout
+    seen, since = None, 0.0
     while True:
         conn = next((c for c in list_connections() if c.nqn == nqn), None)
         if conn is not None and conn.live and conn.devices:
-            return conn
-        if time.monotonic() > deadline:
+            now = time.monotonic()
+            if conn.devices != seen:
+                seen, since = list(conn.devices), now
+            elif now - since >= SETTLE or now > deadline:
+                return conn
+            appearing = True          # devices listed: settle, then return (never raise)
+        else:
+            appearing = False
+        if time.monotonic() > deadline and not appearing:
             state = ", ".join(f"{c.name} {c.state}" for c in conn.controllers) if conn else \
                 "no controller"
             raise HostError(f"connected to {nqn!r}, but no namespace block device appeared "

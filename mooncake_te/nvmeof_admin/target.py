@@ -146,7 +146,7 @@ def require_module(name: str, modprobe_name: str, why: str) -> None:
 # --------------------------------------------------------------------------- configfs io
 
 def _read(path: str) -> str:
-    return read_attr(path, "")
+    return read_attr(path, "") or ""
 
 
 def _fs(op: str, path: str, value=None) -> None:

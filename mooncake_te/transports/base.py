@@ -73,10 +73,6 @@ class Transport(ABC):
     serves: tuple = ("auto",)
     #: Order in which the engine asks transports for a route: lower first.
     priority = 100
-class Transport(ABC):
-    name = "?"
-    available = True
-    reason = ""
 
     def describe(self) -> dict:
         """Fields this transport adds to the segment descriptor (JSON-able)."""

@@ -45,15 +45,6 @@ SHELL = {"sh", "bash", "console", "shell"}
 # Shell builtins and commands every reader has; anything else must be on PATH after
 # scripts/setup.sh (the venv's bin first), i.e. installed by it.
 BUILTINS = {"cd", "export", "source", ".", "echo", "ulimit", "time", "env", "kill", "sudo"}
-# Pages other helpers own whose blocks are known to fail today: reported to the lead; the
-# test says so instead of failing CI (remove an entry once its page is fixed).
-KNOWN_BROKEN = {
-    "docs/compat.md:6": "needs Mooncake's own package (`mooncake.engine`); mark it as an excerpt",
-    "docs/compat.md:17": "asserts on a result the compat engine does not return in one process",
-    "docs/kvcache.md:10": "reads config.toml, which the page never creates",
-    "docs/vllm.md:57": "runs `vllm serve`, which the test environment does not have (and "
-                       "downloads a model): mark it as an excerpt",
-}
 # mooncake-te commands that read and print, quickly: also run them.
 QUICK = [("version",), ("topology",), ("doctor",), ("trace", "stats")]
 
@@ -114,8 +105,6 @@ def scratch(tmp_path):
 def _skip_unless_runnable(page, line, excerpt):
     if excerpt:
         pytest.skip("marked as an excerpt")
-    if f"{page}:{line}" in KNOWN_BROKEN:
-        pytest.xfail(f"another owner's page, reported: {KNOWN_BROKEN[f'{page}:{line}']}")
 
 
 def _env():

@@ -287,7 +287,7 @@ class PoolLookup:
     def __init__(self, address: str, timeout_s: float = 2.0):
         self.address = address
         self.timeout_s = timeout_s
-        self._sock = None
+        self._sock: "socket.socket | None" = None
         self.errors = 0
 
     def lookup(self, keys, remote: bool = True) -> tuple:
@@ -425,7 +425,7 @@ class PoolWorker:
             namespace=namespace, block_tokens=settings.block_size if settings.block_size_set
             else 16, log_interval_s=0)
         self._lock = threading.Lock()
-        self._c = dict.fromkeys(COUNTER_NAMES, 0)
+        self._c: dict = dict.fromkeys(COUNTER_NAMES, 0)
         self._c.update(save_s=0.0, load_s=0.0)
         self._saved: set = set()              # request ids whose save finished
         self._loaded: dict = {}               # request id -> True (ok) / False (failed)
@@ -442,7 +442,11 @@ class PoolWorker:
         # SSD tier's I/O pool), i.e. among threading's exit hooks, which run in reverse
         # order of registration and before atexit's.
         ref = weakref.ref(self)
-        hook = lambda: ref() is not None and ref().close()      # noqa: E731
+
+        def hook():
+            worker = ref()
+            if worker is not None:
+                worker.close()
         getattr(threading, "_register_atexit", atexit.register)(hook)
         s = self.cache.stats()
         self.log.info("mooncake_te connector: KV pool of %d blocks of %d KiB in DRAM "

@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ...kvcache.keys import ROOT
+
 # Request states vLLM frees normally; only a prefill that ran to its (1-token) length
 # hands its blocks to a consumer. An aborted one frees them at once.
 _HANDOFF_STATES = ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
@@ -73,7 +75,8 @@ class SchedulerSide:
         self._clock = clock
         self._work = Work()
         self.pool = pool
-        self.pool_root = pool_root
+        # The key root (model / layout / rank namespace); used only with a pool.
+        self.pool_root = pool_root if pool_root is not None else ROOT
         self._looked: dict = {}         # request id -> (first block, (dram, ssd, remote))
         self._keys: dict = {}           # request id -> keys of its prompt's full blocks
 
@@ -122,12 +125,13 @@ class SchedulerSide:
         looked = self._looked.pop(rid, None)
         p = request.kv_transfer_params
         remote_prefill = bool(self.is_consumer and p and p.get("do_remote_prefill"))
-        all_ids = fresh = None
+        all_ids: list = []
+        fresh: list = []
         if num_external_tokens > 0:
             all_ids = list(blocks.get_block_ids()[0])
             fresh = list(blocks.get_unhashed_block_ids()) if hasattr(
                 blocks, "get_unhashed_block_ids") else all_ids
-        skip = len(all_ids) - len(fresh) if all_ids is not None else 0   # vLLM's own hits
+        skip = len(all_ids) - len(fresh)        # vLLM's own hits
         pool_n = 0
         if looked is not None and self.pool is not None:
             first, tiers = looked
