@@ -76,6 +76,14 @@ def _message(code, what, target, op, local, remote, length) -> str:
     if code == E.ERR_AUTHENTICATION:
         return (f"{what}: {target} refused the data connection, or could not prove the "
                 f"token: the engines' auth_token values differ")
+    if code == E.ERR_WRONG_PEER:
+        return (f"{what}: the engine that answered for segment {target!r} could not prove it "
+                f"is {target!r} (it is another engine of the cluster, or the tokens differ): "
+                f"the descriptor of {target!r} in the metadata store is stale or forged; "
+                f"nothing was sent. Check the store's key for {target!r}")
+    if code == E.ERR_NOTIFY_FULL:
+        return (f"{what}: {target}'s notification queue is full (64 MiB or 65536 messages "
+                f"unread); the receiver must drain notifications() more often")
     if code == E.ERR_SOCKET:
         return (f"{what}: the connection to {target} failed or was lost (peer dead, "
                 f"restarted or unreachable)")
@@ -230,8 +238,8 @@ class Batch:
         bad = (states != ST_COMPLETED).nonzero()[0]
         if len(bad) == 0:
             ne = self._native.notify_error
-            if ne == -1012:
-                raise E.TransferError(
+            if ne == E.ERR_NOTIFY_FULL:
+                raise E.NotificationQueueFullError(
                     f"the data landed but {self._target_names()}'s notification queue is "
                     f"full (64 MiB or 65536 messages unread): the notification was dropped; "
                     f"the receiver must drain notifications() more often", status=ne)

@@ -75,6 +75,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "rpc_max_connections": (_INT, 256, None),
         "rpc_max_per_peer": (_INT, 64, None),
         "rpc_request_timeout_s": (_NUM, 10.0, None),
+        # The data port's limits (docs/security.md, issue #20 item 6); 0 connections: from
+        # the descriptor limit (transports.tcp.default_max_connections).
+        "data_max_connections": (_INT, 0, None),
+        "data_max_per_peer": (_INT, 128, None),
+        "data_auth_timeout_s": (_NUM, 10.0, None),
+        "data_idle_timeout_s": (_NUM, 600.0, None),
         # Observability (docs/observability.md): counters on/off, /metrics port (0: none).
         "metrics": (_BOOL, True, None),
         "metrics_port": (_INT, 0, None),
@@ -99,6 +105,10 @@ _BOUNDS: dict[str, tuple] = {
     "rpc_max_per_peer": (1, None, "a positive number of connections"),
     "rpc_request_timeout_s": (0.1, 3600, "seconds between 0.1 and 3600"),
     "timeout_ms": (1, None, "a positive number of milliseconds"),
+    "data_max_connections": (0, 1 << 20, "a number of connections (0: from the descriptor limit)"),
+    "data_max_per_peer": (1, 1 << 20, "a positive number of connections"),
+    "data_auth_timeout_s": (0.1, 3600, "seconds between 0.1 and 3600"),
+    "data_idle_timeout_s": (0, 10 ** 6, "seconds, 0 for never"),
     "tcp_lanes": (1, None, "a positive number of TCP lanes per peer"),
     "tcp_slice_size": (1, None, "a positive number of bytes"),
     "retry_count": (0, 127, "0 to 127 (Mooncake's MC_RETRY_CNT must be < 128)"),

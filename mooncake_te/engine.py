@@ -460,8 +460,11 @@ class TransferEngine:
         return engine_metrics(self)
 
     def stats(self) -> dict:
-        """Counters: refused peers (auth), regions, peers."""
+        """Counters: refused peers (auth), notifications refused (queue full, too big,
+        out of memory), regions, transports."""
+        dropped = int(self._notifier.counters().get("notifications_dropped", 0))
         return {"auth_failures": self._rpc.auth_failures + self._tx.auth_failures(),
+                "notifications_dropped": dropped,
                 "regions": len(self._book), "transports": list(self._transports)}
 
     # --- notifications -----------------------------------------------------------------

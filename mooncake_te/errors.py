@@ -47,6 +47,8 @@ ERR_PROTOCOL = -1007
 ERR_CLOSED = -1008
 ERR_CROSS_MEMORY = -1009
 ERR_CUDA = -1010
+ERR_WRONG_PEER = -1011
+ERR_NOTIFY_FULL = -1012
 ERR_OUT_OF_RANGE = -1021
 ERR_RDMA_WC_BASE = -1100          # -1100 - ibv_wc_status
 ERR_RDMA_NO_RAIL = -1150
@@ -232,6 +234,17 @@ class CrossMemoryAttachError(TransferError, status=ERR_CROSS_MEMORY):
 
 class CudaCopyError(TransferError, status=ERR_CUDA):
     """A CUDA copy of GPU memory failed (staging or IPC mapping)."""
+
+
+class WrongPeerError(AuthenticationError, status=ERR_WRONG_PEER):
+    """The engine that answered for a segment could not prove it is that segment: its
+    descriptor in the metadata store is stale or forged (another engine's ports under
+    this name), or the tokens differ. Nothing was sent."""
+
+
+class NotificationQueueFullError(TransferError, status=ERR_NOTIFY_FULL):
+    """The receiver's notification queue is full (64 MiB or 65,536 messages unread); the
+    notification was not queued. The receiver must drain ``notifications()`` more often."""
 
 
 class OutOfRangeError(TransferError, status=ERR_OUT_OF_RANGE):

@@ -22,6 +22,7 @@ import time
 import weakref
 from typing import Callable
 
+from ..errors import MooncakeError
 from . import framing
 from .listener import Listener
 
@@ -110,9 +111,13 @@ class RpcServer:
                 elif kind == framing.NOTIFY:
                     msg = json.loads(payload)
                     # Mooncake's notify_msg is UTF-8 text.
-                    on_notify(str(msg.get("name", "")),
-                              str(msg.get("notify_msg", "")).encode("utf-8", "surrogateescape"))
-                    reply = b'{"status":"success"}'
+                    try:
+                        on_notify(str(msg.get("name", "")),
+                                  str(msg.get("notify_msg", "")).encode("utf-8",
+                                                                         "surrogateescape"))
+                        reply = b'{"status":"success"}'
+                    except MooncakeError as e:      # the queue is full: the sender learns it
+                        reply = json.dumps({"status": "failed", "reply_msg": str(e)}).encode()
                 elif kind in self._handlers:
                     fn = self._handlers[kind]()
                     if fn is None:

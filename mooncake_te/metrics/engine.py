@@ -31,9 +31,10 @@ def engine_metrics(eng) -> dict:
     out = {"engine": eng.name, "enabled": tm is not None,
            "transfers": tm.snapshot() if tm is not None else []}
     tcp = eng._transports.get("tcp")
-    c = tcp.counters() if tcp is not None and hasattr(tcp, "counters") else {}
+    c = tcp.counters() if tcp is not None else {}
     out["connections"] = {"open": int(c.get("connections", 0)),
-                          "accepted": int(c.get("connections_accepted", 0))}
+                          "accepted": int(c.get("connections_accepted", 0)),
+                          "refused": int(c.get("connections_refused", 0))}
     out["auth_failures"] = {"rpc": int(eng._rpc.auth_failures),
                             "data": int(c.get("auth_failures", 0))}
     out["notifications"] = {"received": int(c.get("notifications_received", 0)),

@@ -133,6 +133,9 @@ def _export_engine(f: _Families, eng) -> None:
             m["connections"]["open"])
     f.counter("mooncake_te_connections_accepted", "Data connections peers made to this "
               "engine", e, m["connections"]["accepted"])
+    f.counter("mooncake_te_connections_refused", "Data connections closed by the data "
+              "port's limits (over the connection limits, hello deadline, idle)", e,
+              m["connections"].get("refused", 0))
     for channel, n in m["auth_failures"].items():
         f.counter("mooncake_te_auth_failures", "Peers refused because they could not "
                   "prove the auth token", dict(e, channel=channel), n)

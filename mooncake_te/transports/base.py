@@ -126,6 +126,11 @@ class Transport(ABC):
         (route, 0 or a status code)."""
         raise NotImplementedError
 
+    def counters(self) -> dict:
+        """Server and client counters for metrics, read on demand (``connections``,
+        ``notifications_dropped``, ...); transports without any return {}."""
+        return {}
+
     @property
     def auth_failures(self) -> int:
         """Peers this transport refused because they could not prove the token."""

@@ -30,6 +30,8 @@
 #define MTE_E_CLOSED           (-1008)  /* the transport or connection was closed */
 #define MTE_E_CMA              (-1009)  /* same host: the peer could not reach our memory */
 #define MTE_E_CUDA             (-1010)  /* a CUDA copy of device memory failed */
+#define MTE_E_WRONG_PEER       (-1011)  /* the peer could not prove it is the segment asked for */
+#define MTE_E_NOTIFY_FULL      (-1012)  /* the peer's notification queue is full */
 #define MTE_E_OUT_OF_RANGE     (-1021)  /* beyond the end of a storage segment */
 /* --- ours: RDMA (src/rdma/) -------------------------------------------------------- */
 /* A work completion's error is MTE_E_RDMA_WC_BASE - ibv_wc_status (1..21). */

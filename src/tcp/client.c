@@ -66,6 +66,7 @@ struct mte_peer {
     char host[256];
     int port;
     uint64_t expect_instance;
+    char expect_name[MTE_WIRE_NAME_MAX + 1];   /* the segment we asked for ("": unchecked) */
     char uds[108];              /* same-host peer: its abstract unix socket name */
     atomic_int cma_seen;
     atomic_ullong seen_instance;
@@ -128,7 +129,9 @@ static int lane_connect(lane_t *L)
     const char *name = t->name;
     size_t nl = strlen(name);
     mte_hello_t h = {.version = MTE_WIRE_VERSION, .instance = t->instance,
-                     .name_len = (uint32_t)nl, .flags = t->token_len ? MTE_WIRE_HELLO_AUTH : 0};
+                     .name_len = (uint32_t)nl,
+                     .flags = !t->token_len ? 0 : MTE_WIRE_HELLO_AUTH |
+                              (p->expect_name[0] ? MTE_WIRE_HELLO_AUTH_NAMED : 0)};
     mte_wire_nonce(h.nonce);
     /* Same host: offer a value in our memory for the server to read with
      * process_vm_readv(2); if it can, it moves our bytes itself (one copy, no socket). */
@@ -157,12 +160,18 @@ static int lane_connect(lane_t *L)
     if (L->cma)
         atomic_store(&p->cma_seen, 1);
     if (t->token_len) {
-        uint8_t expect[MTE_SHA256_LEN], mine[MTE_SHA256_LEN], inst_le[8];
-        mte_wire_put64(inst_le, r.instance);
+        uint8_t expect[MTE_SHA256_LEN], mine[MTE_SHA256_LEN], who[8 + MTE_WIRE_NAME_MAX];
+        /* A server that bound its name (reply flag) must prove the name we asked for; an
+         * older one proves its instance id, which is checked against the descriptor's
+         * below. */
+        int named = p->expect_name[0] && (r.flags & MTE_WIRE_REPLY_NAMED);
+        size_t wl = mte_wire_server_identity(who, r.instance, named ? p->expect_name : NULL);
         mte_wire_proof(t->token, t->token_len, MTE_WIRE_SERVER_LABEL, h.nonce, r.nonce,
-                       inst_le, 8, expect);
+                       who, wl, expect);
         if (mte_ct_compare(expect, r.proof, MTE_SHA256_LEN)) {
-            e = MTE_E_AUTH;            /* the server does not know the token */
+            /* The server does not know the token, or it is not the segment we asked for
+             * (a stale or forged descriptor): no request goes out. */
+            e = named ? MTE_E_WRONG_PEER : MTE_E_AUTH;
             goto fail;
         }
         mte_wire_proof(t->token, t->token_len, MTE_WIRE_CLIENT_LABEL, r.nonce, h.nonce,
@@ -481,6 +490,12 @@ mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *u
 }
 
 uint64_t mte_peer_seen_instance(const mte_peer_t *p) { return atomic_load(&p->seen_instance); }
+
+void mte_peer_expect_name(mte_peer_t *p, const char *name)
+{
+    snprintf(p->expect_name, sizeof(p->expect_name), "%s", name ? name : "");
+}
+
 int mte_peer_broken(const mte_peer_t *p) { return atomic_load(&p->restarted); }
 size_t mte_peer_queued(mte_peer_t *p)
 {

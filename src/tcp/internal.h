@@ -12,6 +12,11 @@
 
 #define MTE_TCP_RBUF_SIZE (256u << 10)
 #define MTE_TCP_SMALL_READ (16u << 10)   /* READ replies up to this size are coalesced */
+/* Notifications received and not yet taken (issue #20 item 6): past either bound the
+ * sender's notify fails with MTE_E_NOTIFY_FULL and the drop is counted, instead of one
+ * peer growing our memory without end (1 MiB messages: +600 MiB in a second). */
+#define MTE_TCP_NOTIFY_QUEUE_BYTES (64u << 20)
+#define MTE_TCP_NOTIFY_QUEUE_COUNT 65536u
 
 struct conn;
 
@@ -25,10 +30,12 @@ struct mte_tcp {
     char name[256];
     uint64_t instance;
     int stall_ms;
+    atomic_int max_conns, max_per_peer, auth_ms, idle_ms;   /* mte_tcp_set_limits */
     uint8_t token[256];          /* shared secret; token_len 0 = no authentication */
     size_t token_len;
     atomic_ullong auth_failures;
     atomic_ullong conns_accepted, notifs_received, notifs_dropped;   /* mte_tcp_counters */
+    atomic_ullong conns_refused;    /* closed by the limits: at accept, auth or idle */
     pthread_t accept_thread;
     atomic_int closing;
     pthread_mutex_t mu;          /* guards conns, nconns, notifs */
@@ -36,6 +43,7 @@ struct mte_tcp {
     struct conn *conns;
     int nconns;
     mte_notif_t *notif_head, *notif_tail;
+    size_t notif_bytes, notif_count;       /* queued and not yet taken, under mu */
 };
 
 #endif

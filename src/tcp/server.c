@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -35,7 +36,14 @@ typedef struct conn {
     int fd;
     int64_t stall_since;        /* when the current message started waiting on the wire */
     int mid_message;
+    int ready;                  /* the hello (and authentication) is done */
+    int64_t accepted_ns;        /* the hello must be done by accepted_ns + auth_ms */
+    int64_t idle_since;         /* between requests: when the last one was answered */
+    int64_t partial_since;      /* between requests: when a header began to arrive */
+    mte_sockio_t *io;           /* the connection's buffered reader (bytes waiting) */
+    uint8_t peer_key[16];       /* the peer's address (TCP) or pid (unix), for max_per_peer */
     pid_t peer_pid;             /* unix connections: the client's pid, from SO_PEERCRED */
+    int pidfd;                  /* ...and a pidfd on that very process, or -1 */
     int cma;                    /* we can copy to and from the client's memory */
     char peer_name[256];
 } conn_t;
@@ -43,13 +51,35 @@ typedef struct conn {
 static int conn_stop(void *ctx)
 {
     conn_t *c = ctx;
-    if (atomic_load(&c->tcp->closing))
+    mte_tcp_t *t = c->tcp;
+    if (atomic_load(&t->closing))
         return MTE_E_CLOSED;
+    int64_t now = mte_now_ns();
+    if (!c->ready) {
+        /* The hello and its proof within auth_ms of the accept: a peer that connects and
+         * says nothing (or cannot authenticate) does not keep a thread and an fd. */
+        if (now - c->accepted_ns > (int64_t)atomic_load(&t->auth_ms) * 1000000LL) {
+            atomic_fetch_add(&t->conns_refused, 1);
+            return MTE_E_TIMEOUT;
+        }
+        return 0;
+    }
     /* A peer that stops sending mid-message, or trickles it, must not pin our regions
      * for ever: a message gets stall_ms from its start (checked after every recv). */
-    if (c->mid_message && c->stall_since &&
-        mte_now_ns() - c->stall_since > (int64_t)c->tcp->stall_ms * 1000000LL)
-        return MTE_E_TIMEOUT;
+    if (c->mid_message)
+        return c->stall_since && now - c->stall_since > (int64_t)t->stall_ms * 1000000LL
+               ? MTE_E_TIMEOUT : 0;
+    if (c->io && c->io->end > c->io->pos) {
+        /* Part of a request header arrived: the rest gets stall_ms too. */
+        if (!c->partial_since)
+            c->partial_since = now;
+        return now - c->partial_since > (int64_t)t->stall_ms * 1000000LL ? MTE_E_TIMEOUT : 0;
+    }
+    int idle_ms = atomic_load(&t->idle_ms);
+    if (idle_ms > 0 && now - c->idle_since > (int64_t)idle_ms * 1000000LL) {
+        atomic_fetch_add(&t->conns_refused, 1);
+        return MTE_E_CLOSED;          /* idle: the client's lane reconnects when needed */
+    }
     return 0;
 }
 
@@ -78,6 +108,35 @@ static void oresp(obuf_t *o, int32_t st, uint64_t seq, uint64_t len)
 static int32_t reject_code(int why)
 {
     return why == -EACCES ? MTE_E_REMOTE_ACCESS : MTE_E_REMOTE_NOT_REG;
+}
+
+/* Issue #20 item 10: a pid names a process only while that process lives. A client that
+ * hands its socket to another process and exits leaves us a pid the kernel may give to an
+ * unrelated process. So a pidfd is taken at accept (SO_PEERPIDFD, Linux 6.5, names the
+ * very process that connected; else pidfd_open(2) on the SO_PEERCRED pid, Linux 5.3) and
+ * process_vm_* is used only while it says that process is alive: a pid cannot be reused
+ * before its process has exited and been reaped. Without a pidfd, no CMA (socket path). */
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+
+static int peer_pidfd(int fd, pid_t pid)
+{
+    int pidfd = -1;
+    socklen_t l = sizeof(pidfd);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &l) == 0 && pidfd >= 0)
+        return pidfd;
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+}
+
+/* 1 while the process behind pidfd runs (a pidfd polls readable once it has exited). */
+static int pidfd_alive(int pidfd)
+{
+    struct pollfd p = {.fd = pidfd, .events = POLLIN};
+    return pidfd >= 0 && poll(&p, 1, 0) == 0;
 }
 
 /* Moves len bytes between our region at `ours` and the client's memory at `theirs`
@@ -157,7 +216,7 @@ static int conn_handshake(serve_t *s)
         io->pos += nl;
     }
     mte_hello_reply_t r = {.status = status, .instance = t->instance};
-    if (status == 0 && c->peer_pid > 0 && h.probe_addr) {
+    if (status == 0 && c->peer_pid > 0 && h.probe_addr && pidfd_alive(c->pidfd)) {
         /* Can we reach the client's memory? Read the value it offered and compare. */
         uint64_t got = 0;
         struct iovec l = {&got, 8}, rv = {(void *)(uintptr_t)h.probe_addr, 8};
@@ -166,11 +225,15 @@ static int conn_handshake(serve_t *s)
         r.flags = c->cma ? MTE_WIRE_REPLY_CMA : 0;
     }
     if (status == 0 && t->token_len) {
-        uint8_t inst_le[8];
-        mte_wire_put64(inst_le, t->instance);
+        /* Bind our segment name too when the client asks (issue #20 item 7). */
+        uint8_t who[8 + MTE_WIRE_NAME_MAX];
+        int named = (h.flags & MTE_WIRE_HELLO_AUTH_NAMED) != 0;
+        size_t wl = mte_wire_server_identity(who, t->instance, named ? t->name : NULL);
+        if (named)
+            r.flags |= MTE_WIRE_REPLY_NAMED;
         mte_wire_nonce(r.nonce);
         mte_wire_proof(t->token, t->token_len, MTE_WIRE_SERVER_LABEL, h.nonce, r.nonce,
-                       inst_le, 8, r.proof);
+                       who, wl, r.proof);
     }
     uint8_t reply[MTE_WIRE_REPLY_SIZE];
     mte_wire_reply_encode(reply, &r);
@@ -290,6 +353,9 @@ static int serve_cma(serve_t *s, const mte_wire_req_t *q)
     int gone = poll(&hup, 1, 0) > 0 && (hup.revents & (POLLRDHUP | POLLHUP | POLLERR));
     int d = r ? mte_region_device(r) : -1;
     int32_t st = gone ? MTE_E_CLOSED : !r ? reject_code(why ? why : -ENOENT) : 0;
+    if (!st && !pidfd_alive(c->pidfd))
+        st = MTE_E_CMA;        /* the process that connected is gone: its pid may now name
+                                * another process (issue #20 item 10) */
     if (!st && d < 0) {
         st = cma_copy(c->peer_pid, addr, peer_addr, len, pull);
     } else if (!st && !mte_stage_get(&s->stage)) {
@@ -318,12 +384,15 @@ static int serve_notify(serve_t *s, const mte_wire_req_t *q)
         free(msg);
         return -1;
     }
-    if (mte_tcp_push_notification(s->t, s->c->peer_name, msg, q->len) == 0)
+    /* The sender learns when the queue was full (MTE_E_NOTIFY_FULL): nothing is dropped
+     * silently. */
+    int32_t st = mte_tcp_push_notification(s->t, s->c->peer_name, msg, q->len);
+    if (st == 0)
         atomic_fetch_add(&s->t->notifs_received, 1);
     else
         atomic_fetch_add(&s->t->notifs_dropped, 1);
     free(msg);
-    oresp(&s->o, 0, q->seq, 0);
+    oresp(&s->o, st, q->seq, 0);
     return 0;
 }
 
@@ -334,8 +403,11 @@ static void conn_serve(conn_t *c)
                         .readahead = RBUF_SIZE, .stop = conn_stop, .ctx = c}};
     s.o = (obuf_t){.io = &s.io, .buf = malloc(OBUF_SIZE), .len = 0};
     mte_sockio_t *io = &s.io;
+    c->io = io;
     if (!io->buf || !s.o.buf || conn_handshake(&s))
         goto out;
+    c->ready = 1;
+    c->idle_since = mte_now_ns();
     int served = 0;              /* requests since we last waited for the wire */
     uint64_t last_len = 0;
     for (;;) {
@@ -344,6 +416,8 @@ static void conn_serve(conn_t *c)
             if (oflush(&s.o))
                 break;
             c->mid_message = 0;
+            c->idle_since = mte_now_ns();
+            c->partial_since = 0;
             /* One small request answered: likely ping-pong, so poll for the next. */
             io->spin = served == 1 && last_len <= SMALL_READ;
             served = 0;
@@ -397,6 +471,8 @@ static void *conn_main(void *arg)
         }
     }
     close(c->fd);
+    if (c->pidfd >= 0)
+        close(c->pidfd);
     free(c);
     t->nconns--;
     pthread_cond_broadcast(&t->cv);
@@ -404,10 +480,21 @@ static void *conn_main(void *arg)
     return NULL;
 }
 
+/* Connections from the peer with this key (under t->mu). */
+static int conns_from(mte_tcp_t *t, const uint8_t key[16])
+{
+    int n = 0;
+    for (conn_t *c = t->conns; c; c = c->next)
+        n += memcmp(c->peer_key, key, 16) == 0;
+    return n;
+}
+
 static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
 {
     for (;;) {
-        int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+        struct sockaddr_storage sa;
+        socklen_t sal = sizeof(sa);
+        int fd = accept4(lfd, (struct sockaddr *)&sa, &sal, SOCK_CLOEXEC);
         if (fd < 0) {
             if (atomic_load(&t->closing))
                 break;
@@ -426,22 +513,49 @@ static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
         }
         c->tcp = t;
         c->fd = fd;
+        c->pidfd = -1;
+        c->accepted_ns = mte_now_ns();
+        if (!is_unix && sa.ss_family == AF_INET)
+            memcpy(c->peer_key, &((struct sockaddr_in *)&sa)->sin_addr, 4);
+        else if (!is_unix && sa.ss_family == AF_INET6)
+            memcpy(c->peer_key, &((struct sockaddr_in6 *)&sa)->sin6_addr, 16);
         if (is_unix) {
             struct ucred cred;
             socklen_t cl = sizeof(cred);
             /* Kernel-verified: the client cannot lie. Only a client of our own uid may have
              * us copy into its memory (a privileged server must not become a way into
              * other users' processes). */
-            if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0 &&
-                cred.uid == geteuid())
-                c->peer_pid = cred.pid;
+            int have = getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cl) == 0;
+            if (have && cred.uid == geteuid()) {
+                c->pidfd = peer_pidfd(fd, cred.pid);
+                if (c->pidfd >= 0)
+                    c->peer_pid = cred.pid;      /* else no CMA: the socket path is safe */
+            }
+            /* Same host: a peer is a process (the key's first byte marks it a pid). */
+            int32_t who = have ? (int32_t)cred.pid : -1;
+            c->peer_key[0] = 0xff;
+            memcpy(c->peer_key + 12, &who, 4);
         }
         pthread_mutex_lock(&t->mu);
         if (atomic_load(&t->closing)) {
             pthread_mutex_unlock(&t->mu);
             close(fd);
+            if (c->pidfd >= 0)
+                close(c->pidfd);
             free(c);
             break;
+        }
+        if (t->nconns >= atomic_load(&t->max_conns) ||
+            conns_from(t, c->peer_key) >= atomic_load(&t->max_per_peer)) {
+            /* Over the limits: closed at once (the peer sees the connection end), so one
+             * peer cannot take the descriptors and threads that others need. */
+            pthread_mutex_unlock(&t->mu);
+            atomic_fetch_add(&t->conns_refused, 1);
+            close(fd);
+            if (c->pidfd >= 0)
+                close(c->pidfd);
+            free(c);
+            continue;
         }
         pthread_t th;
         pthread_attr_t attr;
@@ -451,6 +565,8 @@ static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
             pthread_mutex_unlock(&t->mu);
             pthread_attr_destroy(&attr);
             close(fd);
+            if (c->pidfd >= 0)
+                close(c->pidfd);
             free(c);
             continue;
         }
@@ -533,6 +649,10 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
     snprintf(t->name, sizeof(t->name), "%s", name ? name : "");
     t->instance = instance;
     t->stall_ms = stall_ms > 0 ? stall_ms : 30000;
+    atomic_init(&t->max_conns, 1024);
+    atomic_init(&t->max_per_peer, 128);
+    atomic_init(&t->auth_ms, 10000);
+    atomic_init(&t->idle_ms, 600000);
     if (token_len)
         memcpy(t->token, token, token_len);
     t->token_len = token_len;
@@ -556,6 +676,19 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
 }
 
 int mte_tcp_port(const mte_tcp_t *t) { return t->port; }
+
+void mte_tcp_set_limits(mte_tcp_t *t, int max_conns, int max_per_peer, int auth_ms,
+                        int idle_ms)
+{
+    if (max_conns > 0)
+        atomic_store(&t->max_conns, max_conns);
+    if (max_per_peer > 0)
+        atomic_store(&t->max_per_peer, max_per_peer);
+    if (auth_ms > 0)
+        atomic_store(&t->auth_ms, auth_ms);
+    if (idle_ms >= 0)
+        atomic_store(&t->idle_ms, idle_ms);
+}
 const char *mte_tcp_uds_name(const mte_tcp_t *t) { return t->uds_name; }
 uint64_t mte_tcp_auth_failures(const mte_tcp_t *t) { return atomic_load(&t->auth_failures); }
 
@@ -568,6 +701,7 @@ void mte_tcp_counters(mte_tcp_t *t, uint64_t out[MTE_TCP_COUNTERS])
     out[2] = atomic_load(&t->auth_failures);
     out[3] = atomic_load(&t->notifs_received);
     out[4] = atomic_load(&t->notifs_dropped);
+    out[5] = atomic_load(&t->conns_refused);
 }
 
 void mte_tcp_free(mte_tcp_t *t)
@@ -597,9 +731,24 @@ void mte_tcp_free(mte_tcp_t *t)
 
 int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len)
 {
+    pthread_mutex_lock(&t->mu);
+    int full = t->notif_count >= MTE_TCP_NOTIFY_QUEUE_COUNT ||
+               t->notif_bytes + len > MTE_TCP_NOTIFY_QUEUE_BYTES;
+    if (!full) {                 /* reserve the room before allocating */
+        t->notif_count++;
+        t->notif_bytes += len;
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (full)
+        return MTE_E_NOTIFY_FULL;
     mte_notif_t *n = malloc(sizeof(*n) + len + 1);
-    if (!n)
+    if (!n) {
+        pthread_mutex_lock(&t->mu);
+        t->notif_count--;
+        t->notif_bytes -= len;
+        pthread_mutex_unlock(&t->mu);
         return MTE_E_NOMEM;
+    }
     n->next = NULL;
     n->sender = strdup(sender ? sender : "");
     n->len = len;
@@ -620,6 +769,7 @@ mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t)
     pthread_mutex_lock(&t->mu);
     mte_notif_t *n = t->notif_head;
     t->notif_head = t->notif_tail = NULL;
+    t->notif_count = t->notif_bytes = 0;
     pthread_mutex_unlock(&t->mu);
     return n;
 }

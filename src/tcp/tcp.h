@@ -42,12 +42,22 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
                        const char *name, uint64_t instance, int stall_ms,
                        const void *token, size_t token_len, int *err);
 int mte_tcp_port(const mte_tcp_t *t);
+/* What one peer can make the data port hold (issue #20 item 6; docs/security.md). A
+ * connection over max_conns in total, or over max_per_peer from one peer address (TCP:
+ * its IP; same host: its pid), is closed at accept. The hello and its authentication must
+ * finish within auth_ms of the accept; a request header that started arriving must be
+ * whole within the server's stall_ms; a connection with no request for idle_ms is closed
+ * (0: never; the client's lanes reconnect by themselves). Defaults: 1024, 128, 10 s,
+ * 600 s. Values <= 0 keep the current one, except idle_ms 0 (never). */
+void mte_tcp_set_limits(mte_tcp_t *t, int max_conns, int max_per_peer, int auth_ms,
+                        int idle_ms);
 /* Name of the same-host listener (abstract unix socket), "" if there is none. */
 const char *mte_tcp_uds_name(const mte_tcp_t *t);
 uint64_t mte_tcp_auth_failures(const mte_tcp_t *t);
 /* [connections open, connections accepted, auth refusals, notifications received,
- *  notifications dropped (over 1 MiB or out of memory)]: server counters for metrics. */
-#define MTE_TCP_COUNTERS 5
+ *  notifications dropped (over 1 MiB, queue full or out of memory), connections refused
+ *  or closed by the limits below]: server counters for metrics. */
+#define MTE_TCP_COUNTERS 6
 void mte_tcp_counters(mte_tcp_t *t, uint64_t out[MTE_TCP_COUNTERS]);
 void mte_tcp_free(mte_tcp_t *t);
 int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len);
@@ -65,6 +75,10 @@ void mte_peer_shutdown(mte_peer_t *p);
 void mte_peer_free(mte_peer_t *p);
 uint64_t mte_peer_seen_instance(const mte_peer_t *p);
 int mte_peer_broken(const mte_peer_t *p);     /* the peer reported a new instance id */
+/* With a token: connect only to the engine that proves it is segment `name` (its proof in
+ * the hello covers its name); another one fails the lane with MTE_E_WRONG_PEER. Call
+ * before the first batch. */
+void mte_peer_expect_name(mte_peer_t *p, const char *name);
 int mte_peer_cma(const mte_peer_t *p);        /* some lane moves bytes by process_vm_* */
 size_t mte_peer_queued(mte_peer_t *p);       /* slices queued, not yet on a lane */
 

@@ -114,6 +114,15 @@ void mte_wire_proof(const uint8_t *token, size_t token_len, const char *label,
     mte_hmac_sha256(token, token_len, parts, lens, 4, out);
 }
 
+size_t mte_wire_server_identity(uint8_t out[8 + MTE_WIRE_NAME_MAX], uint64_t instance,
+                                const char *name)
+{
+    put64(out, instance);
+    size_t n = name ? strnlen(name, MTE_WIRE_NAME_MAX) : 0;
+    memcpy(out + 8, name ? name : "", n);
+    return 8 + n;
+}
+
 void mte_wire_nonce(uint8_t n[MTE_WIRE_NONCE])
 {
     if (getrandom(n, MTE_WIRE_NONCE, 0) != MTE_WIRE_NONCE) {

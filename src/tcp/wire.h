@@ -9,14 +9,21 @@
  *   response 24 B: u32 magic 'MTER' | i32 status | u64 seq | u64 len [+ len bytes for READ]
  *
  * Hello: client -> 56 B: u32 'MTEH' | u32 version | u64 instance | u32 name_len |
- *                        u32 flags (1 = authenticates) | 16 B nonce Nc |
+ *                        u32 flags (1 = authenticates, 2 = prove your name) | 16 B nonce Nc |
  *                        u64 probe address | 8 B probe value (host order)  [+ name]
  *        server -> 72 B: u32 'MTEH' | i32 status | u64 instance | 16 B nonce Ns |
- *                        32 B HMAC(token, "mte-data-server" Nc Ns instance) |
- *                        u32 flags (1 = cross-memory attach) | u32 0
+ *                        32 B HMAC(token, "mte-data-server" Nc Ns instance [name]) |
+ *                        u32 flags (1 = cross-memory attach, 2 = proof covers the name) |
+ *                        u32 0
  * With a token (both sides must have one, else status -803), the client checks the
  * server's proof, then sends HMAC(token, "mte-data-client" Ns Nc name), and the server
- * answers 8 B: u32 'MTEH' | i32 status, before any request is read. */
+ * answers 8 B: u32 'MTEH' | i32 status, before any request is read.
+ * Identity (issue #20 item 7): a client that sets flag 2 wants the server's proof to
+ * cover the server's segment name after its instance id, and checks it against the name
+ * it meant to reach, so a stale or forged descriptor that points at another engine of the
+ * cluster fails before a request is sent; the server says so with reply flag 2. Without
+ * the hello flag (older clients) the proof covers the instance id alone, and a server
+ * without the reply flag (older servers) is checked on its instance id as before. */
 #ifndef MTE_TCP_WIRE_H
 #define MTE_TCP_WIRE_H
 
@@ -37,7 +44,9 @@
 #define MTE_WIRE_CMA_EXTRA 8      /* CMA requests carry the initiator's address */
 #define MTE_WIRE_RESP_SIZE 24
 #define MTE_WIRE_HELLO_AUTH 1u    /* hello flag: the client has a token */
+#define MTE_WIRE_HELLO_AUTH_NAMED 2u  /* hello flag: bind the server's name in its proof */
 #define MTE_WIRE_REPLY_CMA 1u     /* reply flag: the server copies to and from our memory */
+#define MTE_WIRE_REPLY_NAMED 2u   /* reply flag: the server's proof covers its name */
 #define MTE_WIRE_NAME_MAX 255
 
 /* Ops on the wire: the engine's MTE_OP_WRITE/READ (batch.h), and these. */
@@ -96,5 +105,9 @@ void mte_wire_proof(const uint8_t *token, size_t token_len, const char *label,
                     const uint8_t *n1, const uint8_t *n2, const void *extra, size_t extra_len,
                     uint8_t out[MTE_SHA256_LEN]);
 void mte_wire_nonce(uint8_t n[MTE_WIRE_NONCE]);
+/* What the server's proof covers: its instance id (8 B, little-endian), then its segment
+ * name when `name` is not NULL. Returns the length written to out (at most 8 + 255). */
+size_t mte_wire_server_identity(uint8_t out[8 + MTE_WIRE_NAME_MAX], uint64_t instance,
+                                const char *name);
 
 #endif

@@ -453,8 +453,7 @@ def test_host_dma_route_takes_arrays_and_ints_and_skips_host_memory():
             mte.TransferEngine(host="127.0.0.1", protocol="tcp") as b:
         pr = b.register(np.zeros(1 << 16, np.uint8))
         t = CudaIpcTransport(TransportContext(regions=Regions(), host="127.0.0.1",
-                                              name="probe", instance=1, config={},
-                                              engine=weakref.proxy(a)))
+                                              name="probe", instance=1, config={}))
         try:
             desc = a.open_segment(b.name).descriptor
             assert t.route(desc, mte.WRITE, 4096, pr.address) is None

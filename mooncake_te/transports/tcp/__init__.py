@@ -15,10 +15,20 @@ import threading
 
 import numpy as np
 
-from ...errors import TransferError
+from ...errors import TransferError, error_class
 from ..base import Capabilities, Transport
 from ...core import HOST_ID, NativeBatch, now_ns, OP_READ as READ, OP_WRITE as WRITE  # noqa: F401
 from ._tcp import Peer, TcpServer
+
+
+def default_max_connections() -> int:
+    """The data port's connection limit when ``data_max_connections`` is 0: the process's
+    descriptor limit less 256 for everything else, between 64 and 4096."""
+    import resource
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(64, min(4096, soft - 256))
 
 
 class TcpTransport(Transport):
@@ -51,6 +61,10 @@ class TcpTransport(Transport):
         te = ctx.config
         self.server = TcpServer(ctx.regions, ctx.host, 0, ctx.name, ctx.instance,
                                 te["timeout_ms"], ctx.token or b"")
+        self.server.set_limits(te["data_max_connections"] or default_max_connections(),
+                               te["data_max_per_peer"],
+                               int(te["data_auth_timeout_s"] * 1000),
+                               int(te["data_idle_timeout_s"] * 1000))
         # protocol="tcp" forces TCP even to peers on this host.
         self.same_host = ctx.protocol != "tcp" and bool(self.server.uds_name)
         self.only_same_host = ctx.protocol == "shm"
@@ -94,7 +108,7 @@ class TcpTransport(Transport):
                     p.shutdown()      # an older incarnation of the peer
                 uds = desc.extra["shm_socket"] if self.route(desc) == "shm" else ""
                 p = Peer(self.server, desc.host, desc.tcp_data_port, inst, self.lanes,
-                         self.slice_size, uds)
+                         self.slice_size, uds, desc.name)
                 p.key = key
                 self._peers[desc.name] = p
             return p
@@ -117,12 +131,12 @@ class TcpTransport(Transport):
 
     def counters(self) -> dict:
         """Server and client counters for metrics (read on demand)."""
-        open_, accepted, auth, received, dropped = self.server.counters()
+        open_, accepted, auth, received, dropped, refused = self.server.counters()
         with self._lock:
             peers = dict(self._peers)
         return {"connections": open_, "connections_accepted": accepted,
                 "auth_failures": auth, "notifications_received": received,
-                "notifications_dropped": dropped,
+                "notifications_dropped": dropped, "connections_refused": refused,
                 "queued": {name: p.queued() for name, p in peers.items()}}
 
     def add_notify(self, batch, desc, message):
@@ -141,7 +155,12 @@ class TcpTransport(Transport):
         return self.server.take_notifications()
 
     def deliver_notification(self, sender, message):
-        self.server.push_notification(sender, message)
+        rc = self.server.push_notification(sender, message)
+        if rc:
+            raise error_class(rc)(f"notification from {sender!r} not queued (status {rc}): "
+                                  f"the queue is full (64 MiB or 65536 messages unread) or "
+                                  f"memory ran out; the receiver must drain notifications()",
+                                  status=rc)
 
     @property
     def auth_failures(self) -> int:

@@ -65,16 +65,26 @@ cdef class TcpServer(Resource):
 
     def counters(self):
         """(connections open, connections accepted, auth refusals, notifications received,
-        notifications dropped)."""
-        cdef uint64_t out[5]
+        notifications dropped, connections refused or closed by the limits)."""
+        cdef uint64_t out[6]
         if self.t == NULL:
-            return (0, 0, 0, 0, 0)
+            return (0, 0, 0, 0, 0, 0)
         mte_tcp_counters(self.t, out)
-        return (out[0], out[1], out[2], out[3], out[4])
+        return (out[0], out[1], out[2], out[3], out[4], out[5])
+
+    def set_limits(self, int max_connections, int max_per_peer, int auth_timeout_ms,
+                   int idle_timeout_ms):
+        """The data port's connection limits (src/tcp/tcp.h, mte_tcp_set_limits)."""
+        if self.t != NULL:
+            mte_tcp_set_limits(self.t, max_connections, max_per_peer, auth_timeout_ms,
+                               idle_timeout_ms)
 
     def push_notification(self, str sender, bytes msg):
-        if self.t != NULL:
-            mte_tcp_push_notification(self.t, sender.encode(), <const char *>msg, len(msg))
+        """0, or a status code (MTE_E_NOTIFY_FULL: the queue is full, the message was
+        not queued)."""
+        if self.t == NULL:
+            return 0
+        return mte_tcp_push_notification(self.t, sender.encode(), <const char *>msg, len(msg))
 
     def take_notifications(self):
         """Drained list of (sender, message bytes)."""
@@ -103,9 +113,9 @@ cdef class Peer(Resource):
     cdef public object key       # the facade's identity of the peer incarnation
 
     def __cinit__(self, TcpServer server, str host, int port, uint64_t expect_instance,
-                  int lanes, uint64_t slice_size, str uds=""):
+                  int lanes, uint64_t slice_size, str uds="", str expect_name=""):
         cdef int err = 0
-        cdef bytes h = host.encode(), u = uds.encode()
+        cdef bytes h = host.encode(), u = uds.encode(), en = expect_name.encode()
         self.server = server
         self.host, self.port, self.lanes, self.uds = host, port, lanes, uds
         if server.t == NULL:
@@ -113,6 +123,7 @@ cdef class Peer(Resource):
         self.p = mte_peer_new(server.t, h, port, u, expect_instance, lanes, slice_size, &err)
         if self.p == NULL:
             raise MemoryError(f"cannot start lanes to {host}:{port} (error {err})")
+        mte_peer_expect_name(self.p, en)        # identity in the handshake (#20 item 7)
         self._opened()
 
     @property

@@ -17,6 +17,8 @@ cdef extern from "tcp/tcp.h" nogil:
                            const char *name, uint64_t instance, int stall_ms,
                            const void *token, size_t token_len, int *err)
     int mte_tcp_port(const mte_tcp_t *t)
+    void mte_tcp_set_limits(mte_tcp_t *t, int max_conns, int max_per_peer, int auth_ms,
+                            int idle_ms)
     uint64_t mte_tcp_auth_failures(const mte_tcp_t *t)
     int MTE_TCP_COUNTERS
     void mte_tcp_counters(mte_tcp_t *t, uint64_t *out)
@@ -30,6 +32,7 @@ cdef extern from "tcp/tcp.h" nogil:
     void mte_peer_shutdown(mte_peer_t *p)
     void mte_peer_free(mte_peer_t *p)
     uint64_t mte_peer_seen_instance(const mte_peer_t *p)
+    void mte_peer_expect_name(mte_peer_t *p, const char *name)
     int mte_peer_broken(const mte_peer_t *p)
     int mte_peer_cma(const mte_peer_t *p)
     size_t mte_peer_queued(mte_peer_t *p)
