@@ -4,7 +4,9 @@
  * N requests, untagged (metrics off) and tagged with a metrics cell (on), on one thread
  * and on T threads finishing requests of one batch at once (as TCP lanes do).
  * Built and run by benchmarks/metrics_overhead.py --micro; prints JSON. */
-#include "tcp/tcp.c"          /* one unit: the per-thread clock cache is file-local */
+#include "core/batch.h"
+#include "core/clock.h"
+#include "core/metrics.h"
 
 #include <pthread.h>
 #include <stdio.h>

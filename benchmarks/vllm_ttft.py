@@ -42,15 +42,8 @@ VOCAB = 1024
 
 
 def default_trace() -> str:
-    for d in (os.path.join(ROOT, "benchmarks", "data", "mooncake-traces"),
-              os.path.join(ROOT, "data", "mooncake-traces"),
-              os.path.join(ROOT, "tests", "data", "mooncake-traces"),
-              os.path.join(ROOT, "..", "shared", "data", "mooncake-traces"),
-              "/work/shared/data/mooncake-traces"):
-        p = os.path.join(d, "synthetic_trace.jsonl")
-        if os.path.exists(p):
-            return os.path.abspath(p)
-    return os.path.join(ROOT, "benchmarks", "data", "mooncake-traces", "synthetic_trace.jsonl")
+    """The repository's copy of Mooncake's synthetic trace (data/traces/README.md)."""
+    return os.path.join(ROOT, "data", "traces", "synthetic_trace.jsonl")
 
 
 def load_requests(path: str, n: int, tokens_per_hash: int, max_blocks: int, start: int = 0):

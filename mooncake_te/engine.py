@@ -377,9 +377,12 @@ class TransferEngine:
             self._start(S.one(name, int(op), src, dst, length), 1, None, timeout,
                         nbytes=length, checked=True).wait()
             return
-        kw = {} if tm is None else {"cell": tm.cell(name, route, int(op))}
-        _, code = t.transfer_sync(desc, int(op), src, dst, length,
-                                  S.deadline(self.timeout, length, timeout), **kw)
+        deadline = S.deadline(self.timeout, length, timeout)
+        if tm is None:
+            _, code = t.transfer_sync(desc, int(op), src, dst, length, deadline)
+        else:
+            _, code = t.transfer_sync(desc, int(op), src, dst, length, deadline,
+                                      tm.cell(name, route, int(op)))
         if code != 0:
             if code in (-1006, -102):
                 self._peers.lost(name)     # re-resolve the peer before its next use

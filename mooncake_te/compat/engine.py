@@ -7,8 +7,8 @@ A program written for Mooncake's Python API changes one line::
     from mooncake_te.compat import TransferEngine     # after
 
 Facts about the original come from ``mooncake-integration/transfer_engine/
-transfer_engine_py.{h,cpp}`` in kvcache-ai/Mooncake (the pybind11 module) and
-``../shared/reference/mooncake-te.md`` §1 and §9. As there, data-path methods return
+transfer_engine_py.{h,cpp}`` in kvcache-ai/Mooncake (the pybind11 module, at
+``3b5a594``). As there, data-path methods return
 status codes instead of raising (0 / -1; a batch id, 0 on failure); the reason for a
 failure is logged on the ``mooncake_te.compat`` logger, so a -1 is never silent.
 Arguments of the wrong Python type raise ``TypeError``, as pybind11 does.
