@@ -23,6 +23,18 @@ def test_region_pin_unpin_against_remove(kind, tmp_path):
         f"{kind}: exit {res.returncode}\n{res.stdout}\n{res.stderr[-6000:]}")
 
 
+@pytest.mark.parametrize("kind", sorted(sanitize.SANITIZERS))
+def test_batch_completion_from_many_threads(kind, tmp_path):
+    """Issue #20 item 3: the batch finished by several transport threads at once, its
+    notification delivered from another, cancels racing them."""
+    exe = sanitize.build(kind, tmp_path / f"batch_stress_{kind}",
+                         ["tests/native/batch_stress.c", "src/core/batch.c",
+                          "src/core/clock.c", "src/core/metrics.c"])
+    res = sanitize.run(exe, "2", "3")
+    assert res.returncode == 0 and "ok:" in res.stdout, (
+        f"{kind}: exit {res.returncode}\n{res.stdout}\n{res.stderr[-6000:]}")
+
+
 @pytest.mark.timeout(1500)      # the build: about 2 min on an idle 2-core machine
 def test_extensions_under_address_sanitizer(tmp_path_factory):
     """The Python extensions built with ASan+UBSan, driven through real transfers (and
