@@ -202,6 +202,27 @@ class BlockCopier:
         for (v, stride, blen), off in zip(self._views, self.offsets):
             v[b * stride:b * stride + blen] = src[off:off + blen]
 
+    # The many-block forms copy with one numpy operation per region, not one per block
+    # and region. That matters beyond the per-call cost: each copy releases the GIL, and
+    # beside vLLM's engine loop (a busy Python thread) every release costs this thread a
+    # switch interval (5 ms) before it runs again. Block by block, a 61-block load took
+    # 50 s there; region by region it is 8 hand-offs.
+    def _rows(self, v: np.ndarray, stride: int, blen: int) -> np.ndarray:
+        return np.lib.stride_tricks.as_strided(v, shape=(self.layout.num_blocks, blen),
+                                               strides=(stride, 1), writeable=True)
+
+    def gather_many(self, block_ids, out: np.ndarray) -> None:
+        """Blocks ``block_ids`` into the rows of ``out`` (``[len(block_ids), block_bytes]``)."""
+        ids = np.asarray(block_ids, dtype=np.intp)
+        for (v, stride, blen), off in zip(self._views, self.offsets):
+            out[:, off:off + blen] = self._rows(v, stride, blen)[ids]
+
+    def scatter_many(self, block_ids, images: np.ndarray) -> None:
+        """The rows of ``images`` into blocks ``block_ids`` of every region."""
+        ids = np.asarray(block_ids, dtype=np.intp)
+        for (v, stride, blen), off in zip(self._views, self.offsets):
+            self._rows(v, stride, blen)[ids] = images[:, off:off + blen]
+
 
 # --- the bounded save queue ----------------------------------------------------------------
 class SaveQueue:
@@ -430,10 +451,6 @@ class PoolWorker:
         self._saved: set = set()              # request ids whose save finished
         self._loaded: dict = {}               # request id -> True (ok) / False (failed)
         self._saver = SaveQueue(settings.save_queue_bytes, self._save, self._save_done)
-        self._loads: "queue.Queue" = queue.Queue()
-        self._loader = threading.Thread(target=self._load_loop, name="mte-vllm-pool-loader",
-                                        daemon=True)
-        self._loader.start()
         self._server = _LookupServer(lookup_address, self.lookup)
         self._closed = False
         # A process that exits without vLLM shutting the connector down (a script that
@@ -497,8 +514,7 @@ class PoolWorker:
         if todo:
             bb = self.copier.block_bytes
             buf = np.empty((len(todo), bb), dtype=np.uint8)
-            for i, (_, b) in enumerate(todo):
-                self.copier.gather(b, buf[i])
+            self.copier.gather_many([b for _, b in todo], buf)
             self.cache.put([k for k, _ in todo], buf)
         with self._lock:
             c = self._c
@@ -513,31 +529,36 @@ class PoolWorker:
 
     # -- loads --------------------------------------------------------------------------
     def load(self, spec: PoolLoadSpec) -> None:
-        self._loads.put(spec)
+        """Load ``spec``'s blocks now, on the calling thread (the step's); the result is
+        reported by :meth:`collect`. A background loader looked better on paper and was
+        20-1000x slower in vLLM: beside its engine loop (a busy Python thread) such a
+        thread waits a switch interval (5 ms) for the GIL after every copy or read that
+        releases it, so a 61-block load from DRAM took 50 s instead of tens of
+        milliseconds (docs/vllm.md, TTFT benchmark). Here a load costs the step its
+        memcpy, reads and (other pools) one-sided READs, nothing more."""
+        self._load_one(spec)
 
-    def _load_loop(self) -> None:
-        while True:
-            spec = self._loads.get()
-            if spec is None:
-                return
-            ok = False
-            try:
-                ok = self._load(spec)
-            except Exception as e:
-                self.log.warning("mooncake_te connector: loading %d pool blocks for request "
-                                 "%s failed: %s; vLLM recomputes them", len(spec.keys),
-                                 spec.request_id, e)
-            with self._lock:
-                if not ok:
-                    self._c["failed_loads"] += 1
-                    self._c["failed_blocks"] += len(spec.keys)
-                self._loaded[spec.request_id] = ok
+    def _load_one(self, spec: PoolLoadSpec) -> None:
+        ok = False
+        try:
+            ok = self._load(spec)
+        except Exception as e:
+            self.log.warning("mooncake_te connector: loading %d pool blocks for request "
+                             "%s failed: %s; vLLM recomputes them", len(spec.keys),
+                             spec.request_id, e)
+        with self._lock:
+            if not ok:
+                self._c["failed_loads"] += 1
+                self._c["failed_blocks"] += len(spec.keys)
+            self._loaded[spec.request_id] = ok
 
     def _load(self, spec: PoolLoadSpec) -> bool:
         t0 = time.perf_counter()
         keys, ids = spec.keys, spec.block_ids
         tiers = [self.cache.tier(k) for k in keys]
-        got = self.cache.get(keys, remote=self.remote)
+        bb = self.copier.block_bytes
+        images = np.empty((len(keys), bb), dtype=np.uint8)
+        got = self.cache.get(keys, out=list(images), remote=self.remote)   # lengths
         bad = [i for i, g in enumerate(got) if g is None]
         if bad:
             # A block evicted since the lookup, a corrupt SSD record, a failed peer read:
@@ -546,15 +567,12 @@ class PoolWorker:
                              "could not be loaded (evicted, corrupt or unreachable); vLLM "
                              "recomputes them", len(bad), len(keys), spec.request_id)
             return False
-        bb = self.copier.block_bytes
-        for g, b in zip(got, ids):
-            if len(g) != bb:
+        for n in got:
+            if n != bb:
                 self.log.warning("mooncake_te connector: a pool block for request %s is %d "
-                                 "bytes, expected %d; recomputing", spec.request_id, len(g),
-                                 bb)
+                                 "bytes, expected %d; recomputing", spec.request_id, n, bb)
                 return False
-        for g, b in zip(got, ids):
-            self.copier.scatter(b, g)
+        self.copier.scatter_many(ids, images)
         dt = time.perf_counter() - t0
         with self._lock:
             c = self._c
@@ -598,8 +616,6 @@ class PoolWorker:
         self._closed = True
         self._server.close()
         self._saver.close()
-        self._loads.put(None)
-        self._loader.join(timeout=5)
         try:
             self.cache.close(persist=self.settings.persist_on_exit)
         except (MooncakeError, OSError) as e:
