@@ -35,6 +35,24 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 from vllm_pd_driver import dump, wait_for  # noqa: E402  (this script's directory)
 
 
+def _wait_for_stored_objects(timeout: float) -> None:
+    """vLLM's MooncakeStoreConnector stores on a thread of its own, which may still be
+    putting when the first instance's generate() returns: wait until the object index in
+    the metadata server (MOONCAKE_CONFIG_PATH's metadata_server) stops growing."""
+    import requests
+    with open(os.environ["MOONCAKE_CONFIG_PATH"]) as f:
+        url = json.load(f)["metadata_server"].rstrip("/")
+    t0, last, since = time.monotonic(), None, time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        n = len(requests.get(f"{url}/keys", params={"prefix": "mooncake/kvcache/store/"},
+                             timeout=5).json())
+        if n != last:
+            last, since = n, time.monotonic()
+        elif n and time.monotonic() - since > 1.0:
+            return
+        time.sleep(0.1)
+
+
 
 def patch_cpu_device_index():
     """The one patch: torch.accelerator.current_device_index on a machine without one."""
@@ -100,6 +118,7 @@ def main():
     if a.role in ("baseline", "store-put", "store-get"):
         if a.role == "store-get":
             wait_for(os.path.join(a.dir, "store-put.json"), a.timeout)
+            _wait_for_stored_objects(a.timeout)
         outs = llm.generate(ps, SamplingParams(max_tokens=a.max_tokens, **greedy),
                             use_tqdm=False)
         dump(out_path, {"tokens": [list(o.outputs[0].token_ids) for o in outs],
