@@ -348,14 +348,20 @@ static int serve_cma(serve_t *s, const mte_wire_req_t *q)
     mte_region_t *r = len ? mte_regions_pin(s->t->regions, addr, len, pull ?
                                             MTE_ACC_REMOTE_WRITE : MTE_ACC_REMOTE_READ,
                                             &why) : NULL;
-    /* A client that hung up has released its memory: touch nothing of it. */
-    struct pollfd hup = {.fd = c->fd, .events = POLLRDHUP};
-    int gone = poll(&hup, 1, 0) > 0 && (hup.revents & (POLLRDHUP | POLLHUP | POLLERR));
+    /* A client that hung up has released its memory: touch nothing of it. And the
+     * process that connected must still live, or its pid may now name another process
+     * (issue #20 item 10; its pidfd polls readable once it exited). One poll(2) asks
+     * both, once per request. */
+    struct pollfd pf[2] = {{.fd = c->fd, .events = POLLRDHUP}, {.fd = c->pidfd, .events = POLLIN}};
+    int gone = 0, exited = c->pidfd < 0;
+    if (poll(pf, 2, 0) > 0) {
+        gone = (pf[0].revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+        exited = exited || pf[1].revents != 0;
+    }
     int d = r ? mte_region_device(r) : -1;
     int32_t st = gone ? MTE_E_CLOSED : !r ? reject_code(why ? why : -ENOENT) : 0;
-    if (!st && !pidfd_alive(c->pidfd))
-        st = MTE_E_CMA;        /* the process that connected is gone: its pid may now name
-                                * another process (issue #20 item 10) */
+    if (!st && exited)
+        st = MTE_E_CMA;
     if (!st && d < 0) {
         st = cma_copy(c->peer_pid, addr, peer_addr, len, pull);
     } else if (!st && !mte_stage_get(&s->stage)) {
