@@ -186,6 +186,27 @@ class Batch:
         blocks."""
         return self._native.done()
 
+    def poll(self) -> bool:
+        """Whether the batch is over, never blocking: True once every request finished,
+        or once the batch's deadline passed (pending requests are then marked "timeout",
+        as :meth:`wait` would). :meth:`raise_for_status` then says how it went. For a
+        caller that checks once per step instead of waiting."""
+        if self._native.done():
+            return True
+        if self._deadline_ns and time.monotonic_ns() >= self._deadline_ns:
+            self._native.expire()
+            return True
+        return False
+
+    @property
+    def elapsed(self) -> "float | None":
+        """Seconds from submission until the last request finished and the notification,
+        if any, was delivered; None while any request is pending. It is the transfer's own
+        time, independent of when the caller looks (a caller that polls :meth:`done` once
+        per step still gets the bandwidth the transport achieved)."""
+        ns = self._native.elapsed_ns
+        return None if ns < 0 else ns / 1e9
+
     def cancel(self) -> None:
         """Requests not yet on the wire are dropped (state "canceled"); slices already
         sent finish."""

@@ -20,6 +20,7 @@ class NativeBatch:
     def begin(self, idx: int, slices: int) -> Any: ...
     def finish(self, idx: int, nbytes: int, err: int = ...) -> Any: ...
     notify_error: Any
+    elapsed_ns: int
     stopped: Any
     size: Any
 

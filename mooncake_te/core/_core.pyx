@@ -226,6 +226,12 @@ cdef class NativeBatch:
     def notify_error(self):
         return mte_batch_notify_error(self.b)
 
+    @property
+    def elapsed_ns(self):
+        """ns from creation until the last request (and notification) finished; -1
+        while any is pending."""
+        return mte_batch_elapsed_ns(self.b)
+
     def keep(self, obj):
         """Keep ``obj`` (a peer, a connection, a staging buffer) alive as long as the batch."""
         self._keep.append(obj)

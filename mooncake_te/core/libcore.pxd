@@ -47,6 +47,7 @@ cdef extern from "core/batch.h" nogil:
     void mte_batch_expire(mte_batch_t *b)
     void mte_batch_status(mte_batch_t *b, uint8_t *states, uint64_t *bytes, int32_t *errs)
     int32_t mte_batch_notify_error(const mte_batch_t *b)
+    int64_t mte_batch_elapsed_ns(const mte_batch_t *b)
     void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices)
     void mte_batch_slice_done(mte_batch_t *b, uint32_t idx, uint64_t len, int err)
     int mte_batch_stopped(const mte_batch_t *b)

@@ -41,6 +41,10 @@ struct mte_batch {
     /* Metrics (metrics.h): the cell of each request, set by mte_batch_tag before the
      * request is queued; NULL cells (metrics off) cost one load per request. */
     int64_t t0;                 /* first tag: submit time */
+    /* Monotonic ns at creation and when the last request (and notification) finished:
+     * how long the transfer took, whenever its owner looks (mte_batch_elapsed_ns). */
+    int64_t created_ns;
+    _Atomic int64_t finished_ns;
     uint64_t *cell0;            /* the cell of every request while `cells` is NULL */
     uint64_t **cells;           /* per request, once requests name different cells */
 };
@@ -61,6 +65,7 @@ mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns)
     }
     b->n = n;
     b->deadline = deadline_ns;
+    b->created_ns = mte_now_ns();
     atomic_init(&b->refs, 2);            /* the caller's, and the in-flight one */
     atomic_init(&b->pending, n + 1);     /* +1 = not sealed yet */
     pthread_mutex_init(&b->mu, NULL);
@@ -96,6 +101,7 @@ static void batch_finish(mte_batch_t *b)
 {
     if (b->cell0)
         mte_metrics_batch(b->cell0, mte_metrics_clock() - b->t0);
+    atomic_store(&b->finished_ns, mte_now_ns());
     pthread_mutex_lock(&b->mu);
     b->finished = 1;
     pthread_cond_broadcast(&b->cv);
@@ -295,6 +301,12 @@ int mte_batch_wait(mte_batch_t *b, int64_t deadline_ns)
     int done = b->finished;
     pthread_mutex_unlock(&b->mu);
     return done;
+}
+
+int64_t mte_batch_elapsed_ns(const mte_batch_t *b)
+{
+    int64_t f = atomic_load(&b->finished_ns);
+    return f ? f - b->created_ns : -1;
 }
 
 int mte_batch_done(mte_batch_t *b)

@@ -67,6 +67,8 @@ void mte_batch_cancel(mte_batch_t *b);
 void mte_batch_expire(mte_batch_t *b);
 void mte_batch_status(mte_batch_t *b, uint8_t *states, uint64_t *bytes, int32_t *errs);
 int32_t mte_batch_notify_error(const mte_batch_t *b);
+/* ns from creation until the last request and notification finished; -1 until then. */
+int64_t mte_batch_elapsed_ns(const mte_batch_t *b);
 
 /* Completing requests (any transport, any thread). */
 void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices);

@@ -177,6 +177,50 @@ def test_hung_peer_times_out(engine):
         victim.kill()
 
 
+def test_poll_never_blocks_and_elapsed_is_the_transfer_time(engine, local_buf, peer):
+    src = rand(1 << 20, 5)
+    r = engine.register(src)
+    t_submit = time.monotonic()
+    b = engine.submit([mte.TransferRequest(mte.WRITE, r.address, peer.name, peer.address,
+                                           1 << 20)])
+    deadline = time.monotonic() + 10
+    while not b.poll():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    done_at = time.monotonic()
+    b.raise_for_status()
+    assert b.elapsed is not None and 0 < b.elapsed < 10
+    first = b.elapsed
+    time.sleep(0.05)
+    # The transfer's own time: looking later does not make it longer.
+    assert b.elapsed == first
+    assert first <= done_at - t_submit + 1e-3
+    assert peer.call("sha", peer.address, 1 << 20) == sha(src)
+
+
+def test_poll_expires_a_batch_past_its_deadline(engine):
+    victim = PeerProcess(1 << 20)
+    try:
+        src = np.ones(1 << 20, np.uint8)
+        r = engine.register(src)
+        engine.write(victim.name, r.address, victim.address, 4096)     # connections up
+        sigstop(victim.pid)
+        b = engine.submit_arrays(mte.READ, victim.name,
+                                 np.array([r.address], np.uint64),
+                                 np.array([victim.address], np.uint64), 1 << 20, timeout=0.3)
+        assert b.poll() is False and b.elapsed is None
+        t0 = time.monotonic()
+        while not b.poll():
+            assert time.monotonic() - t0 < 5
+            time.sleep(0.01)
+        assert b.status()[0].state == "timeout"
+        with pytest.raises(mte.TransferTimeoutError):
+            b.raise_for_status()
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+        victim.kill()
+
+
 def test_restarted_peer_is_noticed():
     a = PeerProcess(1 << 20)
     eng = mte.TransferEngine(host="127.0.0.1")
