@@ -72,11 +72,31 @@ class OwnerIndex:
 
     def lookup(self, key: bytes):
         """``(owner, addr, length)`` of another engine holding ``key``, or None."""
+        return self.lookup_many([key])[0]
+
+    def lookup_many(self, keys) -> list:
+        """:meth:`lookup` of every key in one query to the store (one round trip on
+        redis, etcd and our HTTP server): a prompt's blocks cost one request, not one
+        each."""
+        if not keys:
+            return []
         try:
-            raw = self.store.get(self._key(key))
+            raws = self.store.get_many([self._key(k) for k in keys])
         except Exception as e:          # the index is a hint: an outage is a miss
             log.warning("kvcache: owner index lookup failed: %s", e)
-            return None
+            return [None] * len(keys)
+        return [self._record(raw) for raw in raws]
+
+    def lookup_prefix(self, keys) -> int:
+        """How many of ``keys``, from the first, other engines hold (one query)."""
+        n = 0
+        for rec in self.lookup_many(keys):
+            if rec is None:
+                break
+            n += 1
+        return n
+
+    def _record(self, raw):
         if not raw:
             return None
         try:

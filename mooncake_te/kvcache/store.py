@@ -324,7 +324,7 @@ class KVCache:
             The request's prompt length, for the token-weighted rate (block ``i`` weighs
             ``min(block_tokens, num_tokens - block_tokens * i)``); default: full blocks.
         remote : bool
-            Extend the prefix with blocks peers hold (one index query per block).
+            Extend the prefix with blocks peers hold (one index query for them all).
         """
         self._check_open()
         if remote:
@@ -342,10 +342,7 @@ class KVCache:
                     break
         hit = dram + ssd
         if remote and hit < n and self._index is not None:
-            for k in ks[hit:]:
-                if self._index.lookup(k) is None:
-                    break
-                rem += 1
+            rem = self._index.lookup_prefix(ks[hit:])
             hit += rem
         bt = self.block_tokens
         tokens = bt * n if num_tokens is None else int(num_tokens)
@@ -459,7 +456,7 @@ class KVCache:
             self._run_round()
             self._end_op()
         if remote and missing and self._index is not None:
-            found = [(i, self._index.lookup(ks[i])) for i in missing]
+            found = zip(missing, self._index.lookup_many([ks[i] for i in missing]))
             with self._lock:
                 for i, rec in found:
                     if rec is None or rec[2] > self.block_bytes or ks[i] in self._dram:
@@ -725,12 +722,20 @@ class KVCache:
             by_owner.setdefault(ent[2][0], []).append(ent)
         t = time.perf_counter()
         good_set = set()
+        # Every owner's READs in flight at once, then each checked.
+        batches = []
         for owner, ents in by_owner.items():
             local = np.array([self.base + e[1] * self.slot_size for e in ents], np.uint64)
             addrs = np.array([e[2][1] for e in ents], np.uint64)
             lens = np.array([HEADER_SIZE + e[2][2] for e in ents], np.uint64)
             try:
-                self.engine.submit_arrays(mte.READ, owner, local, addrs, lens).wait()
+                batches.append((owner, ents, self.engine.submit_arrays(
+                    mte.READ, owner, local, addrs, lens)))
+            except MooncakeError as e:
+                log.info("kvcache: remote get from %s failed: %s", owner, e)
+        for owner, ents, batch in batches:
+            try:
+                batch.wait()
             except MooncakeError as e:
                 log.info("kvcache: remote get from %s failed: %s", owner, e)
                 continue

@@ -71,6 +71,12 @@ class KeyValueBackend(MetadataBackend):
     @abstractmethod
     def delete(self, key: str) -> None: ...
 
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """Values of ``keys``, ``None`` where missing, in order. Stores that can answer
+        several keys in one round trip (redis MGET, an etcd transaction, our HTTP
+        server's batch route) override this; the default asks key by key."""
+        return [self.get(k) for k in keys]
+
     def records(self, desc: SegmentDescriptor) -> list[tuple[str, bytes]]:
         """The (key, value) pairs that publish ``desc``; stores with leases re-put them."""
         return [(ram_key(desc.name, self.cluster_id), desc.encode()),

@@ -36,6 +36,10 @@ engines can use it unchanged. Beyond Mooncake:
   authentication off where they share the server.
 * ``GET /health`` (JSON: status, key count, bytes used, uptime, persistence file; open
   without authentication) and ``GET /metadata/keys[?prefix=...]`` (JSON list of keys).
+* ``POST /metadata/batch`` with ``{"get": [key, ...]}`` (at most ``MAX_BATCH`` keys)
+  answers ``{"values": [base64 value or null, ...]}`` in one round trip: the KV cache's
+  owner index asks for a whole prompt's blocks at once. Signed like the other
+  ``/metadata`` requests (empty key, the JSON as body).
 
 Built on aiohttp, as Mooncake's server is.
 """
@@ -81,6 +85,8 @@ KEY_OVERHEAD = 128
 MAX_TTL = 365 * 86400.0
 #: a signed request is accepted this many seconds either side of the server's clock
 AUTH_WINDOW = 60.0
+#: most keys one ``POST /metadata/batch`` may ask for
+MAX_BATCH = 4096
 #: how often expired keys are swept (a GET also checks its key's deadline)
 SWEEP_INTERVAL = 0.5
 _FILE_VERSION = 1
@@ -385,6 +391,7 @@ class MetadataServer:
         app.router.add_get("/metrics", self._counters.handle_metrics)
         app.router.add_route("*", "/metadata", self._handle_metadata)
         app.router.add_get("/metadata/keys", self._handle_keys)
+        app.router.add_post("/metadata/batch", self._handle_batch)
         app.router.add_get("/health", self._handle_health)
         return app
 
@@ -537,6 +544,20 @@ class MetadataServer:
     async def _handle_keys(self, request):
         keys = self.store.keys(request.query.get("prefix", ""))
         return self._reply("", body=json.dumps(keys).encode())
+
+    async def _handle_batch(self, request):
+        try:
+            keys = json.loads(await request.read())["get"]
+            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+                raise TypeError
+        except (ValueError, KeyError, TypeError):
+            return self._reply('a batch is JSON {"get": [key, ...]} with string keys', 400)
+        if len(keys) > MAX_BATCH:
+            return self._reply(f"a batch asks for at most {MAX_BATCH} keys, this one for "
+                               f"{len(keys)}: split it", 413)
+        values = [self.store.get(k) for k in keys]
+        return self._reply("", body=json.dumps({"values": [
+            None if v is None else base64.b64encode(v).decode() for v in values]}).encode())
 
     async def _handle_health(self, request):
         return self._reply("", body=json.dumps({

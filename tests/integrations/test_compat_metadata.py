@@ -268,3 +268,26 @@ def test_live_name_clash_is_refused_dead_one_replaced():
         te.close()
     finally:
         srv.close()
+
+
+def test_get_many_on_every_server(server):
+    """The owner index asks for a prompt's blocks at once: one round trip where the store
+    can (MGET, etcd transaction, our batch route), key by key on Mooncake's server, which
+    has no batch route; the answers are the same."""
+    from mooncake_te.metadata import open_backend
+    b = open_backend(server.url)
+    try:
+        keys = [f"many/{i}" for i in range(50)]
+        for i in range(0, 50, 3):
+            b.put(keys[i], bytes([i]) * (i + 1))
+        assert b.get_many(keys) == [bytes([i]) * (i + 1) if i % 3 == 0 else None
+                                    for i in range(50)]
+        assert b.get_many([]) == []
+        if server.name == "mooncake-http":
+            assert b._batch is False         # fell back once, remembers it
+        elif server.name == "http":
+            assert b._batch is True
+    finally:
+        for i in range(0, 50, 3):
+            b.delete(keys[i])
+        b.close()

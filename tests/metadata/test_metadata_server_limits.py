@@ -246,3 +246,29 @@ def test_cli_reads_the_token(tmp_path):
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_batch_read_is_signed_and_bounded(auth_server):
+    b = open_backend(auth_server.url, token=TOKEN)
+    try:
+        b.put("batch/a", b"\x00\xff")
+        assert b.get_many(["batch/a", "batch/missing"]) == [b"\x00\xff", None]
+    finally:
+        b.close()
+    anon = open_backend(auth_server.url)
+    try:
+        with pytest.raises(AuthenticationError, match="auth_token"):
+            anon.get_many(["batch/a"])
+    finally:
+        anon.close()
+
+
+def test_batch_read_refuses_bad_bodies():
+    from mooncake_te.metadata.server import MAX_BATCH
+    with MetadataServer("127.0.0.1", 0) as srv:
+        base = srv.url + "/batch"
+        assert requests.post(base, data=b"not json").status_code == 400
+        assert requests.post(base, json={"get": [1, 2]}).status_code == 400
+        r = requests.post(base, json={"get": ["k"] * (MAX_BATCH + 1)})
+        assert r.status_code == 413 and str(MAX_BATCH) in r.text
+        assert requests.post(base, json={"get": []}).json() == {"values": []}

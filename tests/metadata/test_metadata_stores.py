@@ -457,13 +457,14 @@ def test_engine_takes_the_store_from_config_toml(tmp_path, store_server):
 
 
 def test_get_many_in_one_pass(store_server):
-    """The peer watch reads many keys at once (etcd: transactions of 128, redis: MGET)."""
+    """The peer watch and the KV cache's owner index read many keys at once (etcd:
+    transactions of 128, redis: MGET, our HTTP server: POST /metadata/batch)."""
     b = open_backend(store_server.url)
     try:
         keys = [f"many/{i}" for i in range(300)]
         for i in range(0, 300, 7):
             b.put(keys[i], str(i).encode())
-        got = b._get_many(keys)
+        got = b.get_many(keys)
         assert got == [str(i).encode() if i % 7 == 0 else None for i in range(300)]
     finally:
         for i in range(0, 300, 7):

@@ -396,9 +396,37 @@ def test_remote_get_between_two_engines(redis_server):  # noqa: F811
         assert keys[3] not in a
         b._index.flush()
         rec = (a.engine.name, a.base, BB)                 # what a stale record would say
-        b._index.lookup = lambda k: rec
+        b._index.lookup_many = lambda ks: [rec] * len(ks)
         assert b.get([keys[3]], remote=True) == [None]
         assert b.stats()["remote_failed"] == 1
+
+
+def test_remote_prefix_costs_one_index_query(redis_server):  # noqa: F811
+    """A prompt's remote blocks are found with one query to the metadata store, not one
+    per block (the scheduler asks for every new request)."""
+    url = redis_server.url
+    with mte.TransferEngine(name="kv-q1", metadata=url, host="127.0.0.1") as ea, \
+            mte.TransferEngine(name="kv-q2", metadata=url, host="127.0.0.1") as eb, \
+            cache(dram=8, engine=ea, namespace="t-query") as a, \
+            cache(dram=8, engine=eb, namespace="t-query") as b:
+        keys = prefix_hashes(np.arange(128), 16)
+        a.put(keys[:6], [block(i) for i in range(6)])
+        assert a.flush_index()
+        store = b._index.store
+        calls = []
+        real_get, real_many = store.get, store.get_many
+        # Index queries only (the owner's segment descriptor is fetched once, apart).
+        store.get = lambda k: ("kvcache/" in k and calls.append(("get", k))) or real_get(k)
+        store.get_many = lambda ks: calls.append(("many", len(ks))) or real_many(ks)
+        try:
+            assert b.lookup(keys, remote=True) == 6
+            assert calls == [("many", 8)]
+            calls.clear()
+            got = b.get(keys[:6], remote=True)
+            assert calls == [("many", 6)]
+            assert all(np.array_equal(g, block(i)) for i, g in enumerate(got))
+        finally:
+            store.get, store.get_many = real_get, real_many
 
 
 def test_remote_get_needs_an_index(engine):

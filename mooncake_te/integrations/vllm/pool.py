@@ -488,10 +488,8 @@ class PoolWorker:
         rem = 0
         if remote and self.remote and dram + ssd < len(keys):
             idx = self.cache._index
-            for k in keys[dram + ssd:]:
-                if idx is None or idx.lookup(k) is None:
-                    break
-                rem += 1
+            if idx is not None:
+                rem = idx.lookup_prefix(keys[dram + ssd:])
         return (dram, ssd, rem)
 
     # -- saves --------------------------------------------------------------------------

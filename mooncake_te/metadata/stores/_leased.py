@@ -239,10 +239,6 @@ class LeasedStore(KeyValueBackend):
         return desc
 
     # -- watching peers -----------------------------------------------------------------
-    def _get_many(self, keys: list[str]) -> list[bytes | None]:
-        """Values of ``keys`` (``None`` where missing); stores override with one round trip."""
-        return [self.get(k) for k in keys]
-
     def forget(self, name: str) -> None:
         """Stop watching ``name`` (the caller no longer cares whether it restarts)."""
         with self._watch_lock:
@@ -261,7 +257,7 @@ class LeasedStore(KeyValueBackend):
         if not seen or self.on_change is None:
             return
         names = list(seen)
-        raws = self._get_many([ram_key(n, self.cluster_id) for n in names])
+        raws = self.get_many([ram_key(n, self.cluster_id) for n in names])
         for name, raw in zip(names, raws):
             inst = _instance_of(raw)
             if inst == seen[name] or inst is _GARBAGE:

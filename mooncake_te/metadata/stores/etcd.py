@@ -146,7 +146,7 @@ class EtcdStore(LeasedStore):
     def delete(self, key: str) -> None:
         self._call(f"delete {key!r}", lambda c: c.delete(key))
 
-    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
         # One transaction of range requests per 128 keys (etcd's default --max-txn-ops),
         # so watching many peers costs one round trip per renewal period, not one each.
         out: list[bytes | None] = []

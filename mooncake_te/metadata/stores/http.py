@@ -22,6 +22,7 @@ Client: ``requests`` (keep-alive session; ``pip install mooncake-te[http]``).
 """
 from __future__ import annotations
 
+import base64
 import hmac
 import json
 import logging
@@ -46,6 +47,8 @@ SERVER_HEADER = "X-Mooncake-Metadata-Server"
 NOT_FOUND_TEXT = "metadata not found"
 #: request signature and reply MAC (mooncake_te.metadata.server)
 AUTH_HEADER = "X-MTE-Auth"
+#: most keys per batch read (the server's ``MAX_BATCH``)
+MAX_BATCH = 4096
 
 
 class HttpStore(LeasedStore):
@@ -86,14 +89,19 @@ class HttpStore(LeasedStore):
         # Mooncake's libcurl client: 1.5 s to connect, 3 s per request (reference §5).
         self._timeout = (min(1.5, timeout), timeout)
         self._ttl_warned = False
+        self._batch: "bool | None" = None     # whether the server has the batch route
         token = token or os.environ.get("MC_AUTH_TOKEN", "").encode() or None
         self._token = token.encode() if isinstance(token, str) else token
 
     # -- requests & errors -----------------------------------------------------------------
     def _request(self, method: str, key: str, data: bytes | None = None,
-                 headers: dict | None = None):
-        sep = "&" if "?" in self.url else "?"
-        url = f"{self.url}{sep}{urlencode({'key': key})}"
+                 headers: dict | None = None, path: str = ""):
+        if path:        # a route below the metadata path (the batch read), no key
+            u = urlsplit(self.url)
+            url = urlunsplit((u.scheme, u.netloc, u.path.rstrip("/") + path, u.query, ""))
+        else:
+            sep = "&" if "?" in self.url else "?"
+            url = f"{self.url}{sep}{urlencode({'key': key})}"
         nonce = None
         if self._token:
             from ..server import sign_request
@@ -181,6 +189,34 @@ class HttpStore(LeasedStore):
         if self._is_missing(resp):
             return None
         raise self._unexpected("GET", key, resp)
+
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
+        """One ``POST /metadata/batch`` per ``MAX_BATCH`` keys where the server is ours;
+        key by key where it is not (Mooncake's servers have no batch route: the first
+        refusal is remembered)."""
+        if self._batch is False or not keys:
+            return [self.get(k) for k in keys]
+        out: list[bytes | None] = []
+        for i in range(0, len(keys), MAX_BATCH):
+            chunk = keys[i:i + MAX_BATCH]
+            body = json.dumps({"get": chunk}).encode()
+            resp = self._request("POST", "", data=body, path="/batch")
+            if resp.status_code != 200 and not out and SERVER_HEADER not in resp.headers:
+                self._batch = False           # not our server: no batch route there
+                return [self.get(k) for k in keys]
+            if resp.status_code != 200:
+                raise self._unexpected("POST", f"/batch of {len(chunk)} keys", resp)
+            try:
+                values = resp.json()["values"]
+                if len(values) != len(chunk):
+                    raise ValueError
+                out.extend(None if v is None else base64.b64decode(v) for v in values)
+            except (ValueError, KeyError, TypeError):
+                raise MetadataError(f"HTTP metadata server {self.address}: a batch read of "
+                                    f"{len(chunk)} keys got a malformed answer",
+                                    status=ERR_SOCKET) from None
+            self._batch = True
+        return out
 
     def put(self, key: str, value: bytes, headers: dict | None = None) -> None:
         resp = self._request("PUT", key, data=value, headers=headers)

@@ -105,7 +105,7 @@ class RedisStore(LeasedStore):
     def delete(self, key: str) -> None:
         self._call(f"DEL {key!r}", self._client.delete, key)
 
-    def _get_many(self, keys: list[str]) -> list[bytes | None]:
+    def get_many(self, keys: list[str]) -> list[bytes | None]:
         return self._call(f"MGET of {len(keys)} keys", self._client.mget, keys)
 
     def _put_leased(self, key: str, value: bytes) -> None:
