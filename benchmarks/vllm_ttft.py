@@ -11,12 +11,22 @@ prefill itself, not queueing), one output token each.
 
 Modes (``--modes``): ``vllm`` (prefix caching on, no connector), ``dram`` (+ the pool,
 DRAM tier only), ``ssd`` (+ DRAM and SSD), ``pd`` (a producer and a consumer, no pool) and
-``pd-pool`` (both with a DRAM pool shared through an HTTP metadata server). For each: TTFT
+``pd-pool`` (both with a DRAM pool shared through an HTTP metadata server), ``pd-mc``
+(vLLM's own ``MooncakeConnector`` over ``mooncake_te.compat``, the reference for decode
+TTFT). For each: TTFT
 p50/p90/mean, prompt tokens per second, hit rates per tier (vLLM's own prefix cache, the
 pool's DRAM, SSD, remote; from the connector's counters), and beside them the hit rate
 ``mooncake-te trace replay`` predicts for the same requests and capacities. Last, one P/D
 KV load (the consumer's READ of a whole prompt) against ``mooncake-te bench`` READs at the
 same request size in the same run.
+
+Two more checks of the pool's cost: ``ideal`` re-runs vLLM alone on each pool mode's
+requests with exactly the tokens that mode hit already in vLLM's own prefix cache (primed
+just before, from an empty cache), so its mean TTFT is "vLLM's prefill of the tokens not
+hit, plus nothing else", the bound the pool's mean TTFT is compared with; ``nohit`` runs
+prompts that share no block (the trace's lengths, fresh token ids) through vLLM alone and
+through vLLM + DRAM + SSD pool, with no pause between requests, so saving every block
+overlaps the next prefill as it would in serving, and reports the TTFT ratio per request.
 
 Run (it builds ``.venv-vllm`` with scripts/vllm-env.sh if missing)::
 
@@ -90,7 +100,19 @@ def child(a) -> None:
               max_num_batched_tokens=a.max_model_len, enforce_eager=True, seed=0,
               block_size=BLOCK, enable_prefix_caching=True, skip_tokenizer_init=True,
               kv_cache_memory_bytes=a.kv_mb << 20, distributed_executor_backend="uni")
-    if a.role != "vllm":
+    if a.connector == "mooncake":
+        # vLLM's built-in MooncakeConnector; `import mooncake.engine` resolves to
+        # mooncake_te.compat through the shim on PYTHONPATH. Its worker asks
+        # torch.accelerator for a device index, which raises on a CPU-only host: that one
+        # function is replaced (as tests/integrations/vllm_mooncake_driver.py does).
+        import torch
+        if not torch.accelerator.is_available():
+            torch.accelerator.current_device_index = lambda: 0
+        kw["kv_transfer_config"] = dict(
+            kv_connector="MooncakeConnector", engine_id=f"mc-{a.role}",
+            kv_role={"P": "kv_producer", "D": "kv_consumer"}[a.role],
+            kv_load_failure_policy="recompute")
+    elif a.role not in ("vllm", "ideal"):
         kw["kv_transfer_config"] = dict(
             kv_connector="MooncakeTEConnector",
             kv_connector_module_path="mooncake_te.integrations.vllm",
@@ -99,7 +121,7 @@ def child(a) -> None:
             kv_connector_extra_config=json.loads(a.extra))
     llm = LLM(**kw)
     conn = None
-    if a.role != "vllm":
+    if a.role not in ("vllm", "ideal") and a.connector != "mooncake":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
         conn = get_kv_transfer_group()
     reqs = json.load(open(a.requests))
@@ -108,6 +130,8 @@ def child(a) -> None:
     def settle():
         # Finished requests' stores reach the worker with the next step (a serving
         # engine steps anyway); let them land so the next request can hit them.
+        if a.no_settle:
+            return
         if conn is not None and conn._worker.pool is not None:
             for _ in range(3):
                 llm.llm_engine.step()
@@ -149,6 +173,28 @@ def child(a) -> None:
         out["pool"] = dict(conn.stats.get("pool", {}))
         say(out)
         return
+    def reset_prefix_cache():
+        for _ in range(50):                     # refused while blocks are still held
+            if llm.reset_prefix_cache() is not False:
+                return
+            llm.llm_engine.step()
+            time.sleep(0.02)
+        raise RuntimeError("vLLM kept refusing reset_prefix_cache")
+
+    if a.role == "ideal":
+        # Each request with exactly `hit` tokens already in vLLM's own prefix cache: an
+        # empty cache, the prefix prefilled, then the request timed.
+        gen(reqs[0][0][:64])                    # warm-up
+        res = []
+        for toks, hit in reqs:
+            reset_prefix_cache()
+            if hit:
+                gen(toks[:hit])
+            dt, o = gen(toks)
+            res.append({"ttft": dt, "tokens": len(toks), "cached": o.num_cached_tokens,
+                        "want": hit})
+        say({"results": res})
+        return
     if a.role in ("vllm", "both"):
         res = []
         for toks in reqs:
@@ -156,6 +202,10 @@ def child(a) -> None:
             res.append({"ttft": dt, "tokens": len(toks), "cached": o.num_cached_tokens,
                         "out": list(o.outputs[0].token_ids)})
             settle()
+        if conn is not None and conn._worker.pool is not None:
+            for _ in range(3):
+                llm.llm_engine.step()
+            conn._worker.pool.flush()
         stats = dict(conn.stats.get("pool", {})) if conn is not None else {}
         say({"results": res, "pool": stats})
         return
@@ -173,26 +223,32 @@ def child(a) -> None:
             break
         msg = json.loads(line)
         toks = reqs[msg["i"]]
-        if a.role == "P":
+        if a.role == "P" and a.connector == "mooncake":
+            tid = f"xfer-{msg['i']}"
+            dt, o = gen(toks, {"do_remote_decode": True, "transfer_id": tid})
+            say({"ttft": dt, "cached": o.num_cached_tokens, "params": {
+                "do_remote_prefill": True, "transfer_id": tid, "remote_engine_id": "mc-P",
+                "remote_bootstrap_addr": f"http://127.0.0.1:{a.bootstrap_port}"}})
+        elif a.role == "P":
             dt, o = gen(toks, {"do_remote_decode": True})
             settle()
             say({"ttft": dt, "params": o.kv_transfer_params, "cached": o.num_cached_tokens})
         else:
             dt, o = gen(toks, msg["params"])
-            w = conn._worker
-            say({"ttft": dt, "out": list(o.outputs[0].token_ids),
-                 "last": (w.stats["requests"] or [{}])[-1]})
-    stats = dict(conn.stats)
+            last = (conn._worker.stats["requests"] or [{}])[-1] if conn is not None else {}
+            say({"ttft": dt, "out": list(o.outputs[0].token_ids), "last": last,
+                 "cached": o.num_cached_tokens})
+    stats = dict(conn.stats) if conn is not None else {}
     stats.pop("requests", None)
     say({"stats": stats})
 
 
 # --- parent ------------------------------------------------------------------------------
 class Child:
-    def __init__(self, py, args, log):
+    def __init__(self, py, args, log, env=None):
         self.p = subprocess.Popen([py, os.path.abspath(__file__), "--child", *args],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=log, text=True, env=_env(),
+                                  stderr=log, text=True, env=_env(**(env or {})),
                                   start_new_session=True)
 
     def read(self, timeout=1800):
@@ -210,10 +266,10 @@ class Child:
         self.p.stdin.flush()
 
 
-def _env():
+def _env(PYTHONPATH=ROOT, **more):
     return dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1",
                 VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false",
-                PYTHONPATH=ROOT)
+                PYTHONPATH=PYTHONPATH, **more)
 
 
 def _free_port():
@@ -272,7 +328,9 @@ def main():
     ap.add_argument("--ssd-mb", type=int, default=1024, help="pool SSD tier (MiB)")
     ap.add_argument("--small-dram-mb", type=int, default=64,
                     help="DRAM tier in the dram+ssd mode (MiB)")
-    ap.add_argument("--modes", default="vllm,dram,ssd,pd,pd-pool,fullhit")
+    ap.add_argument("--modes", default="vllm,dram,ssd,ideal,nohit,pd,pd-pool,pd-mc,fullhit")
+    ap.add_argument("--nohit-requests", type=int, default=30,
+                    help="prompts of the nohit mode (the first N requests' lengths)")
     ap.add_argument("--venv", default=os.path.join(ROOT, ".venv-vllm"))
     ap.add_argument("--work", default=None, help="directory for the model, cache, logs")
     ap.add_argument("--json", default=None, help="write the results here too")
@@ -284,6 +342,9 @@ def main():
     ap.add_argument("--max-model-len", type=int, default=2048, help=argparse.SUPPRESS)
     ap.add_argument("--make-model", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ssd-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--no-settle", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--connector", default="te", help=argparse.SUPPRESS)
+    ap.add_argument("--bootstrap-port", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.make_model:
         return make_model(a.make_model)
@@ -291,6 +352,7 @@ def main():
         a.requests = a.trace                       # the token file
         return child(a)
 
+    import numpy as np
     py = os.path.join(a.venv, "bin", "python")
     if not os.path.exists(os.path.join(a.venv, ".ready")):
         subprocess.run([os.path.join(ROOT, "scripts", "vllm-env.sh"), a.venv], check=True)
@@ -320,12 +382,75 @@ def main():
     log = open(os.path.join(work, "children.log"), "a")
     base = ["--model", model, "--trace", tok_file, "--max-model-len", str(max_len)]
     gb = lambda mb: mb / 1024.0                       # noqa: E731
-    rows, outs = {}, {}
+    rows, outs, cached_per = {}, {}, {}
     modes = a.modes.split(",")
     md_srv = None
     try:
         for mode in modes:
             t0 = time.monotonic()
+            if mode == "ideal":
+                for pm in [m for m in ("dram", "ssd") if m in cached_per]:
+                    f = f"{tok_file}.ideal-{pm}"
+                    json.dump([[t, h] for (_, t), h in zip(reqs, cached_per[pm])],
+                              open(f, "w"))
+                    c = Child(py, ["--model", model, "--trace", f, "--max-model-len",
+                                   str(max_len), "--role", "ideal", "--kv-mb",
+                                   str(a.kv_mb)], log)
+                    res = c.read()["results"]
+                    c.p.wait(timeout=120)
+                    ideal = statistics.mean(x["ttft"] for x in res)
+                    off = sum(1 for x in res if x["cached"] != x["want"])
+                    rows[pm].update(ideal_mean=ideal,
+                                    vs_ideal=rows[pm]["ttft_mean"] / ideal,
+                                    ideal_cache_mismatch=off)
+                    print(f"ideal for {pm}: mean TTFT {ideal*1e3:.0f} ms with the same hits "
+                          f"in vLLM's own cache; {pm} measured {rows[pm]['ttft_mean']*1e3:.0f}"
+                          f" ms = {rows[pm]['vs_ideal']:.2f}x ideal ({off} requests whose "
+                          f"primed prefix vLLM did not hit in full)", flush=True)
+                continue
+            if mode == "nohit":
+                nreq = reqs[:a.nohit_requests]
+                fresh = []
+                for j, (ids, t) in enumerate(nreq):
+                    toks = []
+                    for b in range(len(ids)):
+                        toks += np.random.default_rng(10**9 + j * 4096 + b).integers(
+                            3, VOCAB, a.tokens_per_hash).tolist()
+                    fresh.append(toks[:len(t)])
+                f = tok_file + ".nohit"
+                json.dump(fresh, open(f, "w"))
+                got = {}
+                for kind, pool in (("vllm", None), ("pool", {
+                        "dram_cache_gb": gb(a.small_dram_mb), "block_size": BLOCK,
+                        "ssd_cache_gb": gb(a.ssd_mb),
+                        "cache_dir": os.path.join(work, "cache-nohit")})):
+                    c = Child(py, ["--model", model, "--trace", f, "--max-model-len",
+                                   str(max_len), "--role", "both" if pool else "vllm",
+                                   "--kv-port", str(_free_port()), "--no-settle",
+                                   "--extra", json.dumps({"kvcache": pool} if pool else {}),
+                                   "--kv-mb", str(a.kv_mb)], log)
+                    got[kind] = c.read()
+                    c.p.wait(timeout=120)
+                tv = [x["ttft"] for x in got["vllm"]["results"]]
+                tp = [x["ttft"] for x in got["pool"]["results"]]
+                ratios = [q / v for q, v in zip(tp, tv)]
+                ps = got["pool"]["pool"]
+                row = dict(vllm_mean=statistics.mean(tv), pool_mean=statistics.mean(tp),
+                           mean_ratio=statistics.mean(tp) / statistics.mean(tv),
+                           median_ratio=statistics.median(ratios),
+                           hits=sum(x["cached"] for x in got["pool"]["results"]),
+                           stored=ps.get("blocks_saved", 0),
+                           dropped=ps.get("blocks_dropped", 0), requests=len(fresh),
+                           identical=[x["out"] for x in got["vllm"]["results"]] ==
+                           [x["out"] for x in got["pool"]["results"]])
+                rows[mode] = row
+                print(f"nohit: {len(fresh)} prompts sharing no block: vLLM alone mean TTFT "
+                      f"{row['vllm_mean']*1e3:.0f} ms, + pool (saving every block to DRAM "
+                      f"and SSD) {row['pool_mean']*1e3:.0f} ms = {row['mean_ratio']:.3f}x "
+                      f"(median per-prompt ratio {row['median_ratio']:.3f}); {row['stored']} "
+                      f"blocks stored, {row['dropped']} dropped, {row['hits']} tokens hit; "
+                      f"outputs identical: {row['identical']}", flush=True)
+                continue
             if mode == "fullhit":
                 cd = os.path.join(work, "cache-fullhit")
                 extra = json.dumps({"kvcache": {"dram_cache_gb": gb(a.dram_mb),
@@ -387,6 +512,7 @@ def main():
                                      // slot}[mode]
                 row["predicted"] = predicted(sub_trace, int(cap))
                 row["cached_tokens"] = sum(x["cached"] for x in res)
+                cached_per[mode] = [x["cached"] for x in res]
                 outs[mode] = [x["out"] for x in res]
             else:
                 extra = {}
@@ -400,14 +526,26 @@ def main():
                         time.sleep(2)
                     extra = {"metadata_server": f"http://127.0.0.1:{mport}/metadata",
                              "kvcache": {"dram_cache_gb": gb(a.dram_mb), "block_size": BLOCK}}
+                penv = denv = None
+                conn_args = []
+                if mode == "pd-mc":
+                    # vLLM's own MooncakeConnector on mooncake_te through the shim.
+                    shim = os.path.join(work, "shim")
+                    subprocess.run([py, "-m", "mooncake_te", "compat", "install", "--target",
+                                    shim], check=True, env=_env(), stdout=log, stderr=log)
+                    bp = _free_port()
+                    pp = f"{shim}{os.pathsep}{ROOT}"
+                    penv = dict(PYTHONPATH=pp, VLLM_MOONCAKE_BOOTSTRAP_PORT=str(bp))
+                    denv = dict(PYTHONPATH=pp, VLLM_MOONCAKE_BOOTSTRAP_PORT=str(_free_port()))
+                    conn_args = ["--connector", "mooncake", "--bootstrap-port", str(bp)]
                 P = Child(py, base + ["--role", "P", "--kv-port", str(_free_port()),
-                                      "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)],
-                          log)
+                                      "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)]
+                          + conn_args, log, penv)
                 D = Child(py, base + ["--role", "D", "--kv-port", str(_free_port()),
-                                      "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)],
-                          log)
+                                      "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)]
+                          + conn_args, log, denv)
                 P.read(), D.read()
-                ttft, dts, loads, outs[mode], pcached = [], [], [], [], 0
+                ttft, dts, loads, outs[mode], pcached, dcached = [], [], [], [], 0, 0
                 for i in range(len(reqs)):
                     P.send({"i": i})
                     pr = P.read()
@@ -416,6 +554,7 @@ def main():
                     ttft.append(pr["ttft"] + dr["ttft"])
                     pcached += pr["cached"] // BLOCK
                     dts.append(dr["ttft"])
+                    dcached += dr.get("cached", 0)
                     loads.append(dr["last"])
                     outs[mode].append(dr["out"])
                 D.send("stop")
@@ -431,7 +570,8 @@ def main():
                           default={})
                 row = dict(ttft_p50=pct(ttft, .5), ttft_p90=pct(ttft, .9),
                            ttft_mean=statistics.mean(ttft), tok_s=toks / sum(ttft),
-                           decode_p50=pct(dts, .5), vllm=pcached / asked,
+                           decode_p50=pct(dts, .5), decode_mean=statistics.mean(dts),
+                           decode_cached_tokens=dcached, vllm=pcached / asked,
                            dram=p.get("hit_dram", 0) / asked, ssd=p.get("hit_ssd", 0) / asked,
                            remote=p.get("hit_remote", 0) / asked,
                            pd_gbps=(ds["bytes_read"] / ds["transfer_s"] / 1e9)
@@ -448,7 +588,7 @@ def main():
     print(f"\n{'mode':8} {'TTFT p50':>9} {'p90':>8} {'mean':>8} {'tok/s':>8} {'vllm':>6} "
           f"{'dram':>6} {'ssd':>6} {'remote':>6} {'total':>6} {'predicted':>9}")
     for m, r in rows.items():
-        if m == "fullhit":
+        if "ttft_p50" not in r:
             continue
         tot = r["vllm"] + r["dram"] + r["ssd"] + r["remote"]
         pr = r.get("predicted")
@@ -456,6 +596,20 @@ def main():
               f"{r['ttft_mean']*1e3:6.0f}ms {r['tok_s']:8.0f} {r['vllm']:6.1%} "
               f"{r['dram']:6.1%} {r['ssd']:6.1%} {r['remote']:6.1%} {tot:6.1%} "
               f"{'' if pr is None else format(pr, '9.1%')}")
+    for m in ("dram", "ssd"):
+        if m in rows and "vs_ideal" in rows[m]:
+            print(f"{m}: mean TTFT {rows[m]['ttft_mean']*1e3:.0f} ms = "
+                  f"{rows[m]['vs_ideal']:.2f}x the ideal {rows[m]['ideal_mean']*1e3:.0f} ms "
+                  f"(vLLM alone with the same hits in its own prefix cache)")
+    if "nohit" in rows:
+        r = rows["nohit"]
+        print(f"nohit: TTFT with the pool saving / without: mean {r['mean_ratio']:.3f}x, "
+              f"median per prompt {r['median_ratio']:.3f}x ({r['requests']} prompts)")
+    dec = [m for m in ("pd", "pd-pool", "pd-mc") if m in rows]
+    if dec:
+        print("decode instance TTFT (its own first token): " + "; ".join(
+            f"{m} p50 {rows[m]['decode_p50']*1e3:.0f} ms mean {rows[m]['decode_mean']*1e3:.0f}"
+            f" ms ({rows[m]['decode_cached_tokens']} tokens cached)" for m in dec))
     pd = [(m, rows[m]) for m in ("pd", "pd-pool") if m in rows and rows[m].get("biggest_load")]
     if pd:
         m, r = pd[0]
