@@ -186,13 +186,20 @@ class Batch:
         blocks."""
         return self._native.done()
 
-    def poll(self) -> bool:
-        """Whether the batch is over, never blocking: True once every request finished,
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Whether the batch is over, never raising: True once every request finished,
         or once the batch's deadline passed (pending requests are then marked "timeout",
         as :meth:`wait` would). :meth:`raise_for_status` then says how it went. For a
-        caller that checks once per step instead of waiting."""
+        caller that checks once per step instead of waiting; ``timeout`` (seconds,
+        default 0: do not block) lets it wait that long at most, the GIL released."""
         if self._native.done():
             return True
+        if timeout > 0:
+            from .arguments import wait_timeout
+            limit = min(self._deadline_ns or (1 << 62),
+                        time.monotonic_ns() + int(wait_timeout(timeout) * 1e9))
+            if self._native.wait(limit):
+                return True
         if self._deadline_ns and time.monotonic_ns() >= self._deadline_ns:
             self._native.expire()
             return True

@@ -183,10 +183,7 @@ def test_poll_never_blocks_and_elapsed_is_the_transfer_time(engine, local_buf, p
     t_submit = time.monotonic()
     b = engine.submit([mte.TransferRequest(mte.WRITE, r.address, peer.name, peer.address,
                                            1 << 20)])
-    deadline = time.monotonic() + 10
-    while not b.poll():
-        assert time.monotonic() < deadline
-        time.sleep(0.001)
+    assert b.poll(timeout=10)                               # returns once it landed
     done_at = time.monotonic()
     b.raise_for_status()
     assert b.elapsed is not None and 0 < b.elapsed < 10
@@ -209,6 +206,9 @@ def test_poll_expires_a_batch_past_its_deadline(engine):
                                  np.array([r.address], np.uint64),
                                  np.array([victim.address], np.uint64), 1 << 20, timeout=0.3)
         assert b.poll() is False and b.elapsed is None
+        t = time.monotonic()
+        assert b.poll(timeout=0.05) is False               # waits that long, no longer
+        assert 0.04 < time.monotonic() - t < 0.25
         t0 = time.monotonic()
         while not b.poll():
             assert time.monotonic() - t0 < 5

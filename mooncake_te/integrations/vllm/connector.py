@@ -88,7 +88,9 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        return MooncakeTEMetadata(work=self._scheduler.take_work())
+        work = self._scheduler.take_work()
+        work.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
+        return MooncakeTEMetadata(work=work)
 
     def request_finished(self, request, block_ids):
         return self._scheduler.request_finished(request, block_ids)

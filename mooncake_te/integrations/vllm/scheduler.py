@@ -47,6 +47,9 @@ class Work:
     # One entry per request scheduled for the first time: (prompt blocks asked for,
     # blocks vLLM's own prefix cache had, pool blocks found in dram, ssd, remote).
     lookups: list = field(default_factory=list)
+    # This step runs no forward pass (every request waits for KV): the worker may wait
+    # for its READs instead of returning at once.
+    idle: bool = False
 
 
 def cdiv(a: int, b: int) -> int:

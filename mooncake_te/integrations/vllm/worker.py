@@ -32,6 +32,8 @@ log = logging.getLogger("mooncake_te.integrations.vllm")
 
 READ_DONE = b"mte-vllm/read-done "       # + request id: the producer may free its blocks
 LEASE_MARGIN_S = 1.0
+#: longest wait for a READ in a step without a forward pass (collect)
+IDLE_WAIT_S = 0.005
 
 
 class _Peer:
@@ -72,6 +74,7 @@ class WorkerSide:
         self._recv_ok: set = set()
         self._recv_failed: dict = {}            # request id -> local block ids
         self._inflight: list = []               # (spec, engine name, Batch, record)
+        self._idle = False                      # this step runs no forward pass
         self._ready: list = []                  # (spec, record): handshake done, submit
         self._thread: "threading.Thread | None" = None
         self._closing = False
@@ -144,6 +147,7 @@ class WorkerSide:
     # -- per step -----------------------------------------------------------------------
     def start(self, work: Work) -> None:
         """Take this step's work from the scheduler (called from start_load_kv)."""
+        self._idle = bool(getattr(work, "idle", False))
         for req_id in work.leases:
             self.leases.add(req_id)
             self._holds[req_id] = self._holds.get(req_id, 0) + 1
@@ -202,6 +206,13 @@ class WorkerSide:
     def collect(self):
         """``(finished_sending, finished_recving, failed_recving)`` since the last call;
         failed requests are in both of the last two (vLLM's contract)."""
+        if self._idle and self._inflight:
+            # No forward pass this step: rather than return and spin through empty steps,
+            # wait (GIL released) a little for the oldest READ, so the step thread leaves
+            # the CPU to the copy and sees it land at once. Bounded, so the engine still
+            # takes new requests within a few ms.
+            self._idle = False
+            self._inflight[0][2].poll(timeout=IDLE_WAIT_S)
         self._poll_loads()
         if self.engine is not None and self.is_producer:
             for n in self.engine.notifications():
