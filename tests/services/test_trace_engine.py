@@ -12,6 +12,7 @@ import tempfile
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from mooncake_te.cli.main import main
 from mooncake_te.errors import InvalidArgumentError
 from mooncake_te.kvcache import KVCache, as_key
 from mooncake_te.kvcache.engine_model import PoolModel, simulate_engine
@@ -160,3 +161,30 @@ def test_hit_blocks_measured_inside_vllm(dram, ssd, want):
     assert res.blocks == 2183
     assert (res.hit_vllm, res.hit_dram, res.hit_ssd) == want
 
+
+# --- the command line --------------------------------------------------------------------------
+def test_cli_engine_replay(tmp_path, capsys):
+    p = tmp_path / "t.jsonl"
+    t = ttft_window()
+    p.write_text("".join(json.dumps({"timestamp": 0, "input_length": n, "output_length": 1,
+                                     "hash_ids": ids}) + "\n"
+                         for ids, n in zip(t.hash_ids, t.input_lengths)))
+    assert main(["trace", "replay", str(p), "--engine-cache-blocks", "191", "--capacity-blocks",
+                 "127", "--ssd-capacity-blocks", "2032", "--block-tokens", "32", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert (d["hit_vllm"], d["hit_dram"], d["hit_ssd"], d["blocks"]) == (194, 0, 794, 2183)
+    assert d["block_hit_rate"] == pytest.approx((194 + 794) / 2183)
+    assert d["vllm_hit_rate"] + d["dram_hit_rate"] + d["ssd_hit_rate"] + d["miss_rate"] == \
+        pytest.approx(1.0)
+    assert main(["trace", "replay", str(p), "--engine-cache-blocks", "191", "--block-tokens",
+                 "32"]) == 0
+    assert "vllm    8.89%  (194)" in capsys.readouterr().out
+    # Without --engine-cache-blocks: the single cache, as before.
+    assert main(["trace", "replay", str(p), "--capacity-blocks", "192", "--json"]) == 0
+    assert "hit_vllm" not in json.loads(capsys.readouterr().out)
+    for bad, msg in ((["--ssd-capacity-blocks", "8"], "give --engine-cache-blocks"),
+                     (["--engine-cache-blocks", "191", "--real"], "neither --real"),
+                     (["--engine-cache-blocks", "10", "--block-tokens", "32"], "needs 62 new"),
+                     (["--engine-cache-blocks", "191", "--block-tokens", "0"], "positive")):
+        assert main(["trace", "replay", str(p), *bad]) == 2
+        assert msg in capsys.readouterr().err
