@@ -15,8 +15,11 @@ DRAM tier only), ``ssd`` (+ DRAM and SSD), ``pd`` (a producer and a consumer, no
 (vLLM's own ``MooncakeConnector`` over ``mooncake_te.compat``, the reference for decode
 TTFT). For each: TTFT
 p50/p90/mean, prompt tokens per second, hit rates per tier (vLLM's own prefix cache, the
-pool's DRAM, SSD, remote; from the connector's counters), and beside them the hit rate
-``mooncake-te trace replay`` predicts for the same requests and capacities. Last, one P/D
+pool's DRAM, SSD, remote; from the connector's counters), and beside them, per level, the
+hit rates ``mooncake-te trace replay --engine-cache-blocks`` predicts for the same requests
+and capacities: vLLM's own prefix cache (``num_gpu_blocks - 1`` blocks, as the child's vLLM
+reports it) in front of the pool (its DRAM and SSD slots, as the pool reports them); see
+``mooncake_te/kvcache/engine_model.py`` for what is modelled. Last, one P/D
 KV load (the consumer's READ of a whole prompt) against ``mooncake-te bench`` READs at the
 same request size in the same run.
 
@@ -89,6 +92,14 @@ def make_model(out: str) -> None:
                       head_dim=64, max_position_embeddings=8192, bos_token_id=1,
                       eos_token_id=2, tie_word_embeddings=False)
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
+
+
+def num_gpu_blocks(llm) -> "int | None":
+    """vLLM's KV blocks (the null block included), as its engine core sized the cache."""
+    try:
+        return int(llm.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+    except (AttributeError, TypeError):
+        return None
 
 
 def child(a) -> None:
@@ -207,10 +218,10 @@ def child(a) -> None:
                 llm.llm_engine.step()
             conn._worker.pool.flush()
         stats = dict(conn.stats.get("pool", {})) if conn is not None else {}
-        say({"results": res, "pool": stats})
+        say({"results": res, "pool": stats, "num_gpu_blocks": num_gpu_blocks(llm)})
         return
     # P/D: lines on stdin name a request index; P answers the handoff, D the timing.
-    say({"ready": True})
+    say({"ready": True, "num_gpu_blocks": num_gpu_blocks(llm)})
     import select
     while True:
         r, _, _ = select.select([sys.stdin], [], [], 0.02)
@@ -286,14 +297,25 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def predicted(trace_req_file, capacity_blocks):
-    out = subprocess.run([sys.executable, "-m", "mooncake_te", "trace", "replay",
-                          trace_req_file, "--capacity-blocks", str(capacity_blocks),
-                          "--json"], capture_output=True, text=True, env=_env())
+def predicted(trace_req_file, engine_blocks, dram_blocks=0, ssd_blocks=0):
+    """Hit rates per level (``vllm``, ``dram``, ``ssd``, ``total``: shares of the prompt
+    blocks) that ``mooncake-te trace replay --engine-cache-blocks`` predicts: vLLM's own
+    prefix cache of ``engine_blocks`` usable blocks (``num_gpu_blocks - 1``) in front of a
+    pool of ``dram_blocks`` DRAM and ``ssd_blocks`` SSD slots (0: no pool). None if the
+    replay failed (its error is printed)."""
+    cmd = [sys.executable, "-m", "mooncake_te", "trace", "replay", trace_req_file,
+           "--engine-cache-blocks", str(engine_blocks), "--block-tokens", str(BLOCK), "--json"]
+    if dram_blocks:
+        cmd += ["--capacity-blocks", str(dram_blocks)]
+    if ssd_blocks:
+        cmd += ["--ssd-capacity-blocks", str(ssd_blocks)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env())
     if out.returncode != 0:
+        print(f"predicted: {' '.join(cmd[2:])} failed: {out.stderr.strip()}", flush=True)
         return None
     d = json.loads(out.stdout)
-    return d.get("block_hit_rate", d.get("hit_rate"))
+    return {"vllm": d["vllm_hit_rate"], "dram": d["dram_hit_rate"],
+            "ssd": d["ssd_hit_rate"], "total": d["block_hit_rate"]}
 
 
 def bench_read(block_bytes: int) -> "float | None":
@@ -372,8 +394,9 @@ def main():
                                 "hash_ids": ids}) + "\n")
     max_len = max(len(t) for _, t in reqs) + 16
     block_bytes = 2 * 4 * BLOCK * 64 * 4 * 8           # 8 layers: 512 KiB per vLLM block
-    slot = block_bytes + 4096
-    vllm_blocks = (a.kv_mb << 20) // (block_bytes)
+    slot = block_bytes + 4096                         # kvcache.record.slot_size_for
+    vllm_blocks = (a.kv_mb << 20) // (block_bytes)    # until the child reports vLLM's own
+    slots = lambda mb: (mb << 20) // slot              # noqa: E731  (the pool's slots)
     prompt_blocks = sum(len(t) // BLOCK for _, t in reqs)
     uniq = len({h for ids, _ in reqs for h in ids})
     print(f"trace {a.trace}: {len(reqs)} requests, {prompt_blocks} prompt blocks, {uniq} "
@@ -507,10 +530,16 @@ def main():
                            remote=p.get("hit_remote", 0) / asked,
                            stored=p.get("blocks_saved", 0), dropped=p.get("blocks_dropped", 0),
                            failed=p.get("failed_loads", 0))
-                cap = vllm_blocks + {"vllm": 0, "dram": (gb(a.dram_mb) * (1 << 30)) // slot,
-                                     "ssd": (gb(a.small_dram_mb + a.ssd_mb) * (1 << 30))
-                                     // slot}[mode]
-                row["predicted"] = predicted(sub_trace, int(cap))
+                # The model's capacities are the running system's: vLLM's blocks less the
+                # null block, and the pool's slots per tier as the pool counted them.
+                eng = (r.get("num_gpu_blocks") or vllm_blocks) - 1
+                dram_b, ssd_b = {"vllm": (0, 0), "dram": (slots(a.dram_mb), 0),
+                                 "ssd": (slots(a.small_dram_mb), slots(a.ssd_mb))}[mode]
+                if p:
+                    dram_b = p.get("dram_capacity_blocks") or dram_b
+                    ssd_b = p.get("ssd_capacity_blocks") or ssd_b
+                row["capacities"] = {"engine": eng, "dram": dram_b, "ssd": ssd_b}
+                row["predicted"] = predicted(sub_trace, eng, dram_b, ssd_b)
                 row["cached_tokens"] = sum(x["cached"] for x in res)
                 cached_per[mode] = [x["cached"] for x in res]
                 outs[mode] = [x["out"] for x in res]
@@ -544,7 +573,7 @@ def main():
                 D = Child(py, base + ["--role", "D", "--kv-port", str(_free_port()),
                                       "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)]
                           + conn_args, log, denv)
-                P.read(), D.read()
+                pready, _ = P.read(), D.read()
                 ttft, dts, loads, outs[mode], pcached, dcached = [], [], [], [], 0, 0
                 for i in range(len(reqs)):
                     P.send({"i": i})
@@ -577,6 +606,20 @@ def main():
                            pd_gbps=(ds["bytes_read"] / ds["transfer_s"] / 1e9)
                            if ds.get("transfer_s") else None,
                            biggest_load=big, failed=ds.get("load_failures", 0))
+                # The vllm column is the producer's num_cached_tokens: in pd it runs as
+                # vLLM alone, in pd-pool as the dram mode, where vLLM counts the pool's
+                # hits as cached too (its lease frees a prompt's blocks once the consumer
+                # read them, before the next request). The consumer's pool columns
+                # (pd-pool) are not modelled: that pool takes the consumer's own saves and
+                # finds the producer's through the index.
+                eng = (pready.get("num_gpu_blocks") or vllm_blocks) - 1
+                pr = predicted(sub_trace, eng, slots(a.dram_mb) if mode == "pd-pool" else 0)
+                if pr is not None and mode == "pd-pool":
+                    pr = {"vllm": pr["vllm"] + pr["dram"], "dram": None, "ssd": None,
+                          "total": None}
+                elif pr is not None:
+                    pr["total"] = None                  # the remote column is not modelled
+                row["predicted"] = pr
             row["wall_s"] = time.monotonic() - t0
             rows[mode] = row
             print(f"{mode}: {json.dumps(row, default=str)}", flush=True)
@@ -585,17 +628,20 @@ def main():
             md_srv.terminate()
     same = {m: outs[m] == outs[next(iter(outs))] for m in outs}
     print(f"\ngreedy outputs identical to {next(iter(outs), None)}: {same}")
-    print(f"\n{'mode':8} {'TTFT p50':>9} {'p90':>8} {'mean':>8} {'tok/s':>8} {'vllm':>6} "
-          f"{'dram':>6} {'ssd':>6} {'remote':>6} {'total':>6} {'predicted':>9}")
+    print(f"\n{'':8} {'':36} {'measured':^34}  {'predicted':^27}")
+    print(f"{'mode':8} {'TTFT p50':>9} {'p90':>8} {'mean':>8} {'tok/s':>8} {'vllm':>6} "
+          f"{'dram':>6} {'ssd':>6} {'remote':>6} {'total':>6}  {'vllm':>6} {'dram':>6} "
+          f"{'ssd':>6} {'total':>6}")
+    fmt = lambda x: f"{'-':>6}" if x is None else f"{x:6.1%}"       # noqa: E731
     for m, r in rows.items():
         if "ttft_p50" not in r:
             continue
         tot = r["vllm"] + r["dram"] + r["ssd"] + r["remote"]
-        pr = r.get("predicted")
+        pr = r.get("predicted") or {}
         print(f"{m:8} {r['ttft_p50']*1e3:8.0f}ms {r['ttft_p90']*1e3:6.0f}ms "
               f"{r['ttft_mean']*1e3:6.0f}ms {r['tok_s']:8.0f} {r['vllm']:6.1%} "
-              f"{r['dram']:6.1%} {r['ssd']:6.1%} {r['remote']:6.1%} {tot:6.1%} "
-              f"{'' if pr is None else format(pr, '9.1%')}")
+              f"{r['dram']:6.1%} {r['ssd']:6.1%} {r['remote']:6.1%} {tot:6.1%}  "
+              + " ".join(fmt(pr.get(k)) for k in ("vllm", "dram", "ssd", "total")))
     for m in ("dram", "ssd"):
         if m in rows and "vs_ideal" in rows[m]:
             print(f"{m}: mean TTFT {rows[m]['ttft_mean']*1e3:.0f} ms = "

@@ -2,7 +2,8 @@
 """``mooncake-te trace``: statistics, cache replay and capacity sweeps of Mooncake's JSONL
 request traces (samples in the repository's ``data/traces/``), and ``replay --real`` through the
 tiered KV cache. The simulation is the one issue 13 defines (see
-:mod:`mooncake_te.kvcache.trace`)."""
+:mod:`mooncake_te.kvcache.trace`); ``replay --engine-cache-blocks`` models vLLM's prefix
+cache in front of the pool (:mod:`mooncake_te.kvcache.engine_model`)."""
 from __future__ import annotations
 
 import json
@@ -32,7 +33,9 @@ def add_parser(subparsers) -> None:
                        description="Replay the requests in file order through one cache: "
                                    "hit length = longest cached run of hash_ids from the "
                                    "start, then each block is touched or inserted (evicting "
-                                   "while the cache holds the capacity or more).")
+                                   "while the cache holds the capacity or more). With "
+                                   "--engine-cache-blocks: vLLM's own prefix cache in front "
+                                   "of the pool's DRAM (and SSD) tier, hit rates per level.")
     r.add_argument("file", help="a Mooncake JSONL trace")
     r.add_argument("--policy", choices=("lru", "lfu"),
                    help="eviction policy (default lru; with --real, the config's)")
@@ -43,6 +46,16 @@ def add_parser(subparsers) -> None:
                      help="cache size in tokens (blocks = tokens // 512)")
     r.add_argument("--warmup", type=float, default=0.0, metavar="F",
                    help="fraction of requests that only warm the cache (default 0)")
+    r.add_argument("--engine-cache-blocks", type=int, metavar="E",
+                   help="model vLLM's own prefix cache of E usable blocks (its "
+                        "num_gpu_blocks - 1) in front of the pool, whose DRAM tier is then "
+                        "--capacity-blocks (default 0: vLLM alone); prints hit rates per "
+                        "level (docs/kvcache.md)")
+    r.add_argument("--ssd-capacity-blocks", type=int, default=0, metavar="S",
+                   help="with --engine-cache-blocks: the pool's SSD tier in blocks")
+    r.add_argument("--block-tokens", type=int, metavar="T",
+                   help="tokens per hash id (default 512, Mooncake's traces; the vLLM "
+                        "benchmark's traces use its block size)")
     r.add_argument("--real", action="store_true",
                    help="push synthetic KV bytes through the real tiered cache; capacities "
                         "from --config [kvcache] or --dram-gb/--ssd-gb")
@@ -86,9 +99,9 @@ def run(args) -> int:
         return 2
 
 
-def _load(path, n=None):
-    from ..kvcache.trace import load_trace
-    t = load_trace(path)
+def _load(path, n=None, block_tokens=None):
+    from ..kvcache.trace import TRACE_BLOCK_TOKENS, load_trace
+    t = load_trace(path, block_tokens or TRACE_BLOCK_TOKENS)
     return t.head(n) if n else t
 
 
@@ -123,8 +136,17 @@ def _capacity(args, block_tokens):
 
 
 def _replay(args) -> int:
+    from ..errors import InvalidArgumentError
     from ..kvcache.trace import simulate
-    trace = _load(args.file, args.requests)
+    if args.block_tokens is not None and args.block_tokens < 1:
+        raise InvalidArgumentError(f"--block-tokens must be a positive number of tokens, got "
+                                   f"{args.block_tokens}")
+    trace = _load(args.file, args.requests, args.block_tokens)
+    if args.engine_cache_blocks is not None:
+        return _replay_engine(args, trace)
+    if args.ssd_capacity_blocks:
+        raise InvalidArgumentError("--ssd-capacity-blocks sizes the pool behind vLLM's cache: "
+                                   "give --engine-cache-blocks too (or use --real --ssd-gb)")
     if args.real:
         return _replay_real(args, trace)
     args.policy = args.policy or "lru"
@@ -140,6 +162,36 @@ def _replay(args) -> int:
     print(f"  block hit rate  {res.block_hit_rate:.4f}  ({res.hit_blocks:,} / {res.blocks:,})")
     print(f"  token hit rate  {res.token_hit_rate:.4f}  ({res.hit_tokens:,} / {res.tokens:,})")
     print(f"  evictions       {res.evictions:,}; peak {res.peak_blocks:,} blocks held")
+    return 0
+
+
+def _replay_engine(args, trace) -> int:
+    from ..errors import InvalidArgumentError
+    from ..kvcache.engine_model import simulate_engine
+    if args.real or args.warmup:
+        raise InvalidArgumentError("--engine-cache-blocks models vLLM in front of the pool "
+                                   "for the whole trace; it takes neither --real nor --warmup")
+    policy = args.policy or "lru"
+    dram = _capacity(args, trace.block_tokens) or 0
+    res = simulate_engine(trace, args.engine_cache_blocks, dram, args.ssd_capacity_blocks,
+                          policy)
+    d = res.to_dict()
+    d["path"] = trace.path
+    if args.json:
+        print(json.dumps(d, indent=2))
+        return 0
+    pool = (f"pool DRAM {dram:,} blocks" + (f" + SSD {res.ssd_capacity_blocks:,}"
+                                            if res.ssd_capacity_blocks else "")
+            + f" ({policy.upper()})") if dram else "no pool"
+    print(f"{trace.path}: vLLM's prefix cache of {res.engine_cache_blocks:,} blocks, {pool}; "
+          f"{res.requests:,} requests, {res.blocks:,} full prompt blocks of "
+          f"{res.block_tokens} tokens")
+    for name, n in (("vllm", res.hit_vllm), ("dram", res.hit_dram), ("ssd", res.hit_ssd),
+                    ("total", res.hit_vllm + res.hit_dram + res.hit_ssd), ("miss", res.miss)):
+        print(f"  {name:5} {res.rate(n):7.2%}  ({n:,})")
+    print(f"  evictions from vLLM's cache {res.engine_evictions:,}; pool promotions "
+          f"{res.promotions:,}, demotions {res.demotions:,}, SSD evictions "
+          f"{res.evictions_ssd:,}")
     return 0
 
 

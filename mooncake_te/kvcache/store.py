@@ -428,6 +428,7 @@ class KVCache:
                                                       for o in out]
         res: list = [None] * len(ks)
         missing = []
+        served: set = set()       # indices copied out before the walk
         with self._lock:
             c = self._c
             c["get_blocks"] += len(ks)
@@ -437,8 +438,20 @@ class KVCache:
                 # or demotions made room for earlier blocks could evict later ones (a
                 # lookup's prefix must still be there when it is read).
                 self._pinned = {k for k in ks if k in self.ssd.index and k not in self._dram}
+                # And every DRAM block it asks for is copied out first: promoting the blocks
+                # before it can demote it (a DRAM tier smaller than the call), and then it
+                # would be looked for on SSD, where it may not be (yet, or any more).
+                for i, k in enumerate(ks):
+                    ent = self._dram.get(k)
+                    if ent is not None:
+                        self._copy_out(i, ent[0], ent[1], outs, res, "dram")
+                        served.add(i)
             for i, k in enumerate(ks):
                 ent = self._dram.get(k)
+                if i in served:
+                    if ent is not None:
+                        self._dpol.touch(k)
+                    continue
                 if ent is not None:
                     self._dpol.touch(k)
                     slot, n = ent

@@ -151,6 +151,30 @@ def test_lfu_keeps_the_frequently_used(tmp_path):
         assert 4 not in c and 5 in c
 
 
+@pytest.mark.parametrize("dram,ssd,ops", [
+    # A DRAM block of the call demoted by the promotions before it, then evicted from SSD
+    # by a later demotion of the same call before it was read: KeyError, the get failed.
+    (3, 4, [("put", [0, 3, 4, 6]), ("put", [1, 7]), ("get", [3, 0, 1]), ("put", [1, 6, 0]),
+            ("put", [2, 4]), ("put", [2]), ("get", [1, 0, 6])]),
+    # A DRAM block of the call demoted and evicted from SSD before its turn: a miss.
+    (2, 3, [("put", [3, 0, 1, 6]), ("put", [6]), ("get", [1, 3, 0, 6])]),
+])
+def test_get_never_loses_a_block_to_its_own_promotions(tmp_path, dram, ssd, ops):
+    """A get of more blocks than the DRAM tier holds promotes and demotes inside the call;
+    every block the lookup found is still returned, with its bytes."""
+    with cache(tmp_path, dram=dram, ssd=ssd, o_direct=False) as c:
+        for op, ids in ops:
+            keys = [as_key(f"k{i}") for i in ids]
+            if op == "put":
+                c.put(keys, [block(i) for i in ids])
+                continue
+            assert c.lookup(keys) == len(keys)
+            got = c.get(keys)
+            assert [g is not None for g in got] == [True] * len(keys)
+            for i, g in zip(ids, got):
+                assert np.array_equal(g, block(i))
+
+
 def test_lfu_block_evicted_in_the_put_that_brought_it_goes_to_ssd(tmp_path):
     # DRAM full of hot blocks: each new block is the coldest, so the next new block of the
     # same put evicts it before its bytes ever reached the pool (the "bounce" path).
