@@ -10,7 +10,10 @@ owner evicted or reused the slot since) costs one wasted read and counts as a mi
 never returns wrong bytes. That is why records need no lease or lock.
 
 Writes go through a background thread that coalesces (only the last operation on a key
-is sent), so a put does not wait for a network round trip per block.
+is sent) and sends what is queued in one round trip each for puts and deletes
+(``put_many``/``delete_many``: redis MSET/DEL, an etcd transaction, our HTTP server's batch
+route), so a put does not wait for a network round trip, and a request's blocks do not
+cost one each.
 """
 from __future__ import annotations
 
@@ -119,26 +122,37 @@ class OwnerIndex:
                     return
                 batch, self._pending = self._pending, {}
                 self._busy = True
-            for key, op in batch.items():
-                try:
-                    if op is _DROP:
-                        self.store.delete(self._key(key))
-                    elif op is _DELETE:
-                        # Only our own record: another owner may have published since.
-                        raw = self.store.get(self._key(key))
-                        if raw and json.loads(raw).get("owner") == self.owner:
-                            self.store.delete(self._key(key))
-                    else:
-                        self.store.put(self._key(key), json.dumps(
-                            {"owner": self.owner, "addr": op[0], "length": op[1]}).encode())
-                except Exception as e:      # a store outage must not end the thread
-                    self.errors += 1
-                    if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
-                        log.warning("kvcache: owner index update failed (%d so far): %s",
-                                    self.errors, e)
+            try:
+                self._send(batch)
+            except Exception as e:          # a store outage must not end the thread
+                self.errors += 1
+                if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
+                    log.warning("kvcache: owner index update failed (%d so far): %s",
+                                self.errors, e)
             with self._cv:
                 self._busy = False
                 self._cv.notify_all()
+
+    def _send(self, batch: dict) -> None:
+        drops = [self._key(k) for k, op in batch.items() if op is _DROP]
+        withdraws = [self._key(k) for k, op in batch.items() if op is _DELETE]
+        puts = {self._key(k): json.dumps({"owner": self.owner, "addr": op[0],
+                                          "length": op[1]}).encode()
+                for k, op in batch.items() if op is not _DROP and op is not _DELETE}
+        if withdraws:
+            # Only our own records: another owner may have published since.
+            raws = self.store.get_many(withdraws)
+            drops += [k for k, raw in zip(withdraws, raws) if self._owned(raw)]
+        if drops:
+            self.store.delete_many(drops)
+        if puts:
+            self.store.put_many(puts)
+
+    def _owned(self, raw) -> bool:
+        try:
+            return bool(raw) and json.loads(raw).get("owner") == self.owner
+        except (ValueError, AttributeError):
+            return False
 
     def close(self, withdraw_all=()) -> None:
         """Withdraw ``withdraw_all`` keys, send what is queued, stop the thread."""

@@ -77,6 +77,17 @@ class KeyValueBackend(MetadataBackend):
         server's batch route) override this; the default asks key by key."""
         return [self.get(k) for k in keys]
 
+    def put_many(self, items: dict[str, bytes]) -> None:
+        """Store every ``key: value`` (one round trip where the store can; as
+        :meth:`get_many`). Not atomic: on an error some may be stored."""
+        for k, v in items.items():
+            self.put(k, v)
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete every key (missing ones are fine)."""
+        for k in keys:
+            self.delete(k)
+
     def records(self, desc: SegmentDescriptor) -> list[tuple[str, bytes]]:
         """The (key, value) pairs that publish ``desc``; stores with leases re-put them."""
         return [(ram_key(desc.name, self.cluster_id), desc.encode()),

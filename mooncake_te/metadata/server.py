@@ -36,10 +36,14 @@ engines can use it unchanged. Beyond Mooncake:
   authentication off where they share the server.
 * ``GET /health`` (JSON: status, key count, bytes used, uptime, persistence file; open
   without authentication) and ``GET /metadata/keys[?prefix=...]`` (JSON list of keys).
-* ``POST /metadata/batch`` with ``{"get": [key, ...]}`` (at most ``MAX_BATCH`` keys)
-  answers ``{"values": [base64 value or null, ...]}`` in one round trip: the KV cache's
-  owner index asks for a whole prompt's blocks at once. Signed like the other
-  ``/metadata`` requests (empty key, the JSON as body).
+* ``POST /metadata/batch``, several keys in one round trip (at most ``MAX_BATCH``):
+  ``{"get": [key, ...]}`` answers ``{"values": [base64 value or null, ...]}``;
+  ``{"put": {key: base64 value}, "delete": [key, ...]}`` (no TTL; the limits and the
+  ``rpc_meta`` rule as for single PUTs; deletes first, then puts, one persistence write)
+  answers ``{"stored": n, "deleted": n}``, or the first refusal's status with what was
+  refused (the keys before it are stored). The KV cache's owner index reads and writes
+  a prompt's blocks this way. Signed like the other ``/metadata`` requests (empty key,
+  the JSON as body).
 
 Built on aiohttp, as Mooncake's server is.
 """
@@ -546,18 +550,55 @@ class MetadataServer:
         return self._reply("", body=json.dumps(keys).encode())
 
     async def _handle_batch(self, request):
+        usage = ('a batch is JSON {"get": [key, ...]} or {"put": {key: base64 value}, '
+                 '"delete": [key, ...]} with non-empty string keys')
         try:
-            keys = json.loads(await request.read())["get"]
-            if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            body = json.loads(await request.read())
+            gets = body.get("get")
+            puts = body.get("put") or {}
+            dels = body.get("delete") or []
+            if gets is not None and (puts or dels):
                 raise TypeError
-        except (ValueError, KeyError, TypeError):
-            return self._reply('a batch is JSON {"get": [key, ...]} with string keys', 400)
-        if len(keys) > MAX_BATCH:
+            ok = (isinstance(puts, dict) and isinstance(dels, list)
+                  and all(isinstance(k, str) and k.strip() for k in [*puts, *dels])
+                  and all(isinstance(v, str) for v in puts.values())
+                  and (gets is None or (isinstance(gets, list)
+                                        and all(isinstance(k, str) for k in gets))))
+            if not ok:
+                raise TypeError
+            values = {k.strip(): base64.b64decode(v, validate=True) for k, v in puts.items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return self._reply(usage, 400)
+        n = len(gets) if gets is not None else len(puts) + len(dels)
+        if n > MAX_BATCH:
             return self._reply(f"a batch asks for at most {MAX_BATCH} keys, this one for "
-                               f"{len(keys)}: split it", 413)
-        values = [self.store.get(k) for k in keys]
-        return self._reply("", body=json.dumps({"values": [
-            None if v is None else base64.b64encode(v).decode() for v in values]}).encode())
+                               f"{n}: split it", 413)
+        if gets is not None:
+            got = [self.store.get(k) for k in gets]
+            return self._reply("", body=json.dumps({"values": [
+                None if v is None else base64.b64encode(v).decode() for v in got]}).encode())
+        deleted = sum(1 for k in dels if self.store.delete(k.strip()))
+        stored, refused = 0, None
+        for key, value in values.items():
+            outcome = self.store.put(key, value, None)
+            if outcome in (STORED, UNCHANGED):
+                stored += 1
+                continue
+            refused = {DUPLICATE: (400, f"{key!r}: Duplicate rpc_meta key not allowed"),
+                       TOO_LARGE: (413, f"{key!r}: value of {len(value)} bytes exceeds the "
+                                        f"limit of {self.store.max_value} bytes"),
+                       OVER_QUOTA: (507, f"{key!r}: metadata store full ({self.store.used} "
+                                         f"of {self.store.quota} bytes used)")}[outcome]
+            break
+        if deleted or stored:
+            try:
+                await self._persist()
+            except MetadataError as e:
+                return self._reply(str(e), 500)
+        if refused is not None:
+            return self._reply(f"{refused[1]}; {stored} stored before it", refused[0])
+        return self._reply("", body=json.dumps({"stored": stored,
+                                                "deleted": deleted}).encode())
 
     async def _handle_health(self, request):
         return self._reply("", body=json.dumps({

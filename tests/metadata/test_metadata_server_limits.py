@@ -272,3 +272,25 @@ def test_batch_read_refuses_bad_bodies():
         r = requests.post(base, json={"get": ["k"] * (MAX_BATCH + 1)})
         assert r.status_code == 413 and str(MAX_BATCH) in r.text
         assert requests.post(base, json={"get": []}).json() == {"values": []}
+        assert requests.post(base, json={"get": ["a"], "put": {"b": "AA=="}}).status_code == 400
+        assert requests.post(base, json={"put": {"k": "not base64!"}}).status_code == 400
+        assert requests.post(base, json={"put": {" ": "AA=="}}).status_code == 400
+
+
+def test_batch_write_keeps_the_single_put_rules():
+    import base64
+    b64 = lambda v: base64.b64encode(v).decode()              # noqa: E731
+    with MetadataServer("127.0.0.1", 0, quota=1000) as srv:
+        base = srv.url + "/batch"
+        r = requests.post(base, json={"put": {"a": b64(b"1"), "b": b64(b"2")}})
+        assert r.json() == {"stored": 2, "deleted": 0}
+        assert kv(srv, "GET", "a").content == b"1"
+        r = requests.post(base, json={"put": {"c": b64(b"3"), "big": b64(b"x" * 900)}})
+        assert r.status_code == 507 and "'big'" in r.text and "1 stored before" in r.text
+        assert kv(srv, "GET", "c").content == b"3"
+        kv(srv, "PUT", "seg/rpc_meta", b"one")
+        r = requests.post(base, json={"put": {"seg/rpc_meta": b64(b"two")}})
+        assert r.status_code == 400 and "rpc_meta" in r.text
+        r = requests.post(base, json={"delete": ["a", "missing"]})
+        assert r.json() == {"stored": 0, "deleted": 1}
+        assert kv(srv, "GET", "a").status_code == 404

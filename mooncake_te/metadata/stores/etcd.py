@@ -164,6 +164,20 @@ class EtcdStore(LeasedStore):
                                 f"{len(keys)} reads answered {len(out)} results")
         return out
 
+    def _txn(self, what: str, ops: list) -> None:
+        for i in range(0, len(ops), 128):           # etcd's default --max-txn-ops
+            chunk = ops[i:i + 128]
+            self._call(f"{what} ({len(chunk)} keys)",
+                       lambda c: c.post(c.get_url("/kv/txn"), json={"success": chunk}))
+
+    def put_many(self, items: dict[str, bytes]) -> None:
+        self._txn("put", [{"request_put": {"key": _b64(k), "value": base64.b64encode(
+            v).decode()}} for k, v in items.items()])
+
+    def delete_many(self, keys: list[str]) -> None:
+        self._txn("delete", [{"request_delete_range": {"key": _b64(k)}}
+                             for k in dict.fromkeys(keys)])
+
     # -- leases ------------------------------------------------------------------------
     def _grant(self):
         # The lease ID is cluster-wide, so any member can keep it alive later.

@@ -218,6 +218,38 @@ class HttpStore(LeasedStore):
             self._batch = True
         return out
 
+    def _batch_write(self, puts: dict, dels: list) -> bool:
+        """One batch route call; False where the server has no batch route."""
+        if self._batch is False:
+            return False
+        body = json.dumps({"put": {k: base64.b64encode(v).decode() for k, v in puts.items()},
+                           "delete": dels}).encode()
+        resp = self._request("POST", "", data=body, path="/batch")
+        if resp.status_code != 200 and SERVER_HEADER not in resp.headers:
+            self._batch = False
+            return False
+        if resp.status_code != 200:
+            raise self._unexpected("POST", f"/batch of {len(puts) + len(dels)} keys", resp)
+        self._batch = True
+        return True
+
+    def put_many(self, items: dict[str, bytes]) -> None:
+        items = dict(items)
+        keys = list(items)
+        for i in range(0, len(keys), MAX_BATCH):
+            chunk = {k: items[k] for k in keys[i:i + MAX_BATCH]}
+            if not self._batch_write(chunk, []):
+                for k, v in chunk.items():
+                    self.put(k, v)
+
+    def delete_many(self, keys: list[str]) -> None:
+        keys = list(dict.fromkeys(keys))
+        for i in range(0, len(keys), MAX_BATCH):
+            chunk = keys[i:i + MAX_BATCH]
+            if not self._batch_write({}, chunk):
+                for k in chunk:
+                    self.delete(k)
+
     def put(self, key: str, value: bytes, headers: dict | None = None) -> None:
         resp = self._request("PUT", key, data=value, headers=headers)
         if resp.status_code != 200:

@@ -108,6 +108,14 @@ class RedisStore(LeasedStore):
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         return self._call(f"MGET of {len(keys)} keys", self._client.mget, keys)
 
+    def put_many(self, items: dict[str, bytes]) -> None:
+        if items:
+            self._call(f"MSET of {len(items)} keys", self._client.mset, items)
+
+    def delete_many(self, keys: list[str]) -> None:
+        if keys:
+            self._call(f"DEL of {len(keys)} keys", self._client.delete, *keys)
+
     def _put_leased(self, key: str, value: bytes) -> None:
         self._call(f"SET {key!r} EX {self._ex}", self._client.set, key, value, ex=self._ex)
 
