@@ -574,7 +574,7 @@ class MetadataServer:
             return self._reply(f"a batch asks for at most {MAX_BATCH} keys, this one for "
                                f"{n}: split it", 413)
         if gets is not None:
-            got = [self.store.get(k) for k in gets]
+            got = [self.store.get(k.strip()) for k in gets]
             return self._reply("", body=json.dumps({"values": [
                 None if v is None else base64.b64encode(v).decode() for v in got]}).encode())
         deleted = sum(1 for k in dels if self.store.delete(k.strip()))
