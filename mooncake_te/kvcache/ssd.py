@@ -27,12 +27,11 @@ import fcntl
 import json
 import logging
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from ..errors import ConfigError
 from .policy import make_policy
-from .record import ALIGN, HEADER_SIZE, parse_header, round_up
+from .record import ALIGN, HEADER_SIZE, crc32_held, parse_header, round_up
 
 log = logging.getLogger("mooncake_te.kvcache")
 
@@ -296,11 +295,11 @@ class SSDTier:
 
 
 def _read_verify(fd, mv, offset, nbytes, key, length) -> bool:
-    # Runs on an I/O thread: the read and the CRC both release the GIL.
+    # Runs on an I/O thread: the read releases the GIL.
     n = os.preadv(fd, [mv[:nbytes]], offset)
     if n < HEADER_SIZE + length:
         return False
     h = parse_header(mv)
     if h is None or h.key != key or h.length != length:
         return False
-    return zlib.crc32(mv[HEADER_SIZE:HEADER_SIZE + length]) == h.crc
+    return crc32_held(mv[HEADER_SIZE:HEADER_SIZE + length]) == h.crc

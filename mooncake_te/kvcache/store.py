@@ -24,7 +24,6 @@ import mmap
 import threading
 import time
 import warnings
-import zlib
 
 import numpy as np
 
@@ -33,7 +32,7 @@ from ..errors import ConfigError, InvalidArgumentError, MooncakeError
 from ..metrics.prometheus import track as _track_metrics
 from .keys import as_key
 from .policy import make_policy
-from .record import HEADER_SIZE, pack_header, parse_header, slot_size_for
+from .record import HEADER_SIZE, crc32_held, pack_header, parse_header, slot_size_for
 from .stats import derive, log_line, new_counters
 
 log = logging.getLogger("mooncake_te.kvcache")
@@ -597,7 +596,7 @@ class KVCache:
         mv = memoryview(mm)
         mv[HEADER_SIZE:HEADER_SIZE + n] = src
         seq = self._next_seq()
-        mv[:HEADER_SIZE] = pack_header(key, n, seq, zlib.crc32(mv[HEADER_SIZE:HEADER_SIZE + n]))
+        mv[:HEADER_SIZE] = pack_header(key, n, seq, crc32_held(mv[HEADER_SIZE:HEADER_SIZE + n]))
         self._bounce.append(mm)
         return mv, seq
 
@@ -694,7 +693,7 @@ class KVCache:
         mv[off:off + 4] = b"\0\0\0\0"
         mv[off + HEADER_SIZE:off + HEADER_SIZE + n] = src
         self._seq += 1
-        crc = zlib.crc32(mv[off + HEADER_SIZE:off + HEADER_SIZE + n])
+        crc = crc32_held(mv[off + HEADER_SIZE:off + HEADER_SIZE + n])
         mv[off:off + HEADER_SIZE] = pack_header(key, n, self._seq, crc)
         if self._index is not None:
             self._index.publish(key, self.base + off, n)
@@ -738,7 +737,7 @@ class KVCache:
                 view = self._slot_view(slot)
                 h = parse_header(view)
                 if h is not None and h.key == k and h.length == n and \
-                        zlib.crc32(view[HEADER_SIZE:HEADER_SIZE + n]) == h.crc:
+                        crc32_held(view[HEADER_SIZE:HEADER_SIZE + n]) == h.crc:
                     good_set.add(k)
         c["remote_read_s"] += time.perf_counter() - t
         for k, slot, (_, _, n), i in self._remote:
