@@ -402,7 +402,7 @@ class KVCache:
         return new
 
     # --- get ----------------------------------------------------------------------------
-    def get(self, keys, out=None, remote: bool = False) -> list:
+    def get(self, keys, out=None, remote: bool = False, copy=None) -> list:
         """Read blocks: DRAM hits are copied out, SSD hits promoted to DRAM (then copied),
         misses are None. With ``remote=True``, blocks missing here are read from the peer
         the owner index names (zero-copy into this cache's pool, checked, then kept).
@@ -414,20 +414,33 @@ class KVCache:
             Copy block ``i`` into ``out[i]`` (at least the block's length) instead of
             returning new arrays; the list then holds each block's length or None.
         remote : bool
+        copy : callable, optional
+            ``copy(i, block)`` is called once per block found, with ``block`` a read-only
+            numpy ``uint8`` view of its bytes in the DRAM pool (an SSD or remote block
+            after it was read there and checked), valid only during the call: the caller
+            copies it where it belongs, with no intermediate image. The list then holds
+            each block's length or None, as with ``out`` (not both). An exception from
+            ``copy`` propagates (blocks of this round not yet served stay cached).
 
         Returns
         -------
         list
-            One numpy ``uint8`` array (or length, with ``out``) per key, None for a miss.
+            One numpy ``uint8`` array (or length, with ``out`` or ``copy``) per key, None
+            for a miss.
         """
         self._check_open()
         if remote:
             self._need_index()
         ks = [as_key(k) for k in keys]
+        if out is not None and copy is not None:
+            raise InvalidArgumentError("get: pass out= or copy=, not both")
         if out is not None and len(out) != len(ks):
             raise InvalidArgumentError(f"get: {len(ks)} keys but {len(out)} output buffers")
-        outs = [None] * len(ks) if out is None else [_as_bytes_view(o, writable=True)
-                                                      for o in out]
+        if copy is not None:
+            outs = _CopyTo(copy, len(ks))
+        else:
+            outs = [None] * len(ks) if out is None else [_as_bytes_view(o, writable=True)
+                                                          for o in out]
         res: list = [None] * len(ks)
         missing = []
         with self._lock:
@@ -701,7 +714,13 @@ class KVCache:
     def _copy_out(self, i, slot, n, outs, res, tier) -> None:
         off = slot * self.slot_size + HEADER_SIZE
         t = time.perf_counter()
-        if outs[i] is None:
+        fn = getattr(outs, "fn", None)
+        if fn is not None:
+            view = self._np[off:off + n]
+            view.flags.writeable = False
+            fn(i, view)
+            res[i] = n
+        elif outs[i] is None:
             res[i] = self._np[off:off + n].copy()
         else:
             dst = outs[i]
@@ -796,6 +815,15 @@ class KVCache:
                     self.log_stats()
                 except Exception:            # never let a log line kill the thread
                     log.exception("kvcache: stats logging failed")
+
+
+class _CopyTo(list):
+    """The ``outs`` of ``get(copy=fn)``: no buffers (every entry None), and ``fn``, which
+    each block found is handed to. It travels with ``outs`` through the rounds."""
+
+    def __init__(self, fn, n: int):
+        super().__init__([None] * n)
+        self.fn = fn
 
 
 def _round4k(n: int) -> int:
