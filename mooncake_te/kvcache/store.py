@@ -19,8 +19,10 @@ immutable: a key names its content), so demoting it again costs no write.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
+import os
 import threading
 import time
 import warnings
@@ -77,6 +79,12 @@ class KVCache:
     prefault : bool
         Touch every page of the pool up front, so the first blocks stored or read into it
         do not pay a page fault per 4 KiB (the pool is otherwise backed lazily).
+    prefault_restart : bool
+        When the SSD tier holds blocks at start (a restart), populate in the background
+        (thread ``kvcache-prefault``, lowest CPU priority, stopped by :meth:`close`) the
+        DRAM slots their promotions take first, as many as the SSD tier holds or the pool
+        has, so the first hits after a restart do not fault those pages in while the
+        O_DIRECT read lands (about half of a cold 30 MiB promotion here).
 
     Examples
     --------
@@ -89,7 +97,7 @@ class KVCache:
                  cache_dir: "str | None" = None, policy: str = "lru", engine=None,
                  index=None, namespace: str = "default", block_tokens: int = 16,
                  io_depth: int = 4, o_direct: bool = True, log_interval_s: float = 60.0,
-                 prefault: bool = False):
+                 prefault: bool = False, prefault_restart: bool = True):
         self._closed = True
         if not isinstance(block_bytes, int) or block_bytes < 1:
             raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
@@ -158,6 +166,13 @@ class KVCache:
             raise
         self._closed = False
         self._stop = threading.Event()
+        self._prefaulter = None
+        if prefault_restart and not prefault and self.ssd is not None and self.ssd.recovered:
+            # Free slots are handed out from 0 up (self._free pops its end).
+            nbytes = min(ndram, self.ssd.recovered) * self.slot_size
+            self._prefaulter = threading.Thread(target=self._prefault_loop, args=(nbytes,),
+                                                name="kvcache-prefault", daemon=True)
+            self._prefaulter.start()
         self._logger = None
         self._last_logged = None
         if log_interval_s and log_interval_s > 0:
@@ -252,6 +267,9 @@ class KVCache:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        pre = getattr(self, "_prefaulter", None)
+        if pre is not None:
+            pre.join(timeout=5)        # it stops at its next 64 MiB step
         if self._index is not None:
             self._index.close(withdraw_all=list(self._dram))
         if self._own_store is not None:
@@ -805,6 +823,27 @@ class KVCache:
         log.log(level, "%s", line)
         return line
 
+    def _prefault_loop(self, nbytes: int) -> None:
+        # MADV_POPULATE_WRITE (madvise(2), Linux 5.14) faults the pages in, writable,
+        # without touching their contents: a slot filled meanwhile is not disturbed, so
+        # no lock is needed. The call lets go of the GIL (ctypes.CDLL); this thread runs at
+        # nice 19 (setpriority(2) on a thread id sets that thread's).
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (OSError, AttributeError):
+            pass
+        t = time.perf_counter()
+        step = 64 << 20
+        for off in range(0, nbytes, step):
+            if self._stop.is_set():
+                return
+            if _madvise(self.base + off, min(step, nbytes - off), _MADV_POPULATE_WRITE):
+                log.debug("kvcache: MADV_POPULATE_WRITE refused (errno %d); the pool's pages "
+                          "fault in as blocks land", ctypes.get_errno())
+                return
+        log.debug("kvcache: populated %d MiB of the DRAM pool for promotions in %.2f s",
+                  nbytes >> 20, time.perf_counter() - t)
+
     def _log_loop(self, interval: float) -> None:
         while not self._stop.wait(interval):
             with self._lock:
@@ -824,6 +863,13 @@ class _CopyTo(list):
     def __init__(self, fn, n: int):
         super().__init__([None] * n)
         self.fn = fn
+
+
+_MADV_POPULATE_WRITE = 23              # <linux/mman.h> (asm-generic/mman-common.h)
+_libc = ctypes.CDLL(None, use_errno=True)
+_madvise = _libc.madvise
+_madvise.restype = ctypes.c_int
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 def _round4k(n: int) -> int:
