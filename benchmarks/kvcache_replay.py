@@ -16,8 +16,8 @@ blocks of ``--block-kib``, default 61 of 512 KiB: the longest prompt of
 benchmarks/vllm_ttft.py) from the SSD tier of a cache just reopened on the same
 ``cache_dir`` (once right after the open, once after the ``kvcache-prefault`` thread
 populated the pool), and the same ``get`` again from DRAM, each block copied to its
-destination by ``get(copy=...)``; with ``--busy-thread`` a pure-Python loop runs beside it, as vLLM's
-engine loop does. Seconds, no disk ceiling or trace.
+destination by ``get(copy=...)``; with ``--busy-thread`` a pure-Python loop runs beside
+it, as vLLM's engine loop does. Seconds, no disk ceiling or trace.
 """
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ Layout of ``cache_dir``::
 
 The file grows (sparsely) as blocks are demoted, so ``du -sh cache_dir`` shows what the
 tier holds. The slots of one batch that lie side by side are read or written with one
-``preadv``/``pwritev``. I/O is ``O_DIRECT`` (open(2): bypasses the page cache, so the DRAM tier is not
-duplicated in page cache and a read measures the device) with buffers, offsets and
-lengths aligned to 4 KiB. Where the file system refuses ``O_DIRECT`` (tmpfs, some
+``preadv``/``pwritev``. I/O is ``O_DIRECT`` (open(2): bypasses the page cache, so the DRAM
+tier is not duplicated in page cache and a read measures the device) with buffers, offsets
+and lengths aligned to 4 KiB. Where the file system refuses ``O_DIRECT`` (tmpfs, some
 overlay set-ups answer EINVAL) the tier falls back to buffered I/O and ``fdatasync``s after
 each batch of writes, and says so in a warning and in ``stats()["ssd_io"]``.
 
@@ -245,8 +245,8 @@ class SSDTier:
     # A batch's slots are sorted and adjacent ones joined into runs, each one preadv(2) /
     # pwritev(2) on the caller's thread. A thread pool looked better on paper: beside a
     # busy Python thread (vLLM's engine loop) every hand-off to and from a worker costs a
-    # switch interval (5 ms), so a 61-block read took 150 ms. One large O_DIRECT request
-    # still keeps the device busy: the block layer splits it into many in flight.
+    # switch interval (5 ms); a 61-block SSD hit in vLLM took 150 ms. One large O_DIRECT
+    # request still keeps the device busy: the block layer splits it into many in flight.
     def _runs(self, items, nbytes):
         """Group ``items`` (sorted by slot, ``item[0]`` the slot) into runs of adjacent
         slots whose every record but the last fills its slot, at most IOV_MAX each."""
