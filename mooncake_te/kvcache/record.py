@@ -49,15 +49,23 @@ def _address(buf) -> "tuple[int, int]":
 
 
 def _load_isal():
-    """ISA-L's ``crc32_gzip_refl`` (the same CRC as zlib's, several times faster) through
-    the optional ``isal`` package (``pip install mooncake-te[kvcache]``). Its
-    ``isal_zlib.crc32`` calls the function with the GIL held (python-isal
-    ``src/isal/isal_zlib_impl.h``, ``isal_zlib_crc32_impl``)."""
+    """ISA-L's ``crc32_gzip_refl`` (the same CRC as zlib's, several times faster) from the
+    optional ``isal`` package (``pip install mooncake-te[kvcache]``), called through
+    :class:`ctypes.PyDLL` so the GIL stays held. Not ``isal_zlib.crc32`` itself: like
+    ``zlib.crc32`` it lets go of the GIL above 5 KiB (python-isal 1.9.1's
+    ``isal_zlib_crc32`` calls ``PyEval_SaveThread`` for buffers over 0x1400 bytes)."""
     try:
         from isal import isal_zlib
-    except ImportError:
+        fn = ctypes.PyDLL(isal_zlib.__file__).crc32_gzip_refl
+    except (ImportError, OSError, AttributeError):
         return None
-    return isal_zlib.crc32
+    fn.restype = ctypes.c_uint32
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64]
+
+    def crc32(buf, value: int = 0) -> int:
+        addr, n = _address(buf)
+        return fn(value, addr, n) if n else value
+    return crc32
 
 
 def _load_libz():
