@@ -10,6 +10,14 @@ Usage::
 
 Prints one table and, with ``--json``, one JSON object. Takes a minute or two with the
 defaults (about 11 GiB of blocks written through the cache, 256 KiB per block).
+
+``--restart-get [--busy-thread]`` instead times one full-prefix ``get`` (``--blocks``
+blocks of ``--block-kib``, default 61 of 512 KiB: the longest prompt of
+benchmarks/vllm_ttft.py) from the SSD tier of a cache just reopened on the same
+``cache_dir`` (once right after the open, once after the ``kvcache-prefault`` thread
+populated the pool), and the same ``get`` again from DRAM, each block copied to its
+destination by ``get(copy=...)``; with ``--busy-thread`` a pure-Python loop runs beside
+it, as vLLM's engine loop does. Seconds, no disk ceiling or trace.
 """
 from __future__ import annotations
 
@@ -117,6 +125,82 @@ def remote_get(block: int, nblocks: int = 2048, batch: int = 32) -> dict:
                 "transport": ea.protocol}
 
 
+def restart_get(cache_dir: str, block: int, nblocks: int, reps: int, busy: bool) -> dict:
+    """Median seconds of a full-prefix ``get`` from SSD after a restart and from DRAM."""
+    import statistics
+    import threading
+    import time
+
+    import numpy as np
+
+    from mooncake_te.kvcache import KVCache
+    try:
+        from mooncake_te.kvcache.record import CRC32_IMPL
+    except ImportError:                        # a tree from before crc32_held: zlib's
+        CRC32_IMPL = "zlib"
+
+    kv = os.path.join(cache_dir, "kv")
+    keys = list(range(nblocks))
+    data = [np.random.default_rng(i).integers(0, 256, block, dtype=np.uint8)
+            for i in range(nblocks)]
+    dram = (nblocks + 4) * (block + 4096)
+    with KVCache(block, dram, 2 * dram, kv, log_interval_s=0) as c:
+        c.put(keys, data)
+        c.close(persist=True)                  # every block on SSD, as after a clean exit
+    dst = [memoryview(np.empty(block, np.uint8)) for _ in keys]
+
+    def copy(i, blk):
+        dst[i][:] = memoryview(blk)            # a memcpy with the GIL held
+
+    def get(c):
+        try:
+            return c.get(keys, copy=copy)
+        except TypeError:                      # a tree from before get(copy=): out=
+            return c.get(keys, out=dst)
+
+    stop = threading.Event()
+    spin = None
+    if busy:
+        def loop():
+            n = 0
+            while not stop.is_set():
+                n += 1
+        spin = threading.Thread(target=loop, name="busy", daemon=True)
+        spin.start()
+    ssd, hot, cold = [], [], []
+    try:
+        for _ in range(reps):
+            with KVCache(block, dram, 2 * dram, kv, log_interval_s=0) as c:   # a restart
+                # Right away, the kvcache-prefault thread just started beside the get.
+                t = time.perf_counter()
+                got = get(c)
+                cold.append(time.perf_counter() - t)
+                assert got == [block] * nblocks, "an SSD block was not served"
+                c.close(persist=True)
+            with KVCache(block, dram, 2 * dram, kv, log_interval_s=0) as c:
+                # A server takes seconds to start: the pool's slots are populated by then.
+                if getattr(c, "_prefaulter", None) is not None:
+                    c._prefaulter.join()
+                t = time.perf_counter()
+                got = get(c)
+                ssd.append(time.perf_counter() - t)
+                assert got == [block] * nblocks, "an SSD block was not served"
+                t = time.perf_counter()
+                got = get(c)
+                hot.append(time.perf_counter() - t)
+                assert got == [block] * nblocks and c.stats()["served_dram"] == nblocks
+                c.close(persist=True)
+    finally:
+        stop.set()
+        if spin is not None:
+            spin.join()
+    assert all(bytes(d) == bytes(x) for d, x in zip(dst, data)), "wrong bytes served"
+    s, d, k = statistics.median(ssd), statistics.median(hot), statistics.median(cold)
+    return {"blocks": nblocks, "block_bytes": block, "busy_thread": busy, "reps": reps,
+            "ssd_s": s, "ssd_cold_s": k, "dram_s": d, "ssd_over_dram": s / d,
+            "crc32": CRC32_IMPL, "ssd_all_s": ssd, "ssd_cold_all_s": cold, "dram_all_s": hot}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=DEFAULT_TRACE)
@@ -127,7 +211,33 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int)
     ap.add_argument("--policy", default="lru", choices=("lru", "lfu"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--restart-get", action="store_true",
+                    help="time a full-prefix get from SSD after a restart vs from DRAM")
+    ap.add_argument("--busy-thread", action="store_true",
+                    help="with --restart-get: a busy Python thread beside (vLLM's engine)")
+    ap.add_argument("--blocks", type=int, default=61)
+    ap.add_argument("--block-kib", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args(argv)
+    if args.restart_get:
+        tmp = cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvcache-bench-",
+                                                            dir="/var/tmp")
+        try:
+            r = restart_get(cache_dir, args.block_kib << 10, args.blocks, args.reps,
+                            args.busy_thread)
+        finally:
+            if not args.cache_dir:
+                shutil.rmtree(tmp, ignore_errors=True)
+        if args.json:
+            print(json.dumps(r, indent=2))
+        else:
+            print(f"full-prefix get of {r['blocks']} blocks of {r['block_bytes'] >> 10} KiB"
+                  f"{' beside a busy Python thread' if r['busy_thread'] else ''} "
+                  f"(CRC-32: {r['crc32']}), median of {r['reps']}: SSD after a restart "
+                  f"{r['ssd_s'] * 1e3:.1f} ms (pool populated; {r['ssd_cold_s'] * 1e3:.1f} ms "
+                  f"right after the open), DRAM {r['dram_s'] * 1e3:.1f} ms, SSD/DRAM "
+                  f"{r['ssd_over_dram']:.2f}x")
+        return 0
 
     from mooncake_te.kvcache import KVCache, load_trace, simulate
     from mooncake_te.kvcache.replay import replay_real

@@ -40,5 +40,5 @@ if [[ ! -x .venv/bin/python ]]; then
     "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip setuptools wheel
-.venv/bin/python -m pip install -q -e ".[dev,docs,bench,redis,etcd,http,metrics]"
+.venv/bin/python -m pip install -q -e ".[dev,docs,bench,redis,etcd,http,metrics,kvcache]"
 echo "setup: ready ($(.venv/bin/python -c 'import mooncake_te; print("mooncake_te", mooncake_te.__version__)'))"

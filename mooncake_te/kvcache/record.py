@@ -14,14 +14,23 @@ Header, little-endian (``struct`` format ``<4sHH16sQQII``, then zero padding)::
 it (zlib's CRC-32, ISO-HDLC polynomial, as in ``zlib.crc32``). A record whose header or
 data checksum does not match (a torn write after a crash, a flipped bit, a slot a peer
 overwrote while we read it) is dropped, never served.
+
+Checksums are computed by :func:`crc32_held`, which keeps the GIL: ``zlib.crc32`` lets go
+of it for buffers over 5 KiB (CPython ``Modules/zlibmodule.c``), and beside a busy Python
+thread (vLLM's engine loop) each let-go costs the caller up to a switch interval (5 ms)
+before it runs again, per block. The values are zlib's either way.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import struct
 import zlib
 
+import numpy as np
+
 __all__ = ["HEADER_SIZE", "ALIGN", "MAGIC", "slot_size_for", "pack_header",
-           "parse_header", "Header"]
+           "parse_header", "Header", "crc32_held", "CRC32_IMPL"]
 
 MAGIC = b"MKV1"
 VERSION = 1
@@ -31,6 +40,69 @@ HEADER_SIZE = 64
 ALIGN = 4096
 _HDR = struct.Struct("<4sHH16sQQI")            # 44 bytes, then the header crc
 _CRC = struct.Struct("<I")
+
+
+# --- CRC-32 without letting go of the GIL ---------------------------------------------------
+def _address(buf) -> "tuple[int, int]":
+    a = np.frombuffer(buf, dtype=np.uint8)
+    return a.ctypes.data, a.nbytes
+
+
+def _load_isal():
+    """ISA-L's ``crc32_gzip_refl`` (the same CRC as zlib's, several times faster) from the
+    optional ``isal`` package (``pip install mooncake-te[kvcache]``), called through
+    :class:`ctypes.PyDLL` so the GIL stays held. Not ``isal_zlib.crc32`` itself: like
+    ``zlib.crc32`` it lets go of the GIL above 5 KiB (python-isal 1.9.1's
+    ``isal_zlib_crc32`` calls ``PyEval_SaveThread`` for buffers over 0x1400 bytes)."""
+    try:
+        from isal import isal_zlib
+        fn = ctypes.PyDLL(isal_zlib.__file__).crc32_gzip_refl
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_uint32
+    fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64]
+
+    def crc32(buf, value: int = 0) -> int:
+        addr, n = _address(buf)
+        return fn(value, addr, n) if n else value
+    return crc32
+
+
+def _load_libz():
+    """libz's ``crc32_z`` (else ``crc32``) through :class:`ctypes.PyDLL`, whose calls keep
+    the GIL (unlike :class:`ctypes.CDLL`'s)."""
+    name = ctypes.util.find_library("z") or "libz.so.1"
+    try:
+        lib = ctypes.PyDLL(name)
+    except OSError:
+        return None
+    fn = getattr(lib, "crc32_z", None)
+    wide = fn is not None
+    if fn is None:
+        fn = lib.crc32
+    fn.restype = ctypes.c_ulong
+    fn.argtypes = [ctypes.c_ulong, ctypes.c_void_p, ctypes.c_size_t if wide else ctypes.c_uint]
+    step = (1 << 62) if wide else (1 << 30)
+
+    def crc32(buf, value: int = 0) -> int:
+        addr, n = _address(buf)
+        if n == 0:
+            return value            # libz answers 0 for a NULL buffer, whatever value is
+        while n > step:
+            value = fn(value, addr, step)
+            addr, n = addr + step, n - step
+        return fn(value, addr, n) & 0xFFFFFFFF
+    return crc32
+
+
+_crc_isal = _load_isal()
+_crc_libz = _load_libz()
+#: CRC-32 of a buffer (zlib's value), computed with the GIL held: ISA-L where the ``isal``
+#: package is installed, else libz through ctypes, else ``zlib.crc32`` (which then lets go
+#: of the GIL for buffers over 5 KiB).
+crc32_held = _crc_isal or _crc_libz or zlib.crc32
+#: Which of the three :func:`crc32_held` is: ``"isal"``, ``"libz"`` or ``"zlib"``.
+CRC32_IMPL = "isal" if _crc_isal else "libz" if _crc_libz else "zlib"
 
 
 def round_up(n: int, a: int = ALIGN) -> int:

@@ -76,6 +76,14 @@ def test_block_copier_gathers_and_scatters_every_layer():
     want = kv.block(3)
     cp.scatter(9, img)
     assert all(np.array_equal(kv.layers[i][9], want[i]) for i in range(2))
+    cp.gather(5, img)
+    want = kv.block(5)
+    cp.scatter_held(1, img)                               # memmove with the GIL held
+    assert all(np.array_equal(kv.layers[i][1], want[i]) for i in range(2))
+    with pytest.raises(IndexError):
+        cp.scatter_held(kv.layout.num_blocks, img)
+    with pytest.raises(ValueError):
+        cp.scatter_held(1, img[:-1])
 
 
 def _settings(tmp_path=None, dram_blocks=8, ssd_blocks=0, **kw):

@@ -305,6 +305,144 @@ def test_corrupt_header_and_truncated_file(tmp_path):
         assert all(np.array_equal(g, block(k)) for k, g in zip((2, 3), got) if g is not None)
 
 
+# --- coalesced SSD I/O, held-GIL checksums, get(copy=) ----------------------------------
+def _count_calls(monkeypatch, name):
+    calls = []
+    real = getattr(os, name)
+
+    def counting(fd, bufs, offset):
+        calls.append(len(bufs))
+        return real(fd, bufs, offset)
+    monkeypatch.setattr(os, name, counting)
+    return calls
+
+
+def _on_ssd(tmp_path, n):
+    """Blocks 0..n-1 written to SSD slots 0..n-1 (a clean close persists them)."""
+    with cache(tmp_path, dram=n, ssd=n + 4) as c:
+        c.put(range(n), [block(i) for i in range(n)])
+        c.close(persist=True)
+    with cache(tmp_path, dram=1, ssd=n + 4) as c:
+        return {k: c.ssd.index[as_key(k)][0] for k in range(n)}
+
+
+def test_adjacent_ssd_slots_are_one_read_and_one_write(tmp_path, monkeypatch):
+    slots = _on_ssd(tmp_path, 6)
+    assert sorted(slots.values()) == list(range(6))
+    order = sorted(range(6), key=slots.get)
+    with cache(tmp_path, dram=8, ssd=10) as c:
+        reads = _count_calls(monkeypatch, "preadv")
+        got = c.get(order[::-1])                          # any key order: sorted by slot
+        assert reads == [6]
+        assert all(np.array_equal(g, block(k)) for k, g in zip(order[::-1], got))
+    with cache(tmp_path, dram=8, ssd=10) as c:
+        c.remove([order[2]])                              # a hole between two runs
+        reads = _count_calls(monkeypatch, "preadv")
+        keep = [k for k in order if k != order[2]]
+        got = c.get(keep)
+        assert reads == [2, 3]
+        assert all(np.array_equal(g, block(k)) for k, g in zip(keep, got))
+    with cache(tmp_path / "w", dram=4, ssd=8) as c:
+        c.put(range(4), [block(i) for i in range(4)])
+        writes = _count_calls(monkeypatch, "pwritev")
+        c.close(persist=True)                             # 4 new SSD slots side by side
+        assert writes == [4]
+
+
+def test_corrupt_block_inside_a_run_is_dropped_the_rest_served(tmp_path, monkeypatch, caplog):
+    slots = _on_ssd(tmp_path, 5)
+    bad = next(k for k, s in slots.items() if s == 2)     # the middle of slots 0..4
+    with open(tmp_path / "kv" / SLAB, "r+b") as f:
+        f.seek(2 * SLOT + HEADER_SIZE + 100)
+        f.write(b"\xff\x00\xff")
+    with cache(tmp_path, dram=8, ssd=9) as c, caplog.at_level(logging.WARNING):
+        reads = _count_calls(monkeypatch, "preadv")
+        got = c.get(range(5))
+        assert reads == [5]                               # still one read
+        assert got[bad] is None and bad not in c
+        assert all(np.array_equal(g, block(k)) for k, g in enumerate(got) if k != bad)
+        assert c.stats()["corrupt_dropped"] == 1 and "corrupt or torn" in caplog.text
+
+
+def test_short_reads_and_writes_are_finished():
+    from mooncake_te.kvcache.ssd import _rw_full
+    src = bytes(range(256)) * 64                         # 16 KiB
+    dst = [memoryview(bytearray(4096)) for _ in range(4)]
+
+    def dribble(fd, bufs, offset):                        # at most 3000 bytes a call
+        n = 0
+        for mv in bufs:
+            k = min(mv.nbytes, 3000 - n, len(src) - offset - n)
+            mv[:k] = src[offset + n:offset + n + k]
+            n += k
+            if n == 3000 or k < mv.nbytes:
+                break
+        return n
+    assert _rw_full(dribble, -1, dst, 0) == len(src)
+    assert b"".join(bytes(d) for d in dst) == src
+    dst = [memoryview(bytearray(4096)) for _ in range(5)]   # the "file" ends first
+    assert _rw_full(dribble, -1, dst, 0) == len(src)
+
+
+@pytest.mark.parametrize("n", [0, 1, 63, 4096, 8128, (1 << 20) + 3])
+def test_held_gil_crc_equals_zlib(n):
+    import zlib
+    from mooncake_te.kvcache import record
+    data = np.random.default_rng(n).integers(0, 256, n + 5, dtype=np.uint8)
+    want = zlib.crc32(data[5:])
+    impls = [f for f in (record._crc_isal, record._crc_libz) if f is not None]
+    assert impls, "neither ISA-L nor libz could be loaded"
+    for f in impls:
+        assert f(data[5:]) == want                       # an unaligned numpy view
+        assert f(memoryview(data)[5:]) == want
+        assert f(data[5:].tobytes()) == want             # read-only bytes
+        assert f(data[5:], 12345) == zlib.crc32(data[5:], 12345)
+    assert record.crc32_held(data[5:]) == want
+
+
+def test_isal_is_used_where_installed():
+    from mooncake_te.kvcache import record
+    try:
+        import isal  # noqa: F401
+    except ImportError:
+        pytest.skip("the isal package (extra [kvcache]) is not installed")
+    assert record.CRC32_IMPL == "isal"
+
+
+def test_get_copy_hands_each_block_over(tmp_path):
+    with cache(tmp_path, dram=2, ssd=8) as c:
+        c.put(range(4), [block(i) for i in range(4)])     # 0, 1 on SSD; 2, 3 in DRAM
+        seen = {}
+
+        def copy(i, blk):
+            assert not blk.flags.writeable and blk.dtype == np.uint8
+            seen[i] = blk.copy()
+        assert c.get([3, 0, 9, 1], copy=copy) == [BB, BB, None, BB]
+        assert sorted(seen) == [0, 1, 3]
+        assert all(np.array_equal(seen[i], block(k)) for i, k in ((0, 3), (1, 0), (3, 1)))
+        s = c.stats()
+        assert s["served_ssd"] == 2 and s["served_dram"] == 1 and s["get_misses"] == 1
+        with pytest.raises(InvalidArgumentError, match="not both"):
+            c.get([3], out=[bytearray(BB)], copy=copy)
+        with pytest.raises(ZeroDivisionError):
+            c.get([3], copy=lambda i, b: 1 / 0)
+        assert np.array_equal(c.get([3])[0], block(3))     # the cache goes on working
+
+
+def test_prefault_thread_after_a_restart(tmp_path):
+    with cache(tmp_path, dram=2, ssd=8) as c:
+        assert c._prefaulter is None                      # nothing on SSD yet
+        c.put(range(4), [block(i) for i in range(4)])
+    with cache(tmp_path, dram=2, ssd=8) as c:
+        t = c._prefaulter
+        assert t is not None and t.name == "kvcache-prefault" and t.daemon
+        t.join(10)
+        assert not t.is_alive()
+        assert all(np.array_equal(g, block(i)) for i, g in enumerate(c.get(range(2))))
+    with cache(tmp_path, dram=2, ssd=8, prefault_restart=False) as c:
+        assert c._prefaulter is None
+
+
 # --- configuration errors ----------------------------------------------------------------
 def test_cache_dir_not_writable(tmp_path):
     f = tmp_path / "a-file"

@@ -176,6 +176,13 @@ def pool_settings(config, config_path: "str | None", extra: "dict | None") -> Po
 
 
 # --- block images ------------------------------------------------------------------------
+# libc's memmove through ctypes.PyDLL, whose calls keep the GIL (CDLL's and ctypes.memmove
+# let go of it): see BlockCopier.scatter_held.
+_memmove_held = ctypes.PyDLL(None).memmove
+_memmove_held.restype = ctypes.c_void_p
+_memmove_held.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
 class BlockCopier:
     """Copies vLLM blocks (R regions, ``block_len[r]`` bytes each) to and from flat block
     images (the regions one after another), through numpy views of host memory."""
@@ -189,6 +196,25 @@ class BlockCopier:
             nbytes = int(stride) * (layout.num_blocks - 1) + int(blen)
             buf = (ctypes.c_uint8 * nbytes).from_address(int(base))
             self._views.append((np.frombuffer(buf, dtype=np.uint8), int(stride), int(blen)))
+        self._regions = [(int(base), int(stride), int(blen), int(off)) for base, stride, blen,
+                         off in zip(layout.base, layout.stride, layout.block_len, self.offsets)]
+
+    def scatter_held(self, block_id: int, src: np.ndarray) -> None:
+        """A block image (``block_bytes`` contiguous bytes, say a slot of the pool's DRAM
+        tier) into block ``block_id`` of every region, one ``memmove`` per region with
+        the GIL held: numpy's copies let go of it, and beside vLLM's engine loop each
+        let-go costs a switch interval (see :meth:`scatter_many`), so a block at a time
+        is only cheap this way. For :meth:`KVCache.get`'s ``copy=``."""
+        b = int(block_id)
+        if not 0 <= b < self.layout.num_blocks:
+            raise IndexError(f"block id {b} is outside vLLM's {self.layout.num_blocks} "
+                             f"blocks")
+        if src.nbytes < self.block_bytes or not src.flags.c_contiguous:
+            raise ValueError(f"a block image must be {self.block_bytes} contiguous bytes, "
+                             f"got {src.nbytes}")
+        a = src.ctypes.data
+        for base, stride, blen, off in self._regions:
+            _memmove_held(base + b * stride, a + off, blen)
 
     def gather(self, block_id: int, out: np.ndarray) -> None:
         """Block ``block_id`` of every region into ``out`` (``block_bytes`` bytes)."""
@@ -555,8 +581,17 @@ class PoolWorker:
         keys, ids = spec.keys, spec.block_ids
         tiers = [self.cache.tier(k) for k in keys]
         bb = self.copier.block_bytes
-        images = np.empty((len(keys), bb), dtype=np.uint8)
-        got = self.cache.get(keys, out=list(images), remote=self.remote)   # lengths
+        wrong = []
+
+        def copy(i, block):
+            # Straight from the pool's slot (an SSD block after it was read there and
+            # checked) into vLLM's block: no intermediate image, no GIL hand-off.
+            if block.nbytes != bb:
+                wrong.append(block.nbytes)
+                return
+            self.copier.scatter_held(ids[i], block)
+
+        got = self.cache.get(keys, copy=copy, remote=self.remote)   # lengths
         bad = [i for i, g in enumerate(got) if g is None]
         if bad:
             # A block evicted since the lookup, a corrupt SSD record, a failed peer read:
@@ -565,12 +600,10 @@ class PoolWorker:
                              "could not be loaded (evicted, corrupt or unreachable); vLLM "
                              "recomputes them", len(bad), len(keys), spec.request_id)
             return False
-        for n in got:
-            if n != bb:
-                self.log.warning("mooncake_te connector: a pool block for request %s is %d "
-                                 "bytes, expected %d; recomputing", spec.request_id, n, bb)
-                return False
-        self.copier.scatter_many(ids, images)
+        if wrong:
+            self.log.warning("mooncake_te connector: a pool block for request %s is %d "
+                             "bytes, expected %d; recomputing", spec.request_id, wrong[0], bb)
+            return False
         dt = time.perf_counter() - t0
         with self._lock:
             c = self._c
