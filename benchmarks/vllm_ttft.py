@@ -7,7 +7,10 @@ id, so equal hash-id prefixes are equal token prefixes). The model is a random L
 so prefill dominates (hidden 512, 8 layers, 4 KV heads of 64, fp32: one block of 32 tokens
 is 512 KiB of KV), and vLLM's own KV cache (``--kv-mb``) is much smaller than the trace's
 working set. Requests run one at a time in trace order (no arrival times: TTFT is the
-prefill itself, not queueing), one output token each.
+prefill itself, not queueing), one output token each. The vllm, dram and ssd modes (and
+the ideal runs) are separate processes started together and fed request by request in
+rotating order, so a 2-core VM's drift over the minutes of a run touches every mode alike
+and their ratios are fair.
 
 Modes (``--modes``): ``vllm`` (prefix caching on, no connector), ``dram`` (+ the pool,
 DRAM tier only), ``ssd`` (+ DRAM and SSD), ``pd`` (a producer and a consumer, no pool) and
@@ -28,8 +31,9 @@ requests with exactly the tokens that mode hit already in vLLM's own prefix cach
 just before, from an empty cache), so its mean TTFT is "vLLM's prefill of the tokens not
 hit, plus nothing else", the bound the pool's mean TTFT is compared with; ``nohit`` runs
 prompts that share no block (the trace's lengths, fresh token ids) through vLLM alone and
-through vLLM + DRAM + SSD pool, with no pause between requests, so saving every block
-overlaps the next prefill as it would in serving, and reports the TTFT ratio per request.
+through vLLM + DRAM + SSD pool, in groups of 10 alternating between the two processes, with
+no pause between a group's requests, so saving every block overlaps the next prefill as
+it would in serving, and reports the TTFT ratio.
 
 Run (it builds ``.venv-vllm`` with scripts/vllm-env.sh if missing)::
 
@@ -138,16 +142,18 @@ def child(a) -> None:
     reqs = json.load(open(a.requests))
     say = lambda obj: (sys.stdout.write("@@" + json.dumps(obj) + "\n"), sys.stdout.flush())  # noqa
 
-    def settle():
-        # Finished requests' stores reach the worker with the next step (a serving
-        # engine steps anyway); let them land so the next request can hit them.
-        if a.no_settle:
-            return
+    def drain():
         if conn is not None and conn._worker.pool is not None:
             for _ in range(3):
                 llm.llm_engine.step()
             conn._worker.pool.flush()
             conn._worker.pool.cache.flush_index()
+
+    def settle():
+        # Finished requests' stores reach the worker with the next step (a serving
+        # engine steps anyway); let them land so the next request can hit them.
+        if not a.no_settle:
+            drain()
 
     def gen(toks, params=None, max_tokens=1):
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
@@ -192,33 +198,37 @@ def child(a) -> None:
             time.sleep(0.02)
         raise RuntimeError("vLLM kept refusing reset_prefix_cache")
 
-    if a.role == "ideal":
-        # Each request with exactly `hit` tokens already in vLLM's own prefix cache: an
-        # empty cache, the prefix prefilled, then the request timed.
-        gen(reqs[0][0][:64])                    # warm-up
-        res = []
-        for toks, hit in reqs:
-            reset_prefix_cache()
-            if hit:
-                gen(toks[:hit])
+    if a.role in ("vllm", "both", "ideal"):
+        # Lines on stdin name a request: {"i": n} runs it (then lets its saves land unless
+        # "settle" is false); with "prime": h, vLLM's own prefix cache is emptied and the
+        # request's first h tokens prefilled first (the ideal: exactly those tokens hit in
+        # vLLM's own cache); {"flush": 1} lets every save land; "stop" ends with the pool's
+        # counters. The parent interleaves several such processes request by request, so
+        # the machine's drift over a run touches every mode alike.
+        if a.role == "ideal":
+            gen(list(range(3, 67)))             # warm-up; its blocks are reset away
+        say({"ready": True, "num_gpu_blocks": num_gpu_blocks(llm)})
+        for line in sys.stdin:
+            if line.strip() == "stop":
+                break
+            msg = json.loads(line)
+            if msg.get("flush"):
+                drain()
+                say({})
+                continue
+            toks = reqs[msg["i"]]
+            if msg.get("prime") is not None:
+                reset_prefix_cache()
+                if msg["prime"]:
+                    gen(toks[:msg["prime"]])
             dt, o = gen(toks)
-            res.append({"ttft": dt, "tokens": len(toks), "cached": o.num_cached_tokens,
-                        "want": hit})
-        say({"results": res})
-        return
-    if a.role in ("vllm", "both"):
-        res = []
-        for toks in reqs:
-            dt, o = gen(toks)
-            res.append({"ttft": dt, "tokens": len(toks), "cached": o.num_cached_tokens,
-                        "out": list(o.outputs[0].token_ids)})
-            settle()
-        if conn is not None and conn._worker.pool is not None:
-            for _ in range(3):
-                llm.llm_engine.step()
-            conn._worker.pool.flush()
+            if msg.get("settle", True):
+                settle()
+            say({"ttft": dt, "tokens": len(toks), "cached": o.num_cached_tokens,
+                 "out": list(o.outputs[0].token_ids)})
+        drain()
         stats = dict(conn.stats.get("pool", {})) if conn is not None else {}
-        say({"results": res, "pool": stats, "num_gpu_blocks": num_gpu_blocks(llm)})
+        say({"pool": stats, "num_gpu_blocks": num_gpu_blocks(llm)})
         return
     # P/D: lines on stdin name a request index; P answers the handoff, D the timing.
     say({"ready": True, "num_gpu_blocks": num_gpu_blocks(llm)})
@@ -408,28 +418,94 @@ def main():
     rows, outs, cached_per = {}, {}, {}
     modes = a.modes.split(",")
     md_srv = None
+    group_done = False
+
+    def pool_config(mode):
+        if mode == "dram":
+            return {"dram_cache_gb": gb(a.dram_mb), "block_size": BLOCK}
+        if mode == "ssd":
+            return {"dram_cache_gb": gb(a.small_dram_mb), "block_size": BLOCK,
+                    "ssd_cache_gb": gb(a.ssd_mb), "cache_dir": os.path.join(work, "cache-ssd")}
+        return {}
+
+    def run_trace_group():
+        """vllm, dram, ssd (those asked for) and, with ``ideal``, one vLLM-alone process
+        per pool mode, all started at once and run request by request in rotating order:
+        each request's TTFT in every mode comes from the same minute of the machine."""
+        t0 = time.monotonic()
+        names = [m for m in ("vllm", "dram", "ssd") if m in modes]
+        ideal = [m for m in names if m != "vllm"] if "ideal" in modes else []
+        procs = {}
+        for m in names + [f"ideal-{m}" for m in ideal]:
+            pool = pool_config(m)
+            role = "ideal" if m.startswith("ideal") else ("both" if pool else "vllm")
+            procs[m] = Child(py, base + ["--role", role, "--kv-port", str(_free_port()),
+                                         "--extra", json.dumps({"kvcache": pool} if pool
+                                                               else {}),
+                                         "--kv-mb", str(a.kv_mb)], log)
+        ready = {m: c.read() for m, c in procs.items()}
+        res = {m: [] for m in procs}
+        for i in range(len(reqs)):
+            k = i % len(names)
+            for m in names[k:] + names[:k]:
+                procs[m].send({"i": i})
+                res[m].append(procs[m].read())
+                if m in ideal:
+                    procs[f"ideal-{m}"].send({"i": i, "prime": res[m][-1]["cached"]})
+                    res[f"ideal-{m}"].append(procs[f"ideal-{m}"].read())
+        final = {}
+        for m, c in procs.items():
+            c.send("stop")
+            final[m] = c.read()
+            c.p.wait(timeout=120)
+        wall = time.monotonic() - t0
+        for mode in names:
+            r = res[mode]
+            ttft = [x["ttft"] for x in r]
+            toks = sum(x["tokens"] for x in r)
+            p = final[mode]["pool"]
+            asked = sum(x["tokens"] // BLOCK for x in r)
+            vhit = (p.get("vllm_hit_blocks", 0) if p else
+                    sum(x["cached"] // BLOCK for x in r))
+            row = dict(ttft_p50=pct(ttft, .5), ttft_p90=pct(ttft, .9),
+                       ttft_mean=statistics.mean(ttft), tok_s=toks / sum(ttft),
+                       vllm=vhit / asked, dram=p.get("hit_dram", 0) / asked,
+                       ssd=p.get("hit_ssd", 0) / asked, remote=p.get("hit_remote", 0) / asked,
+                       stored=p.get("blocks_saved", 0), dropped=p.get("blocks_dropped", 0),
+                       failed=p.get("failed_loads", 0))
+            # The model's capacities are the running system's: vLLM's blocks less the
+            # null block, and the pool's slots per tier as the pool counted them.
+            eng = (ready[mode].get("num_gpu_blocks") or vllm_blocks) - 1
+            dram_b, ssd_b = {"vllm": (0, 0), "dram": (slots(a.dram_mb), 0),
+                             "ssd": (slots(a.small_dram_mb), slots(a.ssd_mb))}[mode]
+            if p:
+                dram_b = p.get("dram_capacity_blocks") or dram_b
+                ssd_b = p.get("ssd_capacity_blocks") or ssd_b
+            row["capacities"] = {"engine": eng, "dram": dram_b, "ssd": ssd_b}
+            row["predicted"] = predicted(sub_trace, eng, dram_b, ssd_b)
+            row["cached_tokens"] = sum(x["cached"] for x in r)
+            cached_per[mode] = [x["cached"] for x in r]
+            outs[mode] = [x["out"] for x in r]
+            if mode in ideal:
+                ri = res[f"ideal-{mode}"]
+                im = statistics.mean(x["ttft"] for x in ri)
+                row.update(ideal_mean=im, vs_ideal=row["ttft_mean"] / im,
+                           ideal_cache_mismatch=sum(
+                               1 for x, y in zip(ri, r) if x["cached"] != y["cached"]))
+                print(f"ideal for {mode}: mean TTFT {im*1e3:.0f} ms with the same hits in "
+                      f"vLLM's own cache; {mode} measured {row['ttft_mean']*1e3:.0f} ms = "
+                      f"{row['vs_ideal']:.2f}x ideal ({row['ideal_cache_mismatch']} requests "
+                      f"whose primed prefix vLLM did not hit in full)", flush=True)
+            row["wall_s"] = wall
+            rows[mode] = row
+            print(f"{mode}: {json.dumps(row, default=str)}", flush=True)
     try:
         for mode in modes:
             t0 = time.monotonic()
-            if mode == "ideal":
-                for pm in [m for m in ("dram", "ssd") if m in cached_per]:
-                    f = f"{tok_file}.ideal-{pm}"
-                    json.dump([[t, h] for (_, t), h in zip(reqs, cached_per[pm])],
-                              open(f, "w"))
-                    c = Child(py, ["--model", model, "--trace", f, "--max-model-len",
-                                   str(max_len), "--role", "ideal", "--kv-mb",
-                                   str(a.kv_mb)], log)
-                    res = c.read()["results"]
-                    c.p.wait(timeout=120)
-                    ideal = statistics.mean(x["ttft"] for x in res)
-                    off = sum(1 for x in res if x["cached"] != x["want"])
-                    rows[pm].update(ideal_mean=ideal,
-                                    vs_ideal=rows[pm]["ttft_mean"] / ideal,
-                                    ideal_cache_mismatch=off)
-                    print(f"ideal for {pm}: mean TTFT {ideal*1e3:.0f} ms with the same hits "
-                          f"in vLLM's own cache; {pm} measured {rows[pm]['ttft_mean']*1e3:.0f}"
-                          f" ms = {rows[pm]['vs_ideal']:.2f}x ideal ({off} requests whose "
-                          f"primed prefix vLLM did not hit in full)", flush=True)
+            if mode in ("vllm", "dram", "ssd", "ideal"):
+                if not group_done:
+                    run_trace_group()
+                    group_done = True
                 continue
             if mode == "nohit":
                 nreq = reqs[:a.nohit_requests]
@@ -442,17 +518,33 @@ def main():
                     fresh.append(toks[:len(t)])
                 f = tok_file + ".nohit"
                 json.dump(fresh, open(f, "w"))
-                got = {}
+                procs = {}
                 for kind, pool in (("vllm", None), ("pool", {
                         "dram_cache_gb": gb(a.small_dram_mb), "block_size": BLOCK,
                         "ssd_cache_gb": gb(a.ssd_mb),
                         "cache_dir": os.path.join(work, "cache-nohit")})):
-                    c = Child(py, ["--model", model, "--trace", f, "--max-model-len",
-                                   str(max_len), "--role", "both" if pool else "vllm",
-                                   "--kv-port", str(_free_port()), "--no-settle",
-                                   "--extra", json.dumps({"kvcache": pool} if pool else {}),
-                                   "--kv-mb", str(a.kv_mb)], log)
-                    got[kind] = c.read()
+                    procs[kind] = Child(py, ["--model", model, "--trace", f,
+                                             "--max-model-len", str(max_len), "--role",
+                                             "both" if pool else "vllm", "--kv-port",
+                                             str(_free_port()), "--extra",
+                                             json.dumps({"kvcache": pool} if pool else {}),
+                                             "--kv-mb", str(a.kv_mb)], log)
+                for c in procs.values():
+                    c.read()
+                # Groups of 10 prompts, each group through one process then the other
+                # (order alternating): inside a group the pool's saves overlap its own
+                # next prefills, as in serving; between groups they are let land.
+                got = {k: {"results": [None] * len(fresh)} for k in procs}
+                for g, lo in enumerate(range(0, len(fresh), 10)):
+                    for kind in (("vllm", "pool") if g % 2 == 0 else ("pool", "vllm")):
+                        for i in range(lo, min(lo + 10, len(fresh))):
+                            procs[kind].send({"i": i, "settle": False})
+                            got[kind]["results"][i] = procs[kind].read()
+                        procs[kind].send({"flush": 1})
+                        procs[kind].read()
+                for kind, c in procs.items():
+                    c.send("stop")
+                    got[kind]["pool"] = c.read()["pool"]
                     c.p.wait(timeout=120)
                 tv = [x["ttft"] for x in got["vllm"]["results"]]
                 tp = [x["ttft"] for x in got["pool"]["results"]]
@@ -501,49 +593,7 @@ def main():
                       f"{r['ssd']*1e3:.0f} ms ({r['ssd'] / r['vllm']:.2f}x, "
                       f"{r['ssd_cached']} cached)", flush=True)
                 continue
-            if mode in ("vllm", "dram", "ssd"):
-                pool = {}
-                if mode == "dram":
-                    pool = {"dram_cache_gb": gb(a.dram_mb), "block_size": BLOCK}
-                elif mode == "ssd":
-                    cd = os.path.join(work, "cache-ssd")
-                    pool = {"dram_cache_gb": gb(a.small_dram_mb), "block_size": BLOCK,
-                            "ssd_cache_gb": gb(a.ssd_mb), "cache_dir": cd}
-                args = base + ["--role", "vllm" if mode == "vllm" else "both",
-                               "--kv-port", str(_free_port()),
-                               "--extra", json.dumps({"kvcache": pool} if pool else {}),
-                               "--kv-mb", str(a.kv_mb)]
-                c = Child(py, args, log)
-                r = c.read()
-                c.p.wait(timeout=120)
-                res = r["results"]
-                ttft = [x["ttft"] for x in res]
-                toks = sum(x["tokens"] for x in res)
-                p = r["pool"]
-                asked = sum(x["tokens"] // BLOCK for x in res)
-                vhit = (p.get("vllm_hit_blocks", 0) if p else
-                        sum(x["cached"] // BLOCK for x in res))
-                row = dict(ttft_p50=pct(ttft, .5), ttft_p90=pct(ttft, .9),
-                           ttft_mean=statistics.mean(ttft), tok_s=toks / sum(ttft),
-                           vllm=vhit / asked, dram=p.get("hit_dram", 0) / asked,
-                           ssd=p.get("hit_ssd", 0) / asked,
-                           remote=p.get("hit_remote", 0) / asked,
-                           stored=p.get("blocks_saved", 0), dropped=p.get("blocks_dropped", 0),
-                           failed=p.get("failed_loads", 0))
-                # The model's capacities are the running system's: vLLM's blocks less the
-                # null block, and the pool's slots per tier as the pool counted them.
-                eng = (r.get("num_gpu_blocks") or vllm_blocks) - 1
-                dram_b, ssd_b = {"vllm": (0, 0), "dram": (slots(a.dram_mb), 0),
-                                 "ssd": (slots(a.small_dram_mb), slots(a.ssd_mb))}[mode]
-                if p:
-                    dram_b = p.get("dram_capacity_blocks") or dram_b
-                    ssd_b = p.get("ssd_capacity_blocks") or ssd_b
-                row["capacities"] = {"engine": eng, "dram": dram_b, "ssd": ssd_b}
-                row["predicted"] = predicted(sub_trace, eng, dram_b, ssd_b)
-                row["cached_tokens"] = sum(x["cached"] for x in res)
-                cached_per[mode] = [x["cached"] for x in res]
-                outs[mode] = [x["out"] for x in res]
-            else:
+            if mode in ("pd", "pd-pool", "pd-mc"):
                 extra = {}
                 if mode == "pd-pool":
                     if md_srv is None:
@@ -620,6 +670,8 @@ def main():
                 elif pr is not None:
                     pr["total"] = None                  # the remote column is not modelled
                 row["predicted"] = pr
+            else:
+                raise SystemExit(f"unknown mode {mode!r}")
             row["wall_s"] = time.monotonic() - t0
             rows[mode] = row
             print(f"{mode}: {json.dumps(row, default=str)}", flush=True)
