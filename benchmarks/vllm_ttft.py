@@ -294,12 +294,25 @@ def _env(PYTHONPATH=ROOT, **more):
 
 
 def _free_port():
+    """A free port below the kernel's ephemeral range, where no other process's bind(0)
+    or outgoing connection (vLLM's gloo, zmq) can take it before the child binds it."""
+    import random
     import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    try:
+        lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    for _ in range(200):
+        port = random.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pct(xs, q):

@@ -34,9 +34,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_TIMEOUT = 20.0
 
 
+def _ephemeral_range() -> tuple:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A port nobody listens on right now (the server may still lose a race: we retry)."""
-    with socket.socket() as s:
+    """A port nobody listens on right now, below the kernel's ephemeral range: a port
+    that bind(0) returned could be handed to the next process's bind(0) or outgoing
+    connection (vLLM's gloo and zmq sockets do that) before our server binds it, which
+    failed a vLLM test once ('Address already in use'). Ports outside the range are only
+    taken by an explicit bind."""
+    import random
+    lo, _ = _ephemeral_range()
+    first = max(1024, lo - 12000)
+    for _ in range(200):
+        port = random.randrange(first, lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:                 # a crowded range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -87,12 +87,8 @@ def _plan(path):
 
 def _free_port():
     # kv_port: each instance's engine listens on kv_port + tp_rank (TP 1 here).
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+    from servers import free_port
+    return free_port()
 
 
 class _Procs:
