@@ -50,6 +50,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import InvalidArgumentError
 from .policy import make_policy
@@ -135,8 +136,10 @@ class PoolModel:
     def __init__(self, dram: int, ssd: int = 0, policy: str = "lru"):
         self.dram_capacity = int(dram)
         self.ssd_capacity = int(ssd)
-        self.dram = make_policy(policy)
-        self.ssd = make_policy(policy) if self.ssd_capacity > 0 else None
+        # Any: the concrete policies (LRU, LFU) have insert/touch/remove/victim, the
+        # Policy base class only what the cache's accounting reads.
+        self.dram: Any = make_policy(policy)
+        self.ssd: Any = make_policy(policy) if self.ssd_capacity > 0 else None
         self.demotions = self.promotions = self.evictions_ssd = self.dropped = 0
 
     def tier(self, key) -> "str | None":
