@@ -376,6 +376,9 @@ def main():
     ap.add_argument("--modes", default="vllm,dram,ssd,ideal,nohit,pd,pd-pool,pd-mc,fullhit")
     ap.add_argument("--nohit-requests", type=int, default=30,
                     help="prompts of the nohit mode (the first N requests' lengths)")
+    ap.add_argument("--gomp-spincount", type=int, default=None,
+                    help="GOMP_SPINCOUNT for every vLLM process (libgomp's spin-wait after "
+                         "a parallel region; default: libgomp's own, ~9 ms here)")
     ap.add_argument("--venv", default=os.path.join(ROOT, ".venv-vllm"))
     ap.add_argument("--work", default=None, help="directory for the model, cache, logs")
     ap.add_argument("--json", default=None, help="write the results here too")
@@ -398,6 +401,9 @@ def main():
         return child(a)
 
     import numpy as np
+    if a.gomp_spincount is not None:
+        # Every child (every mode alike) inherits it through _env.
+        os.environ["GOMP_SPINCOUNT"] = str(a.gomp_spincount)
     py = os.path.join(a.venv, "bin", "python")
     if not os.path.exists(os.path.join(a.venv, ".ready")):
         subprocess.run([os.path.join(ROOT, "scripts", "vllm-env.sh"), a.venv], check=True)
@@ -424,7 +430,9 @@ def main():
     uniq = len({h for ids, _ in reqs for h in ids})
     print(f"trace {a.trace}: {len(reqs)} requests, {prompt_blocks} prompt blocks, {uniq} "
           f"distinct ({uniq * block_bytes >> 20} MiB of KV); vLLM KV cache {a.kv_mb} MiB "
-          f"({vllm_blocks} blocks); work dir {work}", flush=True)
+          f"({vllm_blocks} blocks); GOMP_SPINCOUNT "
+          f"{os.environ.get('GOMP_SPINCOUNT', 'unset (libgomp default)')}; work dir {work}",
+          flush=True)
     log = open(os.path.join(work, "children.log"), "a")
     base = ["--model", model, "--trace", tok_file, "--max-model-len", str(max_len)]
     gb = lambda mb: mb / 1024.0                       # noqa: E731

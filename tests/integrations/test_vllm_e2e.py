@@ -200,6 +200,15 @@ def test_counters_show_blocks_moved_and_coalesced(scenario):
     assert s["blocks_read"] > 0 and s["bytes_read"] > 0 and len(reqs) == len(s["requests"])
     # The producer freed the blocks because the consumer said it read them.
     assert scenario["P"]["stats"]["leases_released_by_reader"] >= 4
+    # Both KV caches were still all zeros at registration: refilled with 2 MiB pages
+    # (mooncake_te/hugepages.py), where the kernel has THP on.
+    from mooncake_te import hugepages
+    size = hugepages.huge_page_size()
+    if hugepages.thp_mode() in ("always", "madvise") and size:
+        for role in ("P", "D"):
+            st = scenario[role]["stats"]
+            if st["registered_bytes"] >= 8 * size:
+                assert st["hugepage_bytes"] > 0, (role, st.get("hugepages_s"))
     print("\nconnector time per request (consumer):")
     print(f"  registration {scenario['D']['stats']['registration_s'] * 1e3:.1f} ms once "
           f"(producer {scenario['P']['stats']['registration_s'] * 1e3:.1f} ms), "

@@ -34,7 +34,7 @@ LAYER = {
     "kvcache": SERVICES, "p2p_store": SERVICES, "integrations": SERVICES,
     "compat": SERVICES,
     "cli": TOOLS, "bench": TOOLS, "doctor": TOOLS, "lab": TOOLS, "__main__": TOOLS,
-    "_spawn": TOOLS, "arguments": CORE, "metrics": CORE,
+    "_spawn": TOOLS, "arguments": CORE, "metrics": CORE, "hugepages": CORE,
 }
 
 # Known exceptions, each with the reason and who removes it. Keep this empty.

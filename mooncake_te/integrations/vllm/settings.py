@@ -31,6 +31,7 @@ ALIASES = {
     "transfer_timeout_s": ("transfer_timeout_s",),
     "handshake_timeout_s": ("handshake_timeout_s",),
     "enforce_handshake_compat": ("enforce_handshake_compat",),
+    "hugepages": ("hugepages",),
     "kvcache": ("kvcache",),
 }
 _KNOWN = {alias: key for key, names in ALIASES.items() for alias in names}
@@ -56,6 +57,7 @@ class ConnectorSettings:
     transfer_timeout_s: "float | None" = None
     handshake_timeout_s: float = 5.0
     enforce_handshake_compat: bool = True
+    hugepages: bool = True                     # host KV cache onto 2 MiB pages (hugepages.py)
     pool: "object | None" = None                # pool.PoolSettings ([kvcache])
     pool_lookup_address: str = ""              # set by the connector (engine id, rank)
 
@@ -173,6 +175,12 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
             raise ConfigError(f"kv_connector_extra_config.enforce_handshake_compat = {v!r}: "
                               f"expected true or false")
         s.enforce_handshake_compat = v
+    if "hugepages" in get:
+        v = get["hugepages"]
+        if not isinstance(v, bool):
+            raise ConfigError(f"kv_connector_extra_config.hugepages = {v!r}: expected true or "
+                              f"false")
+        s.hugepages = v
     kv = get.get("kvcache")
     if kv is not None and not isinstance(kv, dict):
         raise ConfigError(f"kv_connector_extra_config.kvcache = {kv!r}: expected a table of "

@@ -15,6 +15,7 @@ wait: a 31 MiB load ran at a quarter of the transport's speed.)
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +24,7 @@ import numpy as np
 
 from ... import READ, TransferEngine
 from ...errors import MooncakeError
+from ...hugepages import anon_huge_bytes, back_with_hugepages
 from . import handshake
 from .layout import KVLayout, layout_from_tensors, plan
 from .leases import LeaseTable
@@ -110,14 +112,35 @@ class WorkerSide:
         # only read it and the KV cache (the pull protocol never writes to a producer).
         self._blob = self.engine.register(blob, access="r")
         views = [_byte_view(t) for _, _, t in storages]
-        if self.is_consumer or self.settings.pool.enabled:
-            # vLLM allocates the CPU KV cache with calloc (torch.zeros): pages are mapped
-            # on first write, so the first load into each page would pay a fault per 4 KiB
-            # (the P/D READ ran at ~2 GB/s where warm memory takes 8-10). Fault them in now.
+        host = [v for v in views if isinstance(v, np.ndarray)]
+        remapped = 0
+        if self.settings.hugepages and host:
+            # torch.zeros wrote the host KV cache onto 4 KiB pages; a same-host READ into
+            # (or out of) it costs a third more CPU per byte than on 2 MiB pages, CPU the
+            # load shares with the model's threads (mooncake_te/hugepages.py). It is
+            # still all zeros: hand its pages back to be refilled as huge pages.
             t1 = time.perf_counter()
-            n = sum(_prefault(v) for v in views if isinstance(v, np.ndarray))
+            res = [back_with_hugepages(v) for v in host]
+            remapped = sum(r.remapped for r in res)
+            self.stats["hugepages_s"] = time.perf_counter() - t1
+            if not remapped:
+                log.info("mooncake_te connector: KV cache stays on small pages (%s)",
+                         "; ".join(sorted({r.reason for r in res if r.reason})))
+        if self.is_consumer or self.settings.pool.enabled or remapped:
+            # Map every page now: a page first touched by a load would pay its fault
+            # inside the transfer (the P/D READ ran at ~2 GB/s where warm memory takes
+            # 8-10), and pages just handed back are refilled as huge pages here.
+            t1 = time.perf_counter()
+            n = sum(_prefault(v) for v in host)
             self.stats["prefault_s"] = time.perf_counter() - t1
             self.stats["prefault_bytes"] = n
+        self.stats["hugepage_bytes"] = sum(anon_huge_bytes(int(v.ctypes.data), v.nbytes)
+                                           for v in host)
+        if host and _libgomp_spins():
+            log.info("mooncake_te connector: vLLM's OpenMP threads (libgomp) spin-wait some "
+                     "ms after each forward pass, on the CPUs that a KV transfer right after "
+                     "a prefill needs; GOMP_SPINCOUNT=10000 in vLLM's environment shortens "
+                     "that (docs/vllm.md, 'CPU hosts')")
         self.engine.register_many(views, access="r")
         self._scratch = np.zeros(handshake.MAX_BYTES, dtype=np.uint8)
         self._scratch_mr = self.engine.register(self._scratch, access="local")
@@ -125,8 +148,9 @@ class WorkerSide:
         self.stats["registered_bytes"] = int(sum(n for _, n, _ in storages))
         self.stats["storages"] = len(storages)
         log.info("mooncake_te connector: engine %s (%s), %d KV regions in %d storages "
-                 "(%d MiB) registered in %.1f ms", self.engine.name, self.engine.protocol,
-                 len(self.layout), len(storages), self.stats["registered_bytes"] >> 20,
+                 "(%d MiB, %d MiB in huge pages) registered in %.1f ms", self.engine.name,
+                 self.engine.protocol, len(self.layout), len(storages),
+                 self.stats["registered_bytes"] >> 20, self.stats["hugepage_bytes"] >> 20,
                  self.stats["registration_s"] * 1e3)
         if self.settings.pool.enabled:
             from .pool import PoolWorker
@@ -438,6 +462,19 @@ class WorkerSide:
 
 class _Refused(Exception):
     """The producer failed the compatibility check."""
+
+
+def _libgomp_spins() -> bool:
+    """Whether this process runs GNU OpenMP with its default spin-wait (neither
+    ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY`` set): its idle threads then burn a CPU for
+    ~300,000 spins (about 9 ms on the 2-core test VM) after every parallel region."""
+    if "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:
+        return False
+    try:
+        with open("/proc/self/maps") as f:
+            return any("libgomp" in line for line in f)
+    except OSError:
+        return False
 
 
 def _prefault(view: np.ndarray) -> int:
