@@ -118,7 +118,8 @@ def back_with_hugepages(view: np.ndarray) -> HugePageResult:
         return res
     # Zero stretches, merged into runs: one MADV_DONTNEED per run.
     words = np.frombuffer(view, dtype=np.uint8, count=hi - lo, offset=lo - base)
-    zero = ~words.view(np.uint64).reshape(-1, hp // 8).any(axis=1)
+    written = np.asarray(words.view(np.uint64).reshape(-1, hp // 8).any(axis=1))
+    zero = [not w for w in written.tolist()]
     i, count = 0, len(zero)
     while i < count:
         if not zero[i]:
@@ -135,21 +136,22 @@ def back_with_hugepages(view: np.ndarray) -> HugePageResult:
     return res
 
 
-def anon_huge_bytes(address: int, length: int) -> int:
-    """Bytes of [address, +length) that the kernel currently backs with anonymous huge
-    pages (``AnonHugePages`` of the mappings it overlaps, from ``/proc/self/smaps``;
-    a mapping larger than the range counts whole), 0 if unknown."""
-    total, inside = 0, False
-    hi = address + length
+def anon_huge_bytes(ranges) -> int:
+    """About how many bytes of ``ranges`` (``[(address, length)]``) the kernel backs with
+    anonymous huge pages: for each mapping they overlap (``/proc/self/smaps``), its
+    ``AnonHugePages`` capped at the overlap (exact when a mapping lies inside the ranges,
+    which is the case for a KV cache); 0 if unknown."""
+    spans = sorted((a, a + n) for a, n in ranges if n > 0)
+    total, overlap = 0, 0
     try:
         with open("/proc/self/smaps") as f:
             for line in f:
                 head = line.split(None, 1)[0]
                 if "-" in head and not head.endswith(":"):
                     a, b = (int(x, 16) for x in head.split("-"))
-                    inside = a < hi and b > address
-                elif inside and head == "AnonHugePages:":
-                    total += int(line.split()[1]) << 10
+                    overlap = sum(max(0, min(b, hi) - max(a, lo)) for lo, hi in spans)
+                elif overlap and head == "AnonHugePages:":
+                    total += min(int(line.split()[1]) << 10, overlap)
     except (OSError, ValueError):
         return 0
     return total

@@ -34,7 +34,7 @@ def test_zero_buffer_is_refilled_with_huge_pages():
     assert not a[:-1].any() and a[-1] == 7
     # Best effort by the kernel (it may lack a free 2 MiB page), but on an idle test
     # machine the refill gets at least some.
-    assert hp.anon_huge_bytes(int(a.ctypes.data), a.nbytes) > 0
+    assert hp.anon_huge_bytes([(int(a.ctypes.data), a.nbytes)]) > 0
 
 
 @needs_thp

@@ -134,8 +134,8 @@ class WorkerSide:
             n = sum(_prefault(v) for v in host)
             self.stats["prefault_s"] = time.perf_counter() - t1
             self.stats["prefault_bytes"] = n
-        self.stats["hugepage_bytes"] = sum(anon_huge_bytes(int(v.ctypes.data), v.nbytes)
-                                           for v in host)
+        self.stats["hugepage_bytes"] = anon_huge_bytes([(int(v.ctypes.data), v.nbytes)
+                                                         for v in host])
         if host and _libgomp_spins():
             log.info("mooncake_te connector: vLLM's OpenMP threads (libgomp) spin-wait some "
                      "ms after each forward pass, on the CPUs that a KV transfer right after "
