@@ -39,6 +39,10 @@ Run (it builds ``.venv-vllm`` with scripts/vllm-env.sh if missing)::
 
     .venv/bin/python benchmarks/vllm_ttft.py --start 3900 --requests 60
     .venv/bin/python benchmarks/vllm_ttft.py --trace path/to/trace.jsonl --modes vllm,dram
+    .venv/bin/python benchmarks/vllm_ttft.py --modes pd,pd-pool,pd-mc --gomp-spincount 10000
+
+``--gomp-spincount`` sets ``GOMP_SPINCOUNT`` for every vLLM process (docs/vllm.md, "CPU
+hosts": libgomp's default spin-wait takes a core from the P/D load).
 
 The child processes (``--child``) run in the vLLM environment.
 """
