@@ -39,10 +39,12 @@ Run (it builds ``.venv-vllm`` with scripts/vllm-env.sh if missing)::
 
     .venv/bin/python benchmarks/vllm_ttft.py --start 3900 --requests 60
     .venv/bin/python benchmarks/vllm_ttft.py --trace path/to/trace.jsonl --modes vllm,dram
-    .venv/bin/python benchmarks/vllm_ttft.py --modes pd,pd-pool,pd-mc --gomp-spincount 10000
+    .venv/bin/python benchmarks/vllm_ttft.py --modes pd,pd-pool,pd-mc --gomp-spincount default
 
-``--gomp-spincount`` sets ``GOMP_SPINCOUNT`` for every vLLM process (docs/vllm.md, "CPU
-hosts": libgomp's default spin-wait takes a core from the P/D load).
+Every vLLM process runs with ``GOMP_SPINCOUNT=10000``, as docs/vllm.md ("CPU hosts") tells a
+CPU host to run vLLM: libgomp's default spin-wait takes a core from the P/D load (doctor
+MTE508). A ``GOMP_SPINCOUNT`` already in the environment is kept; ``--gomp-spincount N``
+sets another value, ``--gomp-spincount default`` runs libgomp's own (every mode alike).
 
 The child processes (``--child``) run in the vLLM environment.
 """
@@ -380,9 +382,11 @@ def main():
     ap.add_argument("--modes", default="vllm,dram,ssd,ideal,nohit,pd,pd-pool,pd-mc,fullhit")
     ap.add_argument("--nohit-requests", type=int, default=30,
                     help="prompts of the nohit mode (the first N requests' lengths)")
-    ap.add_argument("--gomp-spincount", type=int, default=None,
+    ap.add_argument("--gomp-spincount", default=None,
                     help="GOMP_SPINCOUNT for every vLLM process (libgomp's spin-wait after "
-                         "a parallel region; default: libgomp's own, ~9 ms here)")
+                         "a parallel region): a number, or 'default' for libgomp's own "
+                         "(~9 ms here); without it, the environment's value or 10000, as "
+                         "docs/vllm.md recommends")
     ap.add_argument("--venv", default=os.path.join(ROOT, ".venv-vllm"))
     ap.add_argument("--work", default=None, help="directory for the model, cache, logs")
     ap.add_argument("--json", default=None, help="write the results here too")
@@ -405,9 +409,16 @@ def main():
         return child(a)
 
     import numpy as np
-    if a.gomp_spincount is not None:
-        # Every child (every mode alike) inherits it through _env.
-        os.environ["GOMP_SPINCOUNT"] = str(a.gomp_spincount)
+    # Every child (every mode alike) inherits it through _env.
+    if a.gomp_spincount == "default":
+        os.environ.pop("GOMP_SPINCOUNT", None)
+    elif a.gomp_spincount is not None:
+        if not a.gomp_spincount.isdigit():
+            ap.error(f"--gomp-spincount {a.gomp_spincount!r}: expected a number of spins "
+                     f"or 'default'")
+        os.environ["GOMP_SPINCOUNT"] = a.gomp_spincount
+    else:
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     py = os.path.join(a.venv, "bin", "python")
     if not os.path.exists(os.path.join(a.venv, ".ready")):
         subprocess.run([os.path.join(ROOT, "scripts", "vllm-env.sh"), a.venv], check=True)

@@ -622,6 +622,58 @@ def check_vllm_connector(ctx):
                       'set "kv_load_failure_policy": "recompute" in kv_transfer_config')
 
 
+def _thp_mode(sysfs_root: str) -> str:
+    """The bracketed word of ``kernel/mm/transparent_hugepage/enabled`` under a sysfs
+    tree (``always``, ``madvise``, ``never``), or ``unavailable``."""
+    try:
+        with open(os.path.join(sysfs_root, "kernel", "mm", "transparent_hugepage",
+                               "enabled")) as f:
+            text = f.read()
+    except OSError:
+        return "unavailable"
+    words = [w[1:-1] for w in text.split() if w.startswith("[") and w.endswith("]")]
+    return words[0] if words else "unavailable"
+
+
+@check("vllm_cpu_host", "a CPU vLLM host gives the KV cache huge pages and the KV "
+                        "transfers CPU time", ("MTE507", "MTE508"))
+def check_vllm_cpu_host(ctx):
+    """vLLM on CPU keeps the KV cache in host memory and runs its forward pass on the same
+    cores as the connector's copies (docs/vllm.md, "CPU hosts"). Two settings decide how
+    fast a P/D load or a pool hit moves there: transparent huge pages for the KV cache
+    (the connector asks for them; THP ``never`` refuses) and GNU OpenMP's spin-wait,
+    which keeps an idle vLLM thread burning a core for ~300,000 spins after every
+    forward pass, right when the prompt's KV is sent."""
+    if not ctx.vllm_config_path:
+        yield skip("MTE507", "no --vllm-config given")
+        return
+    v, _ = _load_vllm(ctx)
+    if v is None or not v.uses_mooncake_te or not v.kv_role:
+        yield skip("MTE507", "the vLLM config does not run mooncake_te's connector")
+        return
+    if ctx.topology.gpus:
+        yield skip("MTE507", f"{len(ctx.topology.gpus)} GPU(s) here: vLLM keeps the KV cache "
+                             f"in GPU memory")
+        return
+    mode = _thp_mode(ctx.sysfs_root)
+    if mode == "never" and v.extra_config.get("hugepages", True) is not False:
+        yield warning("MTE507", "transparent huge pages are off (transparent_hugepage/enabled "
+                                "= never): vLLM's host KV cache stays on 4 KiB pages, and KV "
+                                "copies on them ran 30% slower than on 2 MiB pages",
+                      "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled (as root; "
+                      "transparent_hugepage=madvise on the kernel command line to keep it)",
+                      thp=mode)
+    spin = ctx.env.get("GOMP_SPINCOUNT"), ctx.env.get("OMP_WAIT_POLICY")
+    if spin == (None, None):
+        yield warning("MTE508", "GOMP_SPINCOUNT and OMP_WAIT_POLICY are unset: vLLM's OpenMP "
+                                "threads (libgomp) spin-wait ~300,000 times after each forward "
+                                "pass and hold a CPU core that the KV transfer right after a "
+                                "prefill needs (on a 2-core host the P/D load reached 44% of "
+                                "`mooncake-te bench` this way, 78% with GOMP_SPINCOUNT=10000)",
+                      "export GOMP_SPINCOUNT=10000 in the shell or unit that starts vllm serve "
+                      "(libgomp reads it once, at start)")
+
+
 def _mooncake_builtin(v):
     """``"kv_connector": "MooncakeConnector"`` without a module path: vLLM's own."""
     import importlib.util

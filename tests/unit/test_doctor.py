@@ -603,6 +603,52 @@ def _cli(*argv):
     return p.returncode, p.stdout
 
 
+def _with_thp(base: str, dest, mode: str) -> str:
+    """A copy of a sysfs tree whose transparent_hugepage/enabled says ``mode``."""
+    import shutil
+    shutil.copytree(base, dest, symlinks=True)
+    thp = dest / "kernel" / "mm" / "transparent_hugepage"
+    thp.mkdir(parents=True)
+    words = ["always", "madvise", "never"]
+    (thp / "enabled").write_text(" ".join(f"[{w}]" if w == mode else w for w in words) + "\n")
+    return str(dest)
+
+
+def test_mte507_mte508_cpu_vllm_host(trees, tmp_path):
+    ours = {"kv_connector": "MooncakeTEConnector",
+            "kv_connector_module_path": "mooncake_te.integrations.vllm",
+            "kv_role": "kv_producer"}
+    v = vllm_file(tmp_path, {"kv_transfer_config": ours})
+    never = _with_thp(trees["empty"], tmp_path / "never", "never")
+    madvise = _with_thp(trees["empty"], tmp_path / "madvise", "madvise")
+
+    def found(sysfs, env, vllm=v):
+        ctx = Context(vllm_config_path=vllm, sysfs_root=sysfs, env=env, timeout_s=1.0)
+        return run_checks(ctx, only=["vllm_cpu_host"])
+
+    bad = found(never, {})
+    assert problems(bad) == [("MTE507", "warning"), ("MTE508", "warning")]
+    (f507,), (f508,) = problems(bad, "MTE507"), problems(bad, "MTE508")
+    assert "= never" in f507.message and "echo madvise" in f507.fix
+    assert "GOMP_SPINCOUNT=10000" in f508.fix
+    # THP on and the spin shortened (either variable): nothing to say.
+    assert problems(found(madvise, {"GOMP_SPINCOUNT": "10000"})) == []
+    assert problems(found(madvise, {"OMP_WAIT_POLICY": "PASSIVE"})) == []
+    # hugepages switched off in the connector: THP does not matter.
+    off = vllm_file(tmp_path, {"kv_transfer_config": dict(
+        ours, kv_connector_extra_config={"hugepages": False})}, "off.json")
+    assert problems(found(never, {"GOMP_SPINCOUNT": "10000"}, off)) == []
+    # GPUs here, or not our connector, or no vLLM config: skipped with the reason.
+    (s,) = found(trees["hgx8"], {})
+    assert s.severity == Severity.SKIP and "GPU" in s.message
+    nixl = vllm_file(tmp_path, {"kv_transfer_config": {"kv_connector": "NixlConnector",
+                                                       "kv_role": "kv_producer"}}, "n.json")
+    (s,) = found(never, {}, nixl)
+    assert s.severity == Severity.SKIP
+    (s,) = found(never, {}, None)
+    assert s.severity == Severity.SKIP and "--vllm-config" in s.message
+
+
 def test_cli_exit_status_0_1_2(trees, tmp_path):
     rc, out = _cli("--sysfs-root", trees["empty"])
     assert rc == 0 and "0 error(s), 0 warning(s)" in out
