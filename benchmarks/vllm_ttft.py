@@ -22,9 +22,11 @@ pool's DRAM, SSD, remote; from the connector's counters), and beside them, per l
 hit rates ``mooncake-te trace replay --engine-cache-blocks`` predicts for the same requests
 and capacities: vLLM's own prefix cache (``num_gpu_blocks - 1`` blocks, as the child's vLLM
 reports it) in front of the pool (its DRAM and SSD slots, as the pool reports them); see
-``mooncake_te/kvcache/engine_model.py`` for what is modelled. Last, one P/D
-KV load (the consumer's READ of a whole prompt) against ``mooncake-te bench`` READs at the
-same request size in the same run.
+``mooncake_te/kvcache/engine_model.py`` for what is modelled. Last, the P/D KV loads of
+the longest prompt (the consumer's READ of a whole prompt, median of every such load)
+against ``mooncake-te bench`` READs in the same run, at vLLM's block size of one layer
+(what a load moves before coalescing; 64 KiB here) and at the coalesced request size of
+the first such load (about 3968 KiB: one request per layer).
 
 Two more checks of the pool's cost: ``ideal`` re-runs vLLM alone on each pool mode's
 requests with exactly the tokens that mode hit already in vLLM's own prefix cache (primed
@@ -347,22 +349,26 @@ def predicted(trace_req_file, engine_blocks, dram_blocks=0, ssd_blocks=0):
             "ssd": d["ssd_hit_rate"], "total": d["block_hit_rate"]}
 
 
-def bench_read(block_bytes: int) -> "float | None":
-    """``mooncake-te bench`` READ GB/s at ``block_bytes`` requests (same host, auto)."""
+def bench_read(sizes) -> dict:
+    """``mooncake-te bench`` READ GB/s for each request size in ``sizes`` (bytes; same
+    host, auto transport), as {size: GB/s}; sizes it could not measure are left out."""
+    ks = sorted({max(4, b >> 10) for b in sizes})
     r = subprocess.run([sys.executable, "-m", "mooncake_te", "bench", "--op", "read",
-                        "--block-sizes", f"{max(4, block_bytes >> 10)}K", "--duration", "2",
-                        "--json",
-                        "--no-progress"], capture_output=True, text=True, env=_env(),
-                       timeout=300)
+                        "--block-sizes", ",".join(f"{k}K" for k in ks), "--duration", "2",
+                        "--json", "--no-progress"], capture_output=True, text=True,
+                       env=_env(), timeout=300)
     if r.returncode != 0:
-        return None
+        return {}
     try:
         d = json.loads(r.stdout)
     except ValueError:
-        return None
-    gbps = [p.get("gbps") for p in d.get("points", []) if p.get("op") == "read"]
-    gbps = [g for g in gbps if g]
-    return max(gbps) if gbps else None
+        return {}
+    got: dict = {}
+    for p in d.get("points", []):
+        if p.get("op") == "read" and p.get("gbps"):
+            k = int(p.get("block_size", 0)) >> 10
+            got[k] = max(got.get(k, 0.0), p["gbps"])
+    return {b: got[max(4, b >> 10)] for b in sizes if max(4, b >> 10) in got}
 
 
 def main():
@@ -726,11 +732,13 @@ def main():
     for m, r in rows.items():
         if "ttft_p50" not in r:
             continue
-        tot = r["vllm"] + r["dram"] + r["ssd"] + r["remote"]
+        # In pd-pool the vllm column is the producer's share and the pool columns the
+        # consumer's: they do not add up to a share of anything.
+        tot = None if m == "pd-pool" else r["vllm"] + r["dram"] + r["ssd"] + r["remote"]
         pr = r.get("predicted") or {}
         print(f"{m:8} {r['ttft_p50']*1e3:8.0f}ms {r['ttft_p90']*1e3:6.0f}ms "
               f"{r['ttft_mean']*1e3:6.0f}ms {r['tok_s']:8.0f} {r['vllm']:6.1%} "
-              f"{r['dram']:6.1%} {r['ssd']:6.1%} {r['remote']:6.1%} {tot:6.1%}  "
+              f"{r['dram']:6.1%} {r['ssd']:6.1%} {r['remote']:6.1%} {fmt(tot)}  "
               + " ".join(fmt(pr.get(k)) for k in ("vllm", "dram", "ssd", "total")))
     for m in ("dram", "ssd"):
         if m in rows and "vs_ideal" in rows[m]:
@@ -753,18 +761,28 @@ def main():
         whole = r["whole_loads"]
         big = whole[0]
         req_bytes = big["bytes"] // max(1, big.get("descriptors_after", 1))
-        ref = bench_read(req_bytes)
+        # vLLM's block of one layer (what the load moves before coalescing) and the
+        # coalesced request size of the longest prompt's first load: bench at both.
+        blk_bytes = big["bytes"] // max(1, big.get("descriptors_before", 1))
+        ref = bench_read([blk_bytes, req_bytes])
         rates = sorted(x["bytes"] / x["transfer_s"] / 1e9 for x in whole if x["transfer_s"])
         got = statistics.median(rates) if rates else None
+
+        def vs(b):
+            g = ref.get(b)
+            return (f"{b >> 10} KiB {'n/a' if g is None else f'{g:.2f} GB/s'}"
+                    + (f" ({got / g:.0%})" if g and got else ""))
         print(f"\nP/D KV load ({m}): {len(whole)} loads of a {big['bytes'] >> 20} MiB prompt "
-              f"({big.get('descriptors_after')} requests of ~{req_bytes >> 10} KiB, "
-              f"{big.get('transport')}): median {got:.2f} GB/s (min {rates[0]:.2f}, max "
-              f"{rates[-1]:.2f}); mooncake-te bench READ at {req_bytes >> 10} KiB: "
-              f"{'n/a' if ref is None else f'{ref:.2f} GB/s'}"
-              + (f" ({got / ref:.0%})" if ref and got else ""))
+              f"({big.get('descriptors_before')} blocks of {blk_bytes >> 10} KiB, first "
+              f"coalesced into {big.get('descriptors_after')} requests of ~{req_bytes >> 10} "
+              f"KiB, {big.get('transport')}): median {got:.2f} GB/s (min {rates[0]:.2f}, max "
+              f"{rates[-1]:.2f}); mooncake-te bench READ at the block size {vs(blk_bytes)}, "
+              f"at the coalesced size {vs(req_bytes)}")
         rows["pd_load_vs_bench"] = {"load_gbps": got, "load_gbps_min": rates[0],
                                     "load_gbps_max": rates[-1], "loads": len(whole),
-                                    "bench_gbps": ref, "req_bytes": req_bytes}
+                                    "block_bytes": blk_bytes, "req_bytes": req_bytes,
+                                    "bench_gbps_block": ref.get(blk_bytes),
+                                    "bench_gbps": ref.get(req_bytes)}
     if a.json:
         json.dump({"rows": rows, "identical": same, "trace": a.trace,
                    "requests": a.requests}, open(a.json, "w"), indent=1, default=str)
