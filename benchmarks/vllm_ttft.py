@@ -48,6 +48,10 @@ CPU host to run vLLM: libgomp's default spin-wait takes a core from the P/D load
 MTE508). A ``GOMP_SPINCOUNT`` already in the environment is kept; ``--gomp-spincount N``
 sets another value, ``--gomp-spincount default`` runs libgomp's own (every mode alike).
 
+Between P/D requests the producer steps as ``vllm serve``'s engine loop does: at once and
+again while any request waits on the connector (its blocks held for the consumer's READ).
+``--producer-loop poll`` steps every 20 ms instead (the runs before 2026-12-04).
+
 The child processes (``--child``) run in the vLLM environment.
 """
 from __future__ import annotations
@@ -241,8 +245,19 @@ def child(a) -> None:
     # P/D: lines on stdin name a request index; P answers the handoff, D the timing.
     say({"ready": True, "num_gpu_blocks": num_gpu_blocks(llm)})
     import select
+    sched = None
+    if a.role == "P" and a.producer_loop == "serve":
+        # Between requests the producer steps as `vllm serve`'s engine core does: at once
+        # and again while its scheduler has requests (here: finished ones whose blocks the
+        # connector still holds for the consumer's READ), else it waits for input.
+        try:
+            sched = llm.llm_engine.engine_core.engine_core.scheduler
+        except AttributeError:
+            sys.exit("--producer-loop serve: this vLLM has no in-process engine core "
+                     "scheduler (llm_engine.engine_core.engine_core.scheduler)")
     while True:
-        r, _, _ = select.select([sys.stdin], [], [], 0.02)
+        busy = sched is not None and sched.has_requests()
+        r, _, _ = select.select([sys.stdin], [], [], 0 if busy else 0.02)
         if not r:
             if a.role == "P":
                 llm.llm_engine.step()           # release leases the consumer read
@@ -393,6 +408,10 @@ def main():
                          "a parallel region): a number, or 'default' for libgomp's own "
                          "(~9 ms here); without it, the environment's value or 10000, as "
                          "docs/vllm.md recommends")
+    ap.add_argument("--producer-loop", choices=("serve", "poll"), default="serve",
+                    help="P/D producer between requests: 'serve' steps like vllm serve's "
+                         "engine loop (at once, while any request waits on the connector); "
+                         "'poll' steps every 20 ms")
     ap.add_argument("--venv", default=os.path.join(ROOT, ".venv-vllm"))
     ap.add_argument("--work", default=None, help="directory for the model, cache, logs")
     ap.add_argument("--json", default=None, help="write the results here too")
@@ -660,7 +679,8 @@ def main():
                     denv = dict(PYTHONPATH=pp, VLLM_MOONCAKE_BOOTSTRAP_PORT=str(_free_port()))
                     conn_args = ["--connector", "mooncake", "--bootstrap-port", str(bp)]
                 P = Child(py, base + ["--role", "P", "--kv-port", str(_free_port()),
-                                      "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)]
+                                      "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb),
+                                      "--producer-loop", a.producer_loop]
                           + conn_args, log, penv)
                 D = Child(py, base + ["--role", "D", "--kv-port", str(_free_port()),
                                       "--extra", json.dumps(extra), "--kv-mb", str(a.kv_mb)]

@@ -477,7 +477,14 @@ class TransferEngine:
             raise E.InvalidArgumentError(f"message must be bytes, got {type(message).__name__}")
         self._start(S.notice(target_name(target)), 0, bytes(message), timeout).wait()
 
-    def notifications(self) -> list:
-        """Notifications received since the last call (drained)."""
+    def notifications(self, timeout: float = 0.0) -> list:
+        """Notifications received since the last call (drained). With ``timeout`` > 0
+        and none queued, first wait up to ``timeout`` seconds for one (GIL released; it
+        returns as soon as one arrives, or empty when the time is up or the engine is
+        closed), instead of polling in a loop."""
         self._check_open()
+        if timeout:
+            if not timeout > 0:
+                raise E.InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout!r}")
+            self._notifier.wait_notifications(float(timeout))
         return [Notification(s, m) for s, m in self._notifier.notifications()]

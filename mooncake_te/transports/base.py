@@ -115,6 +115,11 @@ class Transport(ABC):
         """Notifications received since the last call, as (sender, message) pairs."""
         return []
 
+    def wait_notifications(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds, without the GIL, until a notification is
+        queued; True if one is (transports with ``notifications``)."""
+        return False
+
     def deliver_notification(self, sender: str, message: bytes) -> None:
         """Queue a notification that arrived another way (the RPC port) for
         :meth:`notifications` (transports with ``notifications``)."""

@@ -44,6 +44,8 @@ struct mte_tcp {
     int nconns;
     mte_notif_t *notif_head, *notif_tail;
     size_t notif_bytes, notif_count;       /* queued and not yet taken, under mu */
+    pthread_cond_t notif_cv;     /* CLOCK_MONOTONIC; signalled on push and at close */
+    int notif_waiters;           /* threads in mte_tcp_wait_notifications, under mu */
 };
 
 #endif

@@ -18,6 +18,7 @@
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #define OBUF_SIZE (256u << 10)
@@ -664,6 +665,11 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
     t->token_len = token_len;
     pthread_mutex_init(&t->mu, NULL);
     pthread_cond_init(&t->cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&t->notif_cv, &ca);
+    pthread_condattr_destroy(&ca);
     if (pthread_create(&t->accept_thread, NULL, accept_main, t) != 0) {
         close(fd);
         free(t);
@@ -728,10 +734,14 @@ void mte_tcp_free(mte_tcp_t *t)
         shutdown(c->fd, SHUT_RDWR);
     while (t->nconns > 0)
         pthread_cond_wait(&t->cv, &t->mu);
+    pthread_cond_broadcast(&t->notif_cv);   /* closing is set: waiters leave */
+    while (t->notif_waiters > 0)
+        pthread_cond_wait(&t->cv, &t->mu);
     pthread_mutex_unlock(&t->mu);
     mte_notif_free(t->notif_head);
     pthread_mutex_destroy(&t->mu);
     pthread_cond_destroy(&t->cv);
+    pthread_cond_destroy(&t->notif_cv);
     free(t);
 }
 
@@ -766,8 +776,39 @@ int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg,
     else
         t->notif_head = n;
     t->notif_tail = n;
+    pthread_cond_broadcast(&t->notif_cv);
     pthread_mutex_unlock(&t->mu);
     return 0;
+}
+
+void mte_tcp_wait_enter(mte_tcp_t *t)
+{
+    pthread_mutex_lock(&t->mu);
+    t->notif_waiters++;
+    pthread_mutex_unlock(&t->mu);
+}
+
+int mte_tcp_wait_notifications(mte_tcp_t *t, int timeout_ms)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_MONOTONIC, &until);
+    if (timeout_ms < 0)
+        timeout_ms = 0;
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&t->mu);
+    int rc = 0;
+    while (!t->notif_head && !atomic_load(&t->closing) && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&t->notif_cv, &t->mu, &until);
+    int any = t->notif_head != NULL;
+    if (--t->notif_waiters == 0 && atomic_load(&t->closing))
+        pthread_cond_broadcast(&t->cv);      /* mte_tcp_free waits for the last waiter */
+    pthread_mutex_unlock(&t->mu);
+    return any;
 }
 
 mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t)

@@ -62,6 +62,13 @@ void mte_tcp_counters(mte_tcp_t *t, uint64_t out[MTE_TCP_COUNTERS]);
 void mte_tcp_free(mte_tcp_t *t);
 int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len);
 mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t);
+/* Waits up to timeout_ms for a notification to be queued (returns at once if one is):
+ * 1 if one is queued, 0 if none came or the server is being freed. mte_tcp_free waits for
+ * every waiter to leave, so a caller registers first with mte_tcp_wait_enter, while
+ * whatever keeps t from being freed (the Python binding: the GIL) is still held, and
+ * mte_tcp_wait_notifications then waits and leaves. */
+void mte_tcp_wait_enter(mte_tcp_t *t);
+int mte_tcp_wait_notifications(mte_tcp_t *t, int timeout_ms);
 void mte_notif_free(mte_notif_t *n);
 
 /* --- peers (client.c) -------------------------------------------------------------- */

@@ -169,10 +169,11 @@ def test_settings_mooncake_skeleton_keys(tmp_path):
                             "transfer_engine_protocol": "RDMA",
                             "device_names": "mlx5_0, mlx5_1",
                             "metadata_server": "P2PHANDSHAKE", "auth_token": "s3cret",
-                            "lease_s": 30}, env={})
+                            "lease_s": 30, "idle_wait_s": 0.02}, env={})
     assert (s.protocol, s.devices, s.metadata, s.auth_token) == \
         ("rdma", ["mlx5_0", "mlx5_1"], "p2p", "s3cret")
     assert s.config_path == str(toml) and s.timeout_s == 7.0 and s.lease_s == 30.0
+    assert s.idle_wait_s == 0.02 and parse_extra_config({}, env={}).idle_wait_s == 0.005
     # vLLM MooncakeConnector's spellings
     s = parse_extra_config({"mooncake_protocol": "tcp", "device_name": "mlx5_2",
                             "metadata_server": "etcd://10.0.0.1:2379"}, env={})
@@ -189,6 +190,8 @@ def test_settings_mooncake_skeleton_keys(tmp_path):
     ({"device_names": 5}, "list of RDMA device names"),
     ({"lease_s": 0}, "must be > 0"),
     ({"lease_s": "soon"}, "number of seconds"),
+    ({"idle_wait_s": 0}, "must be > 0"),
+    ({"idle_wait_s": 5}, "idle_wait_s = 5: at most 1 second"),
     ({"enforce_handshake_compat": "yes"}, "true or false"),
     ({"mooncake_config_path": "/nonexistent/config.toml"}, "does not exist"),
 ])

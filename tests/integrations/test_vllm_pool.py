@@ -202,6 +202,22 @@ def test_save_queue_never_blocks_and_drops_over_its_bound():
         q.close()
 
 
+def test_wait_progress_returns_when_a_save_finishes_or_at_once_when_none_is_queued():
+    gate = threading.Event()
+    q = SaveQueue(10, run=lambda j: gate.wait(30))
+    try:
+        t0 = time.monotonic()
+        q.wait_progress(30)                               # nothing queued: at once
+        assert time.monotonic() - t0 < 10
+        q.submit(1, "a")
+        threading.Timer(0.05, gate.set).start()
+        q.wait_progress(30)                               # woken by the job's end
+        assert time.monotonic() - t0 < 10 and q.inflight_bytes == 0
+    finally:
+        gate.set()
+        q.close()
+
+
 def test_a_failing_save_is_counted_and_the_queue_goes_on():
     q = SaveQueue(10, run=lambda j: 1 / 0 if j == "bad" else None)
     try:

@@ -306,6 +306,13 @@ class SaveQueue:
                 self.inflight_bytes -= nbytes
                 self._idle.notify_all()
 
+    def wait_progress(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the next job to finish (at once if none
+        is queued or running)."""
+        with self._lock:
+            if self.inflight_bytes:
+                self._idle.wait(timeout)
+
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every accepted job ran."""
         with self._lock:
@@ -636,6 +643,11 @@ class PoolWorker:
                  ssd_bytes=s["ssd_disk_bytes"], corrupt_dropped=s["corrupt_dropped"],
                  save_queue_bytes=self._saver.inflight_bytes)
         return c
+
+    def wait_saves(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the next queued save to finish (at once
+        if none is queued)."""
+        self._saver.wait_progress(timeout)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait for queued saves (tests, shutdown)."""

@@ -30,6 +30,7 @@ ALIASES = {
     "lease_s": ("lease_s",),
     "transfer_timeout_s": ("transfer_timeout_s",),
     "handshake_timeout_s": ("handshake_timeout_s",),
+    "idle_wait_s": ("idle_wait_s",),
     "enforce_handshake_compat": ("enforce_handshake_compat",),
     "hugepages": ("hugepages",),
     "kvcache": ("kvcache",),
@@ -56,6 +57,7 @@ class ConnectorSettings:
     lease_s: float = 120.0
     transfer_timeout_s: "float | None" = None
     handshake_timeout_s: float = 5.0
+    idle_wait_s: float = 0.005                 # longest wait of a step without a forward pass
     enforce_handshake_compat: bool = True
     hugepages: bool = True                     # host KV cache onto 2 MiB pages (hugepages.py)
     pool: "object | None" = None                # pool.PoolSettings ([kvcache])
@@ -169,6 +171,12 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
         s.transfer_timeout_s = _number("transfer_timeout_s", get["transfer_timeout_s"])
     if "handshake_timeout_s" in get:
         s.handshake_timeout_s = _number("handshake_timeout_s", get["handshake_timeout_s"])
+    if "idle_wait_s" in get:
+        s.idle_wait_s = _number("idle_wait_s", get["idle_wait_s"])
+        if s.idle_wait_s > 1.0:
+            raise ConfigError(f"kv_connector_extra_config.idle_wait_s = {s.idle_wait_s:g}: "
+                              f"at most 1 second (vLLM admits no new request while a step "
+                              f"waits)")
     if "enforce_handshake_compat" in get:
         v = get["enforce_handshake_compat"]
         if not isinstance(v, bool):

@@ -34,8 +34,6 @@ log = logging.getLogger("mooncake_te.integrations.vllm")
 
 READ_DONE = b"mte-vllm/read-done "       # + request id: the producer may free its blocks
 LEASE_MARGIN_S = 1.0
-#: longest wait for a READ in a step without a forward pass (collect)
-IDLE_WAIT_S = 0.005
 
 
 class _Peer:
@@ -230,16 +228,11 @@ class WorkerSide:
     def collect(self):
         """``(finished_sending, finished_recving, failed_recving)`` since the last call;
         failed requests are in both of the last two (vLLM's contract)."""
-        if self._idle and self._inflight:
-            # No forward pass this step: rather than return and spin through empty steps,
-            # wait (GIL released) a little for the oldest READ, so the step thread leaves
-            # the CPU to the copy and sees it land at once. Bounded, so the engine still
-            # takes new requests within a few ms.
-            self._idle = False
-            self._inflight[0][2].poll(timeout=IDLE_WAIT_S)
+        wait_notes = self._idle_wait() if self._idle else 0.0
+        self._idle = False
         self._poll_loads()
         if self.engine is not None and self.is_producer:
-            for n in self.engine.notifications():
+            for n in self.engine.notifications(timeout=wait_notes):
                 if n.message.startswith(READ_DONE):
                     self.leases.read_done(n.message[len(READ_DONE):].decode())
         released = list(self.leases.collect())
@@ -262,6 +255,23 @@ class WorkerSide:
             ok, self._recv_ok = self._recv_ok, set()
             failed, self._recv_failed = self._recv_failed, {}
         return sending, ok | set(failed), failed
+
+    def _idle_wait(self) -> float:
+        """A step without a forward pass. vLLM's engine loop steps again at once while
+        any request waits on this connector (a load, a lease, a save), so returning at
+        once would spin a core through empty steps, the core a copy needs. Instead wait,
+        GIL released, for the first thing that ends a wait: the oldest READ landing, a
+        reader's read-done (returned: the notification wait's timeout, for the caller), a
+        pool save finishing. At most ``idle_wait_s`` (5 ms by default), since vLLM admits
+        no new request while a step waits."""
+        wait = self.settings.idle_wait_s
+        if self._inflight:
+            self._inflight[0][2].poll(timeout=wait)
+        elif self.is_producer and self.engine is not None and len(self.leases):
+            return wait
+        elif self.pool is not None:
+            self.pool.wait_saves(wait)
+        return 0.0
 
     def take_pool_stats(self) -> dict:
         """The pool's counters since the last call, with the lookups the scheduler made

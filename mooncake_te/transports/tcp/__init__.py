@@ -154,6 +154,9 @@ class TcpTransport(Transport):
     def notifications(self):
         return self.server.take_notifications()
 
+    def wait_notifications(self, timeout):
+        return self.server.wait_notifications(timeout)
+
     def deliver_notification(self, sender, message):
         rc = self.server.push_notification(sender, message)
         if rc:

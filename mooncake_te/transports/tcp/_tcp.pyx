@@ -86,6 +86,20 @@ cdef class TcpServer(Resource):
             return 0
         return mte_tcp_push_notification(self.t, sender.encode(), <const char *>msg, len(msg))
 
+    def wait_notifications(self, double timeout):
+        """Wait up to ``timeout`` seconds (GIL released) until a notification is queued;
+        True if one is (at once when one already was), False if none came or the server
+        is closed."""
+        cdef mte_tcp_t *t = self.t
+        cdef int ms = <int>(min(max(timeout, 0.0), 86400.0) * 1000.0 + 0.5)
+        cdef int any
+        if t == NULL:
+            return False
+        mte_tcp_wait_enter(t)          # with the GIL held: close() cannot free t before
+        with nogil:
+            any = mte_tcp_wait_notifications(t, ms)
+        return bool(any)
+
     def take_notifications(self):
         """Drained list of (sender, message bytes)."""
         cdef mte_notif_t *head

@@ -26,6 +26,8 @@ cdef extern from "tcp/tcp.h" nogil:
     void mte_tcp_free(mte_tcp_t *t)
     int mte_tcp_push_notification(mte_tcp_t *t, const char *sender, const void *msg, size_t len)
     mte_notif_t *mte_tcp_take_notifications(mte_tcp_t *t)
+    void mte_tcp_wait_enter(mte_tcp_t *t)
+    int mte_tcp_wait_notifications(mte_tcp_t *t, int timeout_ms)
     void mte_notif_free(mte_notif_t *n)
     mte_peer_t *mte_peer_new(mte_tcp_t *t, const char *host, int port, const char *uds,
                              uint64_t expect_instance, int lanes, uint64_t slice_size, int *err)
