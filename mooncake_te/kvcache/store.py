@@ -93,6 +93,8 @@ class KVCache:
     ...     c.lookup([b"k" * 16]), bytes(c.get([b"k" * 16])[0][:1])
     """
 
+    _fill_fn = None                     # put(fill=)'s callback during that put
+
     def __init__(self, block_bytes: int, dram_bytes: int, ssd_bytes: int = 0,
                  cache_dir: "str | None" = None, policy: str = "lru", engine=None,
                  index=None, namespace: str = "default", block_tokens: int = 16,
@@ -376,27 +378,49 @@ class KVCache:
         return hit
 
     # --- put ----------------------------------------------------------------------------
-    def put(self, keys, blocks) -> int:
+    def put(self, keys, blocks=None, *, fill=None, lengths=None) -> int:
         """Store blocks (``blocks[i]`` under ``keys[i]``); returns how many were new.
 
         A key already held is touched, not rewritten (a key names its content).
         ``blocks`` is a sequence of bytes-like objects of at most ``block_bytes`` each, or
         a 2-D numpy array with one block per row.
+
+        With ``fill`` instead of ``blocks``, the cache hands out the slots and the caller
+        writes the bytes: ``fill(items)`` is called once per round of data movement with
+        ``items`` a list of ``(i, view)``, ``view`` the writable numpy ``uint8`` payload
+        area of key ``i``'s slot (``lengths[i]`` bytes, default ``block_bytes``); when it
+        returns, every view must hold its block (the cache then checksums and publishes
+        them). This is how a GPU copier moves a batch of blocks into the pool with one
+        batched DMA and no intermediate host image. An exception from ``fill`` drops
+        every block of that round (nothing half-written is served).
         """
         self._check_open()
         ks = [as_key(k) for k in keys]
+        if fill is not None:
+            if blocks is not None:
+                raise InvalidArgumentError("put: pass blocks or fill=, not both")
+            lens = [self.block_bytes] * len(ks) if lengths is None else list(lengths)
+            if len(lens) != len(ks):
+                raise InvalidArgumentError(f"put: {len(ks)} keys but {len(lens)} lengths")
+            blocks = range(len(ks))
+        elif blocks is None:
+            raise InvalidArgumentError("put: pass blocks (or fill=)")
         if len(ks) != len(blocks):
             raise InvalidArgumentError(f"put: {len(ks)} keys but {len(blocks)} blocks")
         new = 0
         with self._lock:
             c = self._c
+            self._fill_fn = fill
             for k, blk in zip(ks, blocks):
                 if k in self._dram:
                     self._dpol.touch(k)
                     c["put_existing"] += 1
                     continue
-                mv = _as_bytes_view(blk)
-                n = mv.nbytes
+                if fill is not None:
+                    mv, n = blk, int(lens[blk])
+                else:
+                    mv = _as_bytes_view(blk)
+                    n = mv.nbytes
                 if not 0 < n <= self.block_bytes:
                     raise InvalidArgumentError(f"put: a block is {n} bytes; blocks must be "
                                                f"1 to block_bytes={self.block_bytes} bytes")
@@ -412,7 +436,10 @@ class KVCache:
                     c["put_bytes"] += n
                 slot = self._place(k, n, freq)
                 self._fills[slot] = (k, mv, n)
-            self._run_round()
+            try:
+                self._run_round()
+            finally:
+                self._fill_fn = None
             self._end_op()
         return new
 
@@ -435,7 +462,10 @@ class KVCache:
             after it was read there and checked), valid only during the call: the caller
             copies it where it belongs, with no intermediate image. The list then holds
             each block's length or None, as with ``out`` (not both). An exception from
-            ``copy`` propagates (blocks of this round not yet served stay cached).
+            ``copy`` propagates (blocks of this round not yet served stay cached). If
+            ``copy`` has a ``flush()`` method, it is called after each batch of blocks,
+            before the cache lets go of its lock: a sink may queue its copies (a GPU
+            copier's batched DMA) and finish them there, while the views stay valid.
 
         Returns
         -------
@@ -476,6 +506,8 @@ class KVCache:
                     if ent is not None:
                         self._copy_out(i, ent[0], ent[1], outs, res, "dram")
                         served.add(i)
+                # Before a promotion below can evict a block just handed to the sink.
+                self._flush_outs(outs)
             for i, k in enumerate(ks):
                 ent = self._dram.get(k)
                 if i in served:
@@ -496,6 +528,7 @@ class KVCache:
                     self._promote.append((k, slot, n, i))
                 else:
                     missing.append(i)
+            self._flush_outs(outs)
             self._run_round()
             self._end_op()
         if remote and missing and self._index is not None:
@@ -586,6 +619,11 @@ class KVCache:
                 fill = self._fills.get(vslot)
                 if fill is None or fill[0] != victim:
                     # A promotion or remote read still to land there: do the round first.
+                    self._run_round()
+                    continue
+                if isinstance(fill[1], int):
+                    # put(fill=): the bytes are the caller's to write (say, from a GPU);
+                    # land this round's blocks first, then evict as usual.
                     self._run_round()
                     continue
                 # Its bytes are the caller's: the fill is cancelled and, if the block goes
@@ -702,14 +740,18 @@ class KVCache:
                     self._drop_dram(k, slot)
         if self._remote:
             self._read_remote()
-        # (3) new blocks from the caller.
-        for slot, (key, src, n) in self._fills.items():
-            self._write_slot(slot, key, src, n)
+        # (3) new blocks from the caller (or, with put(fill=), written by the caller).
+        if self._fills and self._fill_fn is not None:
+            self._fill_slots()
+        else:
+            for slot, (key, src, n) in self._fills.items():
+                self._write_slot(slot, key, src, n)
         # (4) promoted and deferred blocks out to the caller.
         if self._copyouts and outs is not None:
             for i, slot, n, tier, key in self._copyouts:
                 if self._dram.get(key, (None,))[0] == slot:   # not dropped meanwhile
                     self._copy_out(i, slot, n, outs, res, tier)
+            self._flush_outs(outs)
         self._reset_round()
         self._outs, self._res = outs, res
 
@@ -738,6 +780,30 @@ class KVCache:
         mv[off:off + HEADER_SIZE] = pack_header(key, n, self._seq, crc)
         if self._index is not None:
             self._index.publish(key, self.base + off, n)
+
+    def _fill_slots(self) -> None:
+        """Step (3) for ``put(fill=)``: one call of the caller's ``fill`` for every slot
+        of the round, then each slot checksummed, stamped and published."""
+        mv, items = self._mv, []
+        for slot, (key, i, n) in self._fills.items():
+            off = slot * self.slot_size
+            mv[off:off + 4] = b"\0\0\0\0"      # no record until the bytes are there
+            items.append((i, self._np[off + HEADER_SIZE:off + HEADER_SIZE + n]))
+        self._fill_fn(items)
+        for slot, (key, _, n) in self._fills.items():
+            off = slot * self.slot_size
+            self._seq += 1
+            crc = crc32_held(mv[off + HEADER_SIZE:off + HEADER_SIZE + n])
+            mv[off:off + HEADER_SIZE] = pack_header(key, n, self._seq, crc)
+            if self._index is not None:
+                self._index.publish(key, self.base + off, n)
+
+    def _flush_outs(self, outs) -> None:
+        """Let a ``get(copy=)`` sink finish what it queued (before the lock is let go:
+        the slots it reads may be refilled after that)."""
+        flush = getattr(getattr(outs, "fn", None), "flush", None)
+        if flush is not None:
+            flush()
 
     def _copy_out(self, i, slot, n, outs, res, tier) -> None:
         off = slot * self.slot_size + HEADER_SIZE

@@ -429,6 +429,77 @@ def test_get_copy_hands_each_block_over(tmp_path):
         assert np.array_equal(c.get([3])[0], block(3))     # the cache goes on working
 
 
+class _QueuedSink:
+    """A get(copy=) sink that only queues in __call__ and copies in flush(), the way a
+    GPU copier batches its DMA: a view must still hold its block at flush time."""
+
+    def __init__(self):
+        self.queued, self.seen, self.flushes = [], {}, 0
+
+    def __call__(self, i, blk):
+        self.queued.append((i, blk))
+
+    def flush(self):
+        self.flushes += 1
+        for i, blk in self.queued:
+            self.seen[i] = blk.copy()
+        self.queued = []
+
+
+@pytest.mark.parametrize("dram,ssd", [(8, 0), (2, 8), (3, 8)])
+def test_get_copy_sink_flushes_while_the_blocks_are_still_there(tmp_path, dram, ssd):
+    # With a DRAM tier smaller than the call, promotions evict blocks served earlier in
+    # the same call: flush() must run before that happens.
+    with cache(tmp_path, dram=dram, ssd=ssd) as c:
+        c.put(range(6), [block(i) for i in range(6)])
+        sink = _QueuedSink()
+        want = [k for k in (5, 0, 3, 1, 4) if k in c]
+        got = c.get(want, copy=sink)
+        assert sink.queued == [] and sink.flushes >= 1
+        assert got == [BB] * len(want)
+        assert all(np.array_equal(sink.seen[i], block(k)) for i, k in enumerate(want))
+
+
+@pytest.mark.parametrize("dram,ssd", [(8, 0), (2, 8)])
+def test_put_fill_writes_straight_into_the_slots(tmp_path, dram, ssd):
+    with cache(tmp_path, dram=dram, ssd=ssd) as c:
+        calls = []
+
+        def fill(items):
+            calls.append(len(items))
+            for i, view in items:
+                assert view.flags.writeable and view.nbytes == BB
+                view[:] = block(10 + i)
+        assert c.put(range(10, 15), fill=fill) == 5
+        assert sum(calls) == 5 and len(calls) <= 5
+        got = c.get(range(10, 15))
+        assert all(g is not None and np.array_equal(g, block(k)) for k, g in
+                   zip(range(10, 15), got))
+        # Held keys are touched, not filled again; lengths pick the block sizes.
+        assert c.put([10, 20], fill=lambda items: [v.fill(7) for _, v in items],
+                     lengths=[BB, 100]) == 1
+        assert np.array_equal(c.get([20])[0], np.full(100, 7, np.uint8))
+        with pytest.raises(InvalidArgumentError, match="not both"):
+            c.put([1], [block(1)], fill=lambda items: None)
+        with pytest.raises(ZeroDivisionError):
+            c.put([30, 31], fill=lambda items: 1 / 0)
+        assert 30 not in c and 31 not in c                # nothing half-written served
+
+
+def test_put_fill_in_a_full_lfu_pool(tmp_path):
+    # LFU evicts blocks placed in the same put once the pool is full of hotter ones: the
+    # round's fills land first, then the eviction demotes them as usual.
+    with cache(tmp_path, dram=2, ssd=8, policy="lfu") as c:
+        c.put([0, 1], [block(0), block(1)])
+        c.get([0, 1])
+        c.get([0, 1])
+        c.put(range(2, 6), fill=lambda items: [v.__setitem__(slice(None), block(2 + i))
+                                               for i, v in items])
+        for k in range(6):
+            g = c.get([k])[0]
+            assert g is not None and np.array_equal(g, block(k)), k
+
+
 def test_prefault_thread_after_a_restart(tmp_path):
     with cache(tmp_path, dram=2, ssd=8) as c:
         assert c._prefaulter is None                      # nothing on SSD yet
