@@ -18,6 +18,8 @@ CUdeviceptr = c_uint64
 CUcontext = c_void_p
 CUstream = c_void_p
 CUevent = c_void_p
+CUmodule = c_void_p
+CUfunction = c_void_p
 
 # cuda.h enums
 CU_POINTER_ATTRIBUTE_CONTEXT = 1
@@ -31,6 +33,17 @@ CU_MEMHOSTALLOC_PORTABLE = 1
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CU_IPC_HANDLE_SIZE = 64
 CUDA_ERROR_NOT_READY = 600
+CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+
+
+class CUmemLocation(ctypes.Structure):
+    _fields_ = [("type", c_int), ("id", c_int)]
+
+
+class CUmemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", c_int), ("srcLocHint", CUmemLocation),
+                ("dstLocHint", CUmemLocation), ("flags", c_uint)]
 CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 
 
@@ -70,6 +83,26 @@ _SIGNATURES = {
     "cuMemHostRegister_v2": (ctypes.c_void_p, c_size_t, c_uint),
     "cuMemHostUnregister": (ctypes.c_void_p,),
     "cuGetErrorName": (c_int, POINTER(ctypes.c_char_p)),
+    "cuDeviceGetAttribute": (POINTER(c_int), c_int, CUdevice),
+    "cuStreamWaitEvent": (CUstream, CUevent, c_uint),
+    "cuMemAlloc_v2": (POINTER(CUdeviceptr), c_size_t),
+    "cuMemFree_v2": (CUdeviceptr,),
+    "cuModuleLoadData": (POINTER(CUmodule), c_void_p),
+    "cuModuleGetFunction": (POINTER(CUfunction), CUmodule, ctypes.c_char_p),
+    "cuModuleUnload": (CUmodule,),
+    "cuLaunchKernel": (CUfunction, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint,
+                       CUstream, POINTER(c_void_p), POINTER(c_void_p)),
+}
+
+# Calls some drivers lack: bound when present, else None (callers fall back).
+# cuMemcpyBatchAsync: CUDA 12.8 (with a failIdx argument); CUDA 13 names the version
+# without it cuMemcpyBatchAsync_v2 (cuda.h maps the plain name to it).
+_OPTIONAL = {
+    "cuMemcpyBatchAsync_v2": (POINTER(CUdeviceptr), POINTER(CUdeviceptr), POINTER(c_size_t),
+                              c_size_t, c_void_p, POINTER(c_size_t), c_size_t, CUstream),
+    "cuMemcpyBatchAsync": (POINTER(CUdeviceptr), POINTER(CUdeviceptr), POINTER(c_size_t),
+                           c_size_t, c_void_p, POINTER(c_size_t), c_size_t, POINTER(c_size_t),
+                           CUstream),
 }
 
 
@@ -85,6 +118,11 @@ def load():
             return None, f"the CUDA driver is too old: libcuda.so.1 lacks {name}"
         fn.argtypes = args
         fn.restype = CUresult
+    for name, args in _OPTIONAL.items():
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.argtypes = args
+            fn.restype = CUresult
     rc = lib.cuInit(0)
     if rc != 0:
         name = ctypes.c_char_p()

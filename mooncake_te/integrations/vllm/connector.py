@@ -107,7 +107,7 @@ class MooncakeTEConnector(KVConnectorBase_V1):
             model=self._vllm_config.model_config.model,
             dtype=str(first.dtype).replace("torch.", ""),
             block_size=self.block_size,
-            layout=f"block {list(first.shape[1:])}",
+            layout=kv_layout_field(first),
             num_layers=len(kv_caches), tp_size=get_tensor_model_parallel_world_size(),
             vllm_version=_vllm_version(), connector_version=__version__)
         from .pool import lookup_address
@@ -213,6 +213,17 @@ def pool_root(vllm_config) -> bytes:
     mc = vllm_config.model_config
     return namespace_root(f"{mc.model}|{mc.dtype}|{vllm_config.cache_config.cache_dtype}",
                           int(vllm_config.cache_config.block_size))
+
+
+def kv_layout_field(first) -> str:
+    """The handshake's ``layout`` field for a layer's KV tensor: its shape past the first
+    dimension, and its strides when they are not the contiguous ones (HND stride order,
+    the cross-layer layout): blocks of the same shape in another element order must
+    never be taken for each other."""
+    field = f"block {list(first.shape[1:])}"
+    if not first.is_contiguous():
+        field += f" strides {list(first.stride())}"
+    return field
 
 
 def _vllm_version() -> str:

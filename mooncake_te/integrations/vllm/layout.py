@@ -155,7 +155,7 @@ def layout_from_tensors(kv_caches: dict, num_blocks: "int | None" = None):
             raise ValueError(f"layer {name!r}: no block dimension of size {nb} in KV cache "
                              f"shape {shape}; this layout is not supported")
         for part_name, p in parts:
-            if not p[0].is_contiguous():
+            if not _dense(p[0]):
                 raise ValueError(f"layer {name!r}: one block is not contiguous in memory "
                                  f"(shape {shape}, strides {tuple(t.stride())})")
             esz = p.element_size()
@@ -168,3 +168,17 @@ def layout_from_tensors(kv_caches: dict, num_blocks: "int | None" = None):
             seen.add(st.data_ptr())
             storages.append((st.data_ptr(), st.nbytes(), t))
     return KVLayout.from_regions(names, base, stride, blen, nb or 0), storages
+
+
+def _dense(block) -> bool:
+    """Whether a block's elements fill one gap-free stretch of memory in some dimension
+    order: contiguous, or a permutation of contiguous (vLLM's HND stride order keeps the
+    FlashAttention shape over a heads-first physical layout). Only the bytes move, so
+    either is one piece; both sides' stride order is in the handshake's layout field."""
+    dims = sorted((st, n) for st, n in zip(block.stride(), block.shape) if n != 1)
+    want = 1
+    for st, n in dims:
+        if st != want:
+            return False
+        want *= n
+    return True

@@ -1,0 +1,171 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The connector with vLLM's KV cache in GPU memory, without vLLM: vLLM-shaped GPU KV
+tensors (FlashAttention, FlashInfer, MLA, the cross-layer layout, HND stride order) read
+by ``layout_from_tensors``, copied to and from block images by the batched GPU copier,
+stored in and loaded from a real KVCache (DRAM and SSD), through the pool worker, and
+P/D between two processes (CUDA IPC and TCP staging).
+
+Needs PyTorch with a CUDA GPU: CI has none, so everything here skips there; run it on a
+GPU machine with ``scripts/gpu_check.sh``."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs PyTorch with a CUDA GPU "
+                                            "(scripts/gpu_check.sh runs this on one)")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (CI has none; scripts/gpu_check.sh runs these on one)",
+                allow_module_level=True)
+
+from mooncake_te import cuda  # noqa: E402
+from mooncake_te.cuda.kvcopy import DeviceBlockCopier  # noqa: E402
+from mooncake_te.integrations.vllm.layout import layout_from_tensors  # noqa: E402
+from mooncake_te.kvcache import KVCache  # noqa: E402
+
+NB, BS, H, D, L = 40, 16, 8, 128, 4
+
+
+def _rand(shape, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def make_kv(kind: str, seed: int = 0):
+    """Per-layer KV tensors as vLLM's GPU backends lay them out."""
+    if kind == "flash_attn":            # [2, num_blocks, block_size, kv_heads, head_dim]
+        return {f"l{i}": _rand((2, NB, BS, H, D), seed + i) for i in range(L)}
+    if kind == "flashinfer":            # [num_blocks, 2, block_size, kv_heads, head_dim]
+        return {f"l{i}": _rand((NB, 2, BS, H, D), seed + i) for i in range(L)}
+    if kind == "mla":                   # [num_blocks, block_size, kv_lora_rank + rope dim]
+        return {f"l{i}": _rand((NB, BS, 576), seed + i) for i in range(L)}
+    if kind == "hnd":                   # FlashAttention's shape over an HND physical order
+        return {f"l{i}": _rand((2, NB, H, BS, D), seed + i).permute(0, 1, 3, 2, 4)
+                for i in range(L)}
+    if kind == "cross_layer":           # one tensor [num_blocks, layers, 2, bs, h, d]
+        t = _rand((NB, L, 2, BS, H, D), seed)
+        return {f"l{i}": t[:, i].permute(1, 0, 2, 3, 4) for i in range(L)}
+    raise ValueError(kind)
+
+
+KINDS = ("flash_attn", "flashinfer", "mla", "hnd", "cross_layer")
+
+
+def block_image(layout, b: int) -> np.ndarray:
+    """Block ``b`` of every region, one after another, read with plain cuMemcpy."""
+    out = []
+    for base, stride, blen in zip(layout.base, layout.stride, layout.block_len):
+        host = torch.empty(int(blen), dtype=torch.uint8)
+        src = int(base) + b * int(stride)
+        torch.cuda.synchronize()
+        cuda.memcpy(host.data_ptr(), src, int(blen))
+        out.append(host.numpy())
+    return np.concatenate(out)
+
+
+def pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_layouts_are_read_from_the_tensors(kind):
+    kv = make_kv(kind)
+    layout, storages = layout_from_tensors(kv)
+    assert layout.num_blocks == NB
+    per_block = {"flash_attn": 2 * BS * H * D * 2, "flashinfer": 2 * BS * H * D * 2,
+                 "mla": BS * 576 * 2, "hnd": 2 * BS * H * D * 2,
+                 "cross_layer": 2 * BS * H * D * 2}[kind]
+    assert int(layout.block_len.sum()) == L * per_block
+    assert len(storages) == (1 if kind == "cross_layer" else L)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gather_and_scatter_every_layout(kind):
+    kv = make_kv(kind, seed=3)
+    layout, _ = layout_from_tensors(kv)
+    cp = DeviceBlockCopier.from_layout(layout, staging_bytes=4 * int(layout.block_len.sum()))
+    try:
+        ids = [7, 3, 39, 0, 12, 13, 14]           # more than a staging half: 3 chunks
+        bb = cp.block_bytes
+        host = pinned(len(ids) * bb)
+        cp.gather_to(ids, [host.data_ptr() + i * bb for i in range(len(ids))])
+        imgs = host.numpy().reshape(len(ids), bb)
+        for j, b in enumerate(ids):
+            assert np.array_equal(imgs[j], block_image(layout, b)), (kind, b)
+        # Back into other blocks: every region of those blocks equals the source's.
+        dst = [20, 21, 25, 30, 31, 1, 2]
+        before = {b: block_image(layout, b) for b in (19, 22, 24, 26)}   # untouched
+        cp.scatter_from([host.data_ptr() + i * bb for i in range(len(ids))], dst)
+        for j, b in enumerate(dst):
+            assert np.array_equal(block_image(layout, b), imgs[j]), (kind, b)
+        for b, img in before.items():
+            assert np.array_equal(block_image(layout, b), img)
+        with pytest.raises(Exception, match="outside"):
+            cp.gather_to([NB], [host.data_ptr()])
+    finally:
+        cp.close()
+
+
+def test_fence_orders_the_copy_after_the_forward_pass():
+    # A long kernel on the compute stream writes the block; the gather fenced on that
+    # stream must see the written values, not the old ones.
+    kv = make_kv("flash_attn", seed=5)
+    layout, _ = layout_from_tensors(kv)
+    cp = DeviceBlockCopier.from_layout(layout)
+    try:
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            a = torch.randn(4096, 4096, device="cuda")
+            for _ in range(20):
+                a = a @ a / 64.0                    # keep the stream busy
+            for t in kv.values():
+                t[:, 5].fill_(1.5)
+        ev = cp.fence(s.cuda_stream)
+        host = pinned(cp.block_bytes)
+        cp.gather_to([5], [host.data_ptr()], after=ev)
+        want = torch.full((BS, H, D), 1.5, dtype=torch.bfloat16).view(torch.uint8).numpy()
+        assert np.array_equal(host.numpy()[:want.size], want.reshape(-1))
+        ev.close()
+    finally:
+        cp.close()
+
+
+def test_through_the_kvcache_dram_and_ssd(tmp_path):
+    kv = make_kv("flash_attn", seed=9)
+    layout, _ = layout_from_tensors(kv)
+    cp = DeviceBlockCopier.from_layout(layout)
+    bb = cp.block_bytes
+    keys = [bytes([i]) * 16 for i in range(8)]
+    src = list(range(8))
+    want = {i: block_image(layout, b) for i, b in enumerate(src)}
+    try:
+        c = KVCache(bb, 4 * (bb + 8192), 16 * (bb + 8192), str(tmp_path / "kv"),
+                    log_interval_s=0)
+        cp.pin_host(c.base, c.dram_slots * c.slot_size)
+        c.put(keys, fill=lambda items: cp.gather_to([src[i] for i, _ in items],
+                                                     [v.ctypes.data for _, v in items]))
+        assert c.stats()["dram_blocks"] == 4 and c.stats()["ssd_blocks"] >= 4
+        c.close(persist=True)
+        c = KVCache(bb, 4 * (bb + 8192), 16 * (bb + 8192), str(tmp_path / "kv"),
+                    log_interval_s=0)
+        cp.pin_host(c.base, c.dram_slots * c.slot_size)
+        dst = list(range(30, 38))
+
+        class Sink:
+            def __init__(self):
+                self.q = []
+
+            def __call__(self, i, view):
+                self.q.append((dst[i], view.ctypes.data))
+
+            def flush(self):
+                if self.q:
+                    cp.scatter_from([a for _, a in self.q], [b for b, _ in self.q])
+                self.q = []
+        got = c.get(keys, copy=Sink())             # 8 blocks from SSD through 4 slots
+        assert got == [bb] * 8
+        for i, b in enumerate(dst):
+            assert np.array_equal(block_image(layout, b), want[i]), b
+        c.close()
+    finally:
+        cp.close()
