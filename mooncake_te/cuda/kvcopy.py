@@ -202,6 +202,14 @@ class DeviceBlockCopier:
             return True
         return False
 
+    def unpin_host(self, address: int) -> None:
+        """Undo :meth:`pin_host` (before that memory is unmapped: the driver would
+        otherwise keep the range, and a later mapping at the same address fails)."""
+        a = int(address)
+        if a in self._pinned:
+            self._pinned.remove(a)
+            host_unregister(a, self.device)
+
     # -- ordering -------------------------------------------------------------------------
     def fence(self, stream_handle: int) -> Event:
         """An event recorded now on ``stream_handle`` (vLLM's compute stream): pass it to

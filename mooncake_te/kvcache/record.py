@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import struct
+import threading
 import zlib
 
 import numpy as np
 
 __all__ = ["HEADER_SIZE", "ALIGN", "MAGIC", "slot_size_for", "pack_header",
-           "parse_header", "Header", "crc32_held", "CRC32_IMPL"]
+           "parse_header", "Header", "crc32_held", "crc32_many", "CRC32_IMPL"]
 
 MAGIC = b"MKV1"
 VERSION = 1
@@ -103,6 +105,36 @@ _crc_libz = _load_libz()
 crc32_held = _crc_isal or _crc_libz or zlib.crc32
 #: Which of the three :func:`crc32_held` is: ``"isal"``, ``"libz"`` or ``"zlib"``.
 CRC32_IMPL = "isal" if _crc_isal else "libz" if _crc_libz else "zlib"
+
+_pool_lock = threading.Lock()
+_pool: list = []
+
+
+def crc32_many(buffers) -> list:
+    """CRC-32 of each buffer, on several threads when there is enough to share: the
+    functions that let go of the GIL (``isal_zlib.crc32`` where installed, else
+    ``zlib.crc32``) over at most 8 threads. For a batch of large blocks that a GPU copied
+    into the pool at PCIe speed, where one core's checksums would take several times
+    the copy; a single block, or few small ones, stay on :func:`crc32_held`."""
+    bufs = list(buffers)
+    total = sum(memoryview(b).nbytes for b in bufs)
+    workers = min(8, os.cpu_count() or 1, len(bufs))
+    if workers < 2 or total < (8 << 20):
+        return [crc32_held(b) for b in bufs]
+    try:
+        from isal import isal_zlib
+        fn = isal_zlib.crc32
+    except ImportError:
+        fn = zlib.crc32
+    with _pool_lock:
+        if not _pool:
+            from concurrent.futures import ThreadPoolExecutor
+            _pool.append(ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                            thread_name_prefix="kvcache-crc"))
+        ex = _pool[0]
+    step = -(-len(bufs) // workers)
+    parts = ex.map(lambda lo: [fn(b) for b in bufs[lo:lo + step]], range(0, len(bufs), step))
+    return [c for part in parts for c in part]
 
 
 def round_up(n: int, a: int = ALIGN) -> int:

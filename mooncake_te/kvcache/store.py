@@ -34,7 +34,8 @@ from ..errors import ConfigError, InvalidArgumentError, MooncakeError
 from ..metrics.prometheus import track as _track_metrics
 from .keys import as_key
 from .policy import make_policy
-from .record import HEADER_SIZE, crc32_held, pack_header, parse_header, slot_size_for
+from .record import (HEADER_SIZE, crc32_held, crc32_many, pack_header, parse_header,
+                     slot_size_for)
 from .stats import derive, log_line, new_counters
 
 log = logging.getLogger("mooncake_te.kvcache")
@@ -790,10 +791,10 @@ class KVCache:
             mv[off:off + 4] = b"\0\0\0\0"      # no record until the bytes are there
             items.append((i, self._np[off + HEADER_SIZE:off + HEADER_SIZE + n]))
         self._fill_fn(items)
-        for slot, (key, _, n) in self._fills.items():
+        crcs = crc32_many([v for _, v in items])
+        for (slot, (key, _, n)), crc in zip(self._fills.items(), crcs):
             off = slot * self.slot_size
             self._seq += 1
-            crc = crc32_held(mv[off + HEADER_SIZE:off + HEADER_SIZE + n])
             mv[off:off + HEADER_SIZE] = pack_header(key, n, self._seq, crc)
             if self._index is not None:
                 self._index.publish(key, self.base + off, n)

@@ -145,6 +145,7 @@ def test_through_the_kvcache_dram_and_ssd(tmp_path):
         c.put(keys, fill=lambda items: cp.gather_to([src[i] for i, _ in items],
                                                      [v.ctypes.data for _, v in items]))
         assert c.stats()["dram_blocks"] == 4 and c.stats()["ssd_blocks"] >= 4
+        cp.unpin_host(c.base)
         c.close(persist=True)
         c = KVCache(bb, 4 * (bb + 8192), 16 * (bb + 8192), str(tmp_path / "kv"),
                     log_interval_s=0)
@@ -166,6 +167,7 @@ def test_through_the_kvcache_dram_and_ssd(tmp_path):
         assert got == [bb] * 8
         for i, b in enumerate(dst):
             assert np.array_equal(block_image(layout, b), want[i]), b
+        cp.unpin_host(c.base)
         c.close()
     finally:
         cp.close()
