@@ -150,7 +150,7 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
 
     proto = get.get("protocol")
     if proto is not None:
-        name = proto.strip().lower() if isinstance(proto, str) else None
+        name = proto.strip().lower() if isinstance(proto, str) else ""
         name = PROTOCOL_NAMES.get(name, name)
         if name not in PROTOCOLS:
             raise ConfigError(f"kv_connector_extra_config.{vals['protocol'][0]} = {proto!r}: "
