@@ -435,6 +435,21 @@ class Config:
             self.data["metadata"]["server_address"] = addr
             self.env_applied[ENV_METADATA] = ("metadata", "server_type")
 
+    def with_overrides(self, raw: Mapping, where: str = "<dict>") -> "Config":
+        """A copy with ``raw`` (``{section: {key: value}}``) merged over it, validated as
+        a file's settings are; ``self`` is left as it is. For settings given beside a file
+        (the vLLM connector's ``kv_connector_extra_config``), which win over both the file
+        and ``MC_*`` variables.
+
+        Raises
+        ------
+        ConfigError
+            An unknown section or key, or a bad value, named with ``where``.
+        """
+        cfg = copy.deepcopy(self)
+        cfg.merge(raw, where)
+        return cfg
+
     def to_dict(self) -> dict:
         return copy.deepcopy(self.data)
 

@@ -193,11 +193,70 @@ def test_settings_mooncake_skeleton_keys(tmp_path):
     ({"idle_wait_s": 0}, "must be > 0"),
     ({"idle_wait_s": 5}, "idle_wait_s = 5: at most 1 second"),
     ({"enforce_handshake_compat": "yes"}, "true or false"),
+    ({"use_gpu_direct": "true"}, r"use_gpu_direct = 'true' \(str\): expected true or false"),
+    ({"enable_multi_nic": 1}, r"enable_multi_nic = 1 \(int\): expected true or false"),
+    ({"mooncake_protocol": "efa"}, "mooncake_protocol = 'efa': expected one of auto, tcp, "
+                                   "shm, rdma .* no transport"),
     ({"mooncake_config_path": "/nonexistent/config.toml"}, "does not exist"),
 ])
 def test_settings_errors_name_the_key(extra, match):
     with pytest.raises(mte.ConfigError, match=match):
         parse_extra_config(extra, env={})
+
+
+SEED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                    "vllm", "seed-settings.json")
+
+
+def _seed_extra():
+    """The seed's kv_connector_extra_config, mooncake_config_path resolved beside the file
+    (as ``mooncake-te doctor --vllm-config`` resolves it)."""
+    from mooncake_te.doctor.vllm import load_vllm_config
+    v = load_vllm_config(SEED)
+    return dict(v.extra_config, mooncake_config_path=v.mooncake_config_path)
+
+
+def test_settings_the_seed_deployments_extra_config():
+    s = parse_extra_config(_seed_extra(), env={})
+    assert (s.protocol, s.metadata, s.devices) == ("rdma", "p2p", ["mlx5_0", "mlx5_1"])
+    assert (s.use_gpu_direct, s.enable_multi_nic) == (True, True)
+    te = s.config["transfer_engine"]
+    assert te["use_gpu_direct"] is True and te["enable_multi_nic"] is True
+    assert s.config.source.endswith("seed-mooncake.toml")
+
+
+def test_settings_gpu_direct_and_multi_nic_reach_the_engine_config(tmp_path):
+    # The file says false; the extra config says true, and wins (over MC_* variables too).
+    toml = tmp_path / "config.toml"
+    toml.write_text("[transfer_engine]\nuse_gpu_direct = false\nenable_multi_nic = false\n")
+    s = parse_extra_config({"mooncake_config_path": str(toml), "use_gpu_direct": True,
+                            "enable_multi_nic": True}, env={})
+    # What WorkerSide.register_kv_caches passes: TransferEngine(config=settings.config).
+    with mte.TransferEngine(host="127.0.0.1", protocol="tcp", config=s.config) as eng:
+        te = eng.config["transfer_engine"]
+        assert (te["use_gpu_direct"], te["enable_multi_nic"]) == (True, True)
+    # Only what is given is overridden; the file's other values stay.
+    s = parse_extra_config({"mooncake_config_path": str(toml), "use_gpu_direct": True},
+                           env={})
+    te = s.config["transfer_engine"]
+    assert (te["use_gpu_direct"], te["enable_multi_nic"]) == (True, False)
+    # false over the defaults (true), without a file.
+    s = parse_extra_config({"use_gpu_direct": False, "enable_multi_nic": False}, env={})
+    assert s.config["transfer_engine"]["use_gpu_direct"] is False
+    assert s.config["transfer_engine"]["enable_multi_nic"] is False
+    assert parse_extra_config({}, env={}).use_gpu_direct is None
+
+
+@pytest.mark.parametrize("name, want", [("RDMA", "rdma"), ("tcp", "tcp"), ("auto", "auto"),
+                                        ("cuda_ipc", "shm"), ("nvlink_intra", "shm"),
+                                        ("nvlink", "auto")])
+def test_settings_protocol_names_are_the_engines(name, want):
+    s = parse_extra_config({"transfer_engine_protocol": name}, env={})
+    assert s.protocol == want
+    # Every value the settings produce is one the engine takes (tcp and auto start here).
+    if want in ("tcp", "auto", "shm"):
+        with mte.TransferEngine(host="127.0.0.1", protocol=s.protocol) as eng:
+            assert eng.protocol in ("tcp", "shm", "rdma")
 
 
 def test_settings_bad_config_toml_is_a_config_error(tmp_path):

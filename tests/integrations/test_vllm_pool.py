@@ -6,9 +6,11 @@ scheduler-side pool protocol. The end-to-end scenarios with vLLM are in
 tests/integrations/test_vllm_e2e.py."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from mooncake_te.integrations.vllm.pool import (
     block_keys, lookup_address, namespace_root, pool_settings)
 from mooncake_te.integrations.vllm.scheduler import SchedulerSide
 from mooncake_te.integrations.vllm.settings import parse_extra_config
+from mooncake_te.integrations.vllm.worker import rank_pool_settings
 from mooncake_te.kvcache import prefix_hashes
 from test_vllm_connector import Blocks  # noqa: E402  (KVCacheBlocks accessors)
 
@@ -174,6 +177,60 @@ def test_restart_finds_blocks_on_ssd_and_a_corrupt_one_is_not_served(tmp_path):
     finally:
         look.close()
         pool2.close()
+
+
+def test_tp2_ranks_share_one_cache_dir_each_in_its_own_subdirectory(tmp_path):
+    # What WorkerSide.register_kv_caches does for TP rank r of 2: the pool's settings with
+    # cache_dir/tp<r>-of-2, and a namespace naming the rank.
+    base = _settings(tmp_path, dram_blocks=4, ssd_blocks=8)
+    keys = block_keys(list(range(3 * BS)), BS, namespace_root("m", BS))
+    # One cache_dir for both ranks, as it was: rank 1 is refused (the SSD tier's flock).
+    p0, _ = _pool(base, HostKV(seed=10))
+    try:
+        with pytest.raises(ConfigError, match="in use by another process"):
+            _pool(base, HostKV(seed=11))
+    finally:
+        p0.close()
+    ranks = [rank_pool_settings(base, r, 2) for r in (0, 1)]
+    assert [s.cache_dir for s in ranks] == [str(tmp_path / "kv" / "tp0-of-2"),
+                                            str(tmp_path / "kv" / "tp1-of-2")]
+    assert all(os.path.isdir(s.cache_dir) for s in ranks)         # created at start
+    kvs = [HostKV(seed=20 + r) for r in (0, 1)]
+    want = [[kv.block(b) for b in range(3)] for kv in kvs]
+    pools = [PoolWorker(s, kv.layout, None, f"test-ns-tp{r}", lookup_address(uuid.uuid4().hex))
+             for r, (s, kv) in enumerate(zip(ranks, kvs))]
+    for p in pools:                                              # both started
+        p.save(SaveSpec("r", keys, [0, 1, 2]))
+        p.flush()
+        p.close()                                                # persisted to SSD
+    # A restart of both ranks finds each rank's own blocks.
+    for r in (0, 1):
+        kv, addr = HostKV(seed=30 + r), lookup_address(uuid.uuid4().hex)
+        pool = PoolWorker(rank_pool_settings(base, r, 2), kv.layout, None, f"test-ns-tp{r}",
+                          addr)
+        look = PoolLookup(addr)
+        try:
+            assert look.lookup(keys) == (0, 3, 0)
+            pool.load(PoolLoadSpec("x", keys, [7, 8, 9]))
+            loaded = {}
+            _wait(lambda: loaded.update(pool.collect()[1]) or "x" in loaded)
+            assert loaded["x"] is True
+            for i, b in enumerate((7, 8, 9)):
+                assert all(np.array_equal(kv.layers[j][b], want[r][i][j]) for j in range(2))
+        finally:
+            look.close()
+            pool.close()
+
+
+def test_tp1_keeps_cache_dir_and_a_bad_subdirectory_is_refused(tmp_path):
+    base = _settings(tmp_path, dram_blocks=4, ssd_blocks=8)
+    assert rank_pool_settings(base, 0, 1) is base                 # no migration for TP=1
+    assert rank_pool_settings(_settings(dram_blocks=4), 1, 2).cache_dir == ""   # DRAM only
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match=r"cache_dir = .*a-file/tp1-of-4.* is not a "
+                                          r"writable directory"):
+        rank_pool_settings(replace(base, cache_dir=str(f)), 1, 4)
 
 
 def test_lookup_of_a_worker_that_is_not_there_is_a_miss():

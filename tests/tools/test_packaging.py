@@ -60,7 +60,7 @@ def test_wheel_contents(dists):
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert "License-Expression: Apache-2.0" in meta
     assert "Provides-Extra: rdma" not in meta and "Provides-Extra: gpu\n" not in meta
-    assert re.search(r"Requires-Dist: vllm<0\.33,>=0\.32; extra == \"vllm\"", meta), meta
+    assert re.search(r"Requires-Dist: vllm<0\.34,>=0\.26; extra == \"vllm\"", meta), meta
 
 
 def test_no_license_deprecation_warning(dists):

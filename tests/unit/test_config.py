@@ -259,3 +259,18 @@ def test_without_a_toml_parser_the_error_says_what_to_install(tmp_path):
     lines = p.stdout.splitlines()
     assert lines[0] == "16"
     assert "has no tomllib; pip install tomli" in lines[1] and cfg in lines[1]
+
+
+def test_with_overrides_is_a_validated_copy(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[transfer_engine]\nuse_gpu_direct = false\ntimeout_ms = 7000\n")
+    base = Config.load(p, env={})
+    cfg = base.with_overrides({"transfer_engine": {"use_gpu_direct": True}}, "extra")
+    assert cfg["transfer_engine"]["use_gpu_direct"] is True
+    assert cfg["transfer_engine"]["timeout_ms"] == 7000 and cfg.source == str(p)
+    assert base["transfer_engine"]["use_gpu_direct"] is False        # untouched
+    with pytest.raises(ConfigError, match=r"extra: \[transfer_engine\] enable_multi_nic = "
+                                          r"'on' \(str\): expected true or false"):
+        base.with_overrides({"transfer_engine": {"enable_multi_nic": "on"}}, "extra")
+    with pytest.raises(ConfigError, match="unknown key 'use_gpu_drect'"):
+        base.with_overrides({"transfer_engine": {"use_gpu_drect": True}}, "extra")

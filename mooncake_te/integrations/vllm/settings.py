@@ -3,9 +3,10 @@
 
 The keys of Mooncake's own vLLM deployment files are accepted under their names
 (``mooncake_config_path``, ``transfer_engine_protocol`` / ``mooncake_protocol``,
-``device_names`` / ``device_name``, ``metadata_server``), so a copied
-``kv_transfer_config`` works once ``kv_connector`` and ``kv_connector_module_path`` name
-this connector. Unknown keys and bad values are a :class:`~mooncake_te.ConfigError`
+``device_names`` / ``device_name``, ``metadata_server``, ``use_gpu_direct``,
+``enable_multi_nic``), and so are Mooncake's GPU protocol names (:data:`PROTOCOL_NAMES`),
+so a copied ``kv_transfer_config`` works once ``kv_connector`` and
+``kv_connector_module_path`` name this connector. Unknown keys and bad values are a :class:`~mooncake_te.ConfigError`
 naming the key, the value and what is expected. ``docs/vllm.md`` lists every key.
 """
 from __future__ import annotations
@@ -18,6 +19,13 @@ from ...config import Config
 from ...errors import ConfigError
 
 PROTOCOLS = ("auto", "tcp", "shm", "rdma")
+# Mooncake's protocol names for GPU memory -> the engine's protocol that carries it here.
+# Same-host GPU memory moves by CUDA IPC (transports/cuda_ipc), which serves "shm" and
+# "auto"; there is no multi-node NVLink (fabric memory) transport, so Mooncake's "nvlink"
+# becomes "auto": CUDA IPC to peers on this host, RDMA (or TCP) to the others.
+PROTOCOL_NAMES = {"cuda_ipc": "shm", "nvlink_intra": "shm", "nvlink": "auto"}
+# [transfer_engine] booleans the extra config may set; they win over the file and MC_*.
+ENGINE_SWITCHES = ("use_gpu_direct", "enable_multi_nic")
 # canonical key -> accepted spellings (the first is ours; the rest are Mooncake's and
 # vLLM's MooncakeConnector's names for the same thing)
 ALIASES = {
@@ -34,6 +42,8 @@ ALIASES = {
     "enforce_handshake_compat": ("enforce_handshake_compat",),
     "hugepages": ("hugepages",),
     "kvcache": ("kvcache",),
+    "use_gpu_direct": ("use_gpu_direct",),
+    "enable_multi_nic": ("enable_multi_nic",),
 }
 _KNOWN = {alias: key for key, names in ALIASES.items() for alias in names}
 
@@ -44,7 +54,8 @@ class ConnectorSettings:
 
     ``None`` means "not set here": the engine then takes the value from
     ``mooncake_config_path`` (our ``config.toml``), then ``MC_*`` variables, then its
-    defaults.
+    defaults. ``use_gpu_direct`` and ``enable_multi_nic``, when set, are already merged
+    into ``config`` (``[transfer_engine]``), the configuration the engine is built with.
     """
 
     config: Config = field(default_factory=Config.load)
@@ -60,6 +71,8 @@ class ConnectorSettings:
     idle_wait_s: float = 0.005                 # longest wait of a step without a forward pass
     enforce_handshake_compat: bool = True
     hugepages: bool = True                     # host KV cache onto 2 MiB pages (hugepages.py)
+    use_gpu_direct: "bool | None" = None        # [transfer_engine] override
+    enable_multi_nic: "bool | None" = None      # [transfer_engine] override
     pool: "object | None" = None                # pool.PoolSettings ([kvcache])
     pool_lookup_address: str = ""              # set by the connector (engine id, rank)
 
@@ -137,10 +150,14 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
 
     proto = get.get("protocol")
     if proto is not None:
-        if not isinstance(proto, str) or proto.lower() not in PROTOCOLS:
-            raise ConfigError(f"kv_connector_extra_config.protocol = {proto!r}: expected one "
-                              f"of {', '.join(PROTOCOLS)}")
-        s.protocol = proto.lower()
+        name = proto.strip().lower() if isinstance(proto, str) else ""
+        name = PROTOCOL_NAMES.get(name, name)
+        if name not in PROTOCOLS:
+            raise ConfigError(f"kv_connector_extra_config.{vals['protocol'][0]} = {proto!r}: "
+                              f"expected one of {', '.join(PROTOCOLS)} (or Mooncake's "
+                              f"{', '.join(PROTOCOL_NAMES)}); mooncake_te has no transport "
+                              f"for it, use rdma or auto")
+        s.protocol = name
 
     dev = get.get("device_names")
     if dev is not None:
@@ -189,6 +206,19 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
             raise ConfigError(f"kv_connector_extra_config.hugepages = {v!r}: expected true or "
                               f"false")
         s.hugepages = v
+    over = {}
+    for key in ENGINE_SWITCHES:
+        if key in get:
+            v = get[key]
+            if not isinstance(v, bool):
+                raise ConfigError(f"kv_connector_extra_config.{key} = {v!r} "
+                                  f"({type(v).__name__}): expected true or false (it sets "
+                                  f"[transfer_engine] {key})")
+            setattr(s, key, v)
+            over[key] = v
+    if over:
+        s.config = s.config.with_overrides({"transfer_engine": over},
+                                           "kv_connector_extra_config")
     kv = get.get("kvcache")
     if kv is not None and not isinstance(kv, dict):
         raise ConfigError(f"kv_connector_extra_config.kvcache = {kv!r}: expected a table of "

@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -155,9 +156,10 @@ class WorkerSide:
             # Only byte-identical layouts share blocks: the compatibility hash names model,
             # dtype, layout, layers and TP size; the rank picks this worker's shard.
             self.pool_namespace = f"vllm-{self.compat_hash}-tp{self.tp_rank}"
-            self.pool = PoolWorker(self.settings.pool, self.layout, self.engine,
-                                   self.pool_namespace, self.settings.pool_lookup_address,
-                                   logger=log)
+            pool = rank_pool_settings(self.settings.pool, self.tp_rank,
+                                      int(self.compat.get("tp_size", 1)))
+            self.pool = PoolWorker(pool, self.layout, self.engine, self.pool_namespace,
+                                   self.settings.pool_lookup_address, logger=log)
         from .counters import HitRateLogger
         self.hit_rate_log = HitRateLogger(log, self.settings.pool.log_interval_s
                                           if self.settings.pool is not None else 10.0)
@@ -468,6 +470,29 @@ class WorkerSide:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+
+
+def rank_pool_settings(pool, tp_rank: int, tp_size: int):
+    """The pool settings of TP rank ``tp_rank`` of ``tp_size``: with ``tp_size > 1`` its
+    SSD tier lives in ``<cache_dir>/tp<rank>-of-<size>``, created (and proven writable) here.
+
+    Each rank's SSD tier locks its directory (``flock``) and writes a manifest naming its
+    namespace, which holds the rank, so ranks cannot share one: rank 1 would be refused
+    at start. ``tp_size`` is in the name so that a cache written at another TP size (other
+    shards, another namespace) is never opened. With one rank the settings are returned
+    as they are: a TP=1 cache stays in ``cache_dir`` itself, where earlier versions put it.
+
+    Raises
+    ------
+    ConfigError
+        The subdirectory cannot be created or written (as for ``cache_dir``).
+    """
+    if tp_size <= 1 or not pool.cache_dir:
+        return pool
+    mine = replace(pool, cache_dir=os.path.join(pool.cache_dir,
+                                                f"tp{int(tp_rank)}-of-{int(tp_size)}"))
+    mine.check(mine.block_size)            # cache_dir's checks, on the subdirectory
+    return mine
 
 
 class _Refused(Exception):
