@@ -98,6 +98,9 @@ _SIGNATURES = {
 # cuMemcpyBatchAsync: CUDA 12.8 (with a failIdx argument); CUDA 13 names the version
 # without it cuMemcpyBatchAsync_v2 (cuda.h maps the plain name to it).
 _OPTIONAL = {
+    "cuMemAllocAsync": (POINTER(CUdeviceptr), c_size_t, CUstream),       # CUDA 11.2
+    "cuMemFreeAsync": (CUdeviceptr, CUstream),
+    "cuMemcpyHtoDAsync_v2": (CUdeviceptr, c_void_p, c_size_t, CUstream),
     "cuMemcpyBatchAsync_v2": (POINTER(CUdeviceptr), POINTER(CUdeviceptr), POINTER(c_size_t),
                               c_size_t, c_void_p, POINTER(c_size_t), c_size_t, CUstream),
     "cuMemcpyBatchAsync": (POINTER(CUdeviceptr), POINTER(CUdeviceptr), POINTER(c_size_t),

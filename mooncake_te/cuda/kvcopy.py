@@ -83,10 +83,12 @@ _ATTR.srcAccessOrder = D.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
 _ATTR_IDX = (ctypes.c_size_t * 1)(0)
 
 
-def copy_many(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Stream) -> None:
+def copy_many(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Stream,
+              batched: bool = True) -> None:
     """Copies ``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]`` on ``stream`` (uint64
     arrays; unified addressing: device, page-locked host, or either with the other).
-    The caller makes the stream's device current."""
+    ``batched=False`` forces one ``cuMemcpyAsync`` a copy (pageable host memory). The
+    caller makes the stream's device current."""
     n = len(dsts)
     if n == 0:
         return
@@ -97,12 +99,12 @@ def copy_many(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Str
     pd = d.ctypes.data_as(ctypes.POINTER(D.CUdeviceptr))
     ps = s.ctypes.data_as(ctypes.POINTER(D.CUdeviceptr))
     pz = z.ctypes.data_as(ctypes.POINTER(ctypes.c_size_t))
-    fn = getattr(lib, "cuMemcpyBatchAsync_v2", None)
+    fn = getattr(lib, "cuMemcpyBatchAsync_v2", None) if batched else None
     if fn is not None:
         _check(fn(pd, ps, pz, n, byref(_ATTR), _ATTR_IDX, 1, stream.handle),
                f"cuMemcpyBatchAsync({n} copies)")
         return
-    fn = getattr(lib, "cuMemcpyBatchAsync", None)
+    fn = getattr(lib, "cuMemcpyBatchAsync", None) if batched else None
     if fn is not None:
         fail = ctypes.c_size_t(0)
         rc = fn(pd, ps, pz, n, byref(_ATTR), _ATTR_IDX, 1, byref(fail), stream.handle)
@@ -111,6 +113,54 @@ def copy_many(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Str
     for i in range(n):                  # drivers before CUDA 12.8: one call a block image
         _check(lib.cuMemcpyAsync(int(d[i]), int(s[i]), int(z[i]), stream.handle),
                "cuMemcpyAsync")
+
+
+SPLIT = 64 << 10                        # pieces longer than this are cut for the kernel
+
+
+def copy_pieces_async(ordinal: int, dst: np.ndarray, src: np.ndarray, lens: np.ndarray,
+                      stream: Stream) -> bool:
+    """Queue ``mte_copy_pieces`` on ``stream`` for pieces ``src[i] -> dst[i]``
+    (``lens[i]`` bytes; device memory of one GPU, IPC-mapped memory of a peer, or
+    page-locked host memory): one launch for all of them, long pieces cut into 64 KiB
+    parts so every SM has work. The piece table lives in stream-ordered device memory
+    freed after the launch, so nothing waits here. False when the driver lacks
+    stream-ordered allocation (CUDA < 11.2): then use :func:`copy_many`. The caller makes
+    the stream's device current."""
+    lib = _lib()
+    alloc = getattr(lib, "cuMemAllocAsync", None)
+    if alloc is None or getattr(lib, "cuMemcpyHtoDAsync_v2", None) is None:
+        return False
+    dst = np.asarray(dst, np.uint64)
+    src = np.asarray(src, np.uint64)
+    lens = np.asarray(lens, np.uint64)
+    parts = (lens + np.uint64(SPLIT - 1)) // np.uint64(SPLIT)
+    parts = np.maximum(parts, 1).astype(np.int64)
+    k = int(parts.sum())
+    first = np.repeat(np.cumsum(parts) - parts, parts)
+    j = (np.arange(k, dtype=np.int64) - first).astype(np.uint64)     # part index in piece
+    off = j * np.uint64(SPLIT)
+    rl = np.repeat(lens, parts)
+    table = np.empty((3, k), np.uint64)
+    table[0] = np.repeat(src, parts) + off
+    table[1] = np.repeat(dst, parts) + off
+    table[2] = np.minimum(rl - off, np.uint64(SPLIT))
+    p = D.CUdeviceptr(0)
+    _check(alloc(byref(p), table.nbytes, stream.handle), "cuMemAllocAsync(piece table)")
+    try:
+        # From pageable memory the driver has taken the bytes when this returns.
+        _check(lib.cuMemcpyHtoDAsync_v2(p.value, table.ctypes.data, table.nbytes,
+                                        stream.handle), "piece table to the GPU")
+        _mod, fn, sms = _kernel(ordinal)
+        args = [ctypes.c_uint64(p.value), ctypes.c_uint64(p.value + 8 * k),
+                ctypes.c_uint64(p.value + 16 * k), ctypes.c_uint64(k)]
+        params = (ctypes.c_void_p * 4)(*[ctypes.cast(byref(a), ctypes.c_void_p) for a in args])
+        _check(lib.cuLaunchKernel(fn, max(1, min(k, 4 * sms)), 1, 1, THREADS, 1, 1, 0,
+                                  stream.handle, params, None),
+               "cuLaunchKernel(mte_copy_pieces)")
+    finally:
+        lib.cuMemFreeAsync(p.value, stream.handle)
+    return True
 
 
 class _Half:

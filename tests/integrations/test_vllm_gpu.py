@@ -171,3 +171,202 @@ def test_through_the_kvcache_dram_and_ssd(tmp_path):
         c.close()
     finally:
         cp.close()
+
+
+# --- the pool worker with a GPU KV cache ----------------------------------------------------
+def _pool_settings(tmp_path, bb, dram_blocks, ssd_blocks, **kw):
+    from mooncake_te.integrations.vllm.pool import PoolSettings
+    slot = bb + 4096
+    return PoolSettings(dram_bytes=dram_blocks * slot, ssd_bytes=ssd_blocks * slot,
+                        cache_dir=str(tmp_path / "kv") if ssd_blocks else "", **kw)
+
+
+def _worker(settings, layout, ns="gpu-ns"):
+    import uuid
+
+    from mooncake_te.integrations.vllm.pool import PoolWorker, lookup_address
+    return PoolWorker(settings, layout, None, ns, lookup_address(uuid.uuid4().hex))
+
+
+def _settle(pool, rid, timeout=30.0):
+    import time
+    t = time.monotonic() + timeout
+    while True:
+        saved, loaded = pool.collect()
+        if rid in saved or rid in loaded:
+            return saved, loaded
+        assert time.monotonic() < t, "timed out"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("kind", ("flash_attn", "flashinfer", "mla", "cross_layer"))
+def test_pool_worker_saves_and_loads_gpu_blocks(tmp_path, kind):
+    from mooncake_te.integrations.vllm.gpu_copier import GpuBlockCopier
+    from mooncake_te.integrations.vllm.pool import PoolLoadSpec, SaveSpec
+    kv = make_kv(kind, seed=11)
+    layout, _ = layout_from_tensors(kv)
+    pool = _worker(_pool_settings(tmp_path, int(layout.block_len.sum()), 8, 16), layout)
+    try:
+        assert isinstance(pool.copier, GpuBlockCopier)
+        keys = [bytes([i + 1]) * 16 for i in range(6)]
+        src, dst = [2, 4, 6, 8, 10, 12], [30, 31, 32, 33, 34, 35]
+        want = [block_image(layout, b) for b in src]
+        assert pool.save(SaveSpec("r1", keys, src))
+        _settle(pool, "r1")
+        pool.load(PoolLoadSpec("r2", keys, dst))
+        _, loaded = _settle(pool, "r2")
+        assert loaded == {"r2": True}
+        for i, b in enumerate(dst):
+            assert np.array_equal(block_image(layout, b), want[i]), (kind, b)
+        c = pool.take_counters()
+        assert c["blocks_saved"] == 6 and c["blocks_loaded"] == 6
+    finally:
+        pool.close()
+
+
+def test_pool_worker_gpu_ssd_after_restart_corrupt_and_evicted(tmp_path):
+    from mooncake_te.integrations.vllm.pool import PoolLoadSpec, SaveSpec
+    kv = make_kv("flash_attn", seed=12)
+    layout, _ = layout_from_tensors(kv)
+    bb = int(layout.block_len.sum())
+    keys = [bytes([i + 1]) * 16 for i in range(6)]
+    pool = _worker(_pool_settings(tmp_path, bb, 8, 16), layout)
+    want = [block_image(layout, b) for b in range(6)]
+    assert pool.save(SaveSpec("r1", keys, list(range(6))))
+    _settle(pool, "r1")
+    pool.close()                                    # persists the DRAM tier to SSD
+    pool = _worker(_pool_settings(tmp_path, bb, 8, 16), layout)
+    try:
+        assert pool.lookup(keys)[:2] == (0, 6) or sum(pool.lookup(keys)) == 6
+        pool.load(PoolLoadSpec("r2", keys, list(range(20, 26))))
+        _, loaded = _settle(pool, "r2")
+        assert loaded == {"r2": True}
+        for i in range(6):
+            assert np.array_equal(block_image(layout, 20 + i), want[i])
+        # A key nobody holds (evicted since the lookup): a failed load, nothing served.
+        gone = [keys[0], b"\xee" * 16]
+        before = block_image(layout, 27)
+        pool.load(PoolLoadSpec("r3", gone, [26, 27]))
+        _, loaded = _settle(pool, "r3")
+        assert loaded == {"r3": False}
+        assert np.array_equal(block_image(layout, 27), before)
+    finally:
+        pool.close()
+    # A corrupt SSD record: the block is dropped, the load fails, vLLM recomputes.
+    import glob
+    slab = glob.glob(str(tmp_path / "kv" / "**" / "kvcache.slab"), recursive=True)[0]
+    with open(slab, "r+b") as f:
+        f.seek(4096 + 100)
+        f.write(b"\xff" * 64)
+    pool = _worker(_pool_settings(tmp_path, bb, 8, 16), layout)
+    try:
+        pool.load(PoolLoadSpec("r4", keys, list(range(30, 36))))
+        _, loaded = _settle(pool, "r4")
+        assert loaded == {"r4": False}
+        assert pool.take_counters()["failed_loads"] == 1
+    finally:
+        pool.close()
+
+
+def test_tp2_ranks_keep_their_own_keys_and_dirs(tmp_path):
+    from mooncake_te.integrations.vllm.pool import PoolLoadSpec, SaveSpec
+    from mooncake_te.integrations.vllm.worker import rank_pool_settings
+    kvs = [make_kv("flash_attn", seed=20 + r) for r in range(2)]
+    layouts = [layout_from_tensors(k)[0] for k in kvs]
+    bb = int(layouts[0].block_len.sum())
+    base = _pool_settings(tmp_path, bb, 8, 16)
+    keys = [bytes([i + 1]) * 16 for i in range(4)]
+    pools = [_worker(rank_pool_settings(base, r, 2), layouts[r], f"gpu-ns-tp{r}")
+             for r in range(2)]
+    want = [[block_image(layouts[r], b) for b in range(4)] for r in range(2)]
+    for r, p in enumerate(pools):
+        assert p.save(SaveSpec(f"s{r}", keys, list(range(4))))
+        _settle(p, f"s{r}")
+    for p in pools:
+        p.close()
+    pools = [_worker(rank_pool_settings(base, r, 2), layouts[r], f"gpu-ns-tp{r}")
+             for r in range(2)]
+    try:
+        for r, p in enumerate(pools):
+            p.load(PoolLoadSpec(f"l{r}", keys, list(range(10, 14))))
+            _, loaded = _settle(p, f"l{r}")
+            assert loaded == {f"l{r}": True}
+            for i in range(4):       # each rank its own shard back, not the other's
+                assert np.array_equal(block_image(layouts[r], 10 + i), want[r][i])
+    finally:
+        for p in pools:
+            p.close()
+
+
+# --- P/D between two processes, through the connector's worker side -------------------------
+def _producer(conn, protocol, seed, port):
+    import time
+
+    from mooncake_te.integrations.vllm.scheduler import Work
+    from mooncake_te.integrations.vllm.settings import parse_extra_config
+    from mooncake_te.integrations.vllm.worker import WorkerSide
+    s = parse_extra_config({"protocol": protocol})
+    w = WorkerSide(s, _compat(), "127.0.0.1", port, is_producer=True, is_consumer=False)
+    w.register_kv_caches(make_kv("flash_attn", seed), NB)
+    w.start(Work(leases=["p1"]))
+    conn.send(w.engine.name)
+    freed = []
+    while not conn.poll(0.01):
+        sending, _, _ = w.collect()
+        freed += list(sending)
+        time.sleep(0.005)
+    conn.recv()
+    conn.send(freed)
+    w.close()
+
+
+def _compat():
+    from mooncake_te.integrations.vllm import handshake
+    return handshake.compat_fields(model="gpu-test", dtype="bfloat16", block_size=BS,
+                                   layout=f"block {[NB, BS, H, D]}", num_layers=L,
+                                   tp_size=1, vllm_version="none", connector_version="test")
+
+
+@pytest.mark.parametrize("protocol,transport", [("auto", "cuda_ipc"), ("tcp", "tcp")])
+def test_pd_reads_the_producers_gpu_blocks(protocol, transport):
+    import multiprocessing as mp
+    import time
+
+    from mooncake_te.integrations.vllm.scheduler import LoadSpec, Work
+    from mooncake_te.integrations.vllm.settings import parse_extra_config
+    from mooncake_te.integrations.vllm.worker import WorkerSide
+    ctx = mp.get_context("spawn")
+    a, b = ctx.Pipe()
+    from servers import free_port
+    p = ctx.Process(target=_producer, args=(b, protocol, 31, free_port()))
+    p.start()
+    try:
+        assert a.poll(120), "the producer did not start"
+        name = a.recv()
+        w = WorkerSide(parse_extra_config({"protocol": protocol}), _compat(), "127.0.0.1",
+                       free_port(), is_producer=False, is_consumer=True)
+        kv = make_kv("flash_attn", seed=32)
+        w.register_kv_caches(kv, NB)
+        want = make_kv("flash_attn", seed=31)           # the producer's (same seeds)
+        remote, local = [1, 2, 3, 9, 20], [5, 6, 7, 8, 30]
+        w.start(Work(loads=[LoadSpec("c1", local, remote, name, "p1")]))
+        t = time.monotonic() + 60
+        done = set()
+        while "c1" not in done:
+            _, ok, failed = w.collect()
+            assert not failed, w.stats["errors"]
+            done |= ok
+            assert time.monotonic() < t
+            time.sleep(0.005)
+        assert w.stats["requests"][-1]["transport"] == transport
+        for layer in kv:
+            for lb, rb in zip(local, remote):
+                assert torch.equal(kv[layer][:, lb], want[layer][:, rb])
+        w.close()
+        a.send("stop")
+        assert a.poll(30)
+        assert "p1" in a.recv()            # the read-done freed the producer's lease
+    finally:
+        p.join(30)
+        if p.is_alive():
+            p.kill()

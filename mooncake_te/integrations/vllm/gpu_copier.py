@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The pool's copier for a KV cache in GPU memory (vLLM on GPUs): the copier interface of
+:mod:`.pool.copier` over :class:`mooncake_te.cuda.kvcopy.DeviceBlockCopier`.
+
+- A save never builds a host image: ``fill(ids)`` is :meth:`KVCache.put`'s ``fill=``, which
+  gathers the blocks on the GPU and DMAs each block image straight into its pool slot
+  (page-locked once, :meth:`attach_pool`), on the copier's own stream, after a fence on
+  vLLM's compute stream taken when the save was queued (:meth:`fence`, on the step
+  thread), so the copy never reads a block before the forward pass that wrote it, and
+  the forward pass never waits for the copy.
+- A load queues each block image ``get(copy=)`` hands over (``scatter_held``) and moves
+  them all in :meth:`flush`: one batched DMA into GPU staging and one scatter launch,
+  done before the cache lets go of the slots. The blocks are written before the load is
+  reported finished, so vLLM never schedules the request before its KV is there.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...cuda.kvcopy import DeviceBlockCopier
+
+
+def is_gpu_layout(layout) -> bool:
+    """Whether a KV layout's first region is GPU memory (only then is CUDA asked: a host
+    cache in a process that never used CUDA stays that way)."""
+    from ... import cuda
+    if not len(layout) or not cuda.loaded():
+        return False
+    try:
+        return cuda.pointer_info(int(layout.base[0]))[0]
+    except Exception:                   # no usable driver: a host cache
+        return False
+
+
+class GpuBlockCopier:
+    """Blocks of a GPU KV cache to and from the pool's slots, batched (see the module).
+
+    Parameters
+    ----------
+    layout : KVLayout
+    staging_bytes : int
+        GPU memory for staging block images (two halves used in turn).
+    """
+
+    def __init__(self, layout, staging_bytes: int = 64 << 20):
+        self.layout = layout
+        self.dev = DeviceBlockCopier.from_layout(layout, staging_bytes)
+        self.block_bytes = self.dev.block_bytes
+        self.device = self.dev.device
+        self._queued: list = []           # (block id, slot address) for flush
+        self._pool = None
+
+    # -- the pool -------------------------------------------------------------------------
+    def attach_pool(self, cache) -> None:
+        """Page-lock ``cache``'s DRAM pool so block images move by DMA."""
+        self._pool = int(cache.base)
+        self.dev.pin_host(cache.base, cache.dram_slots * cache.slot_size)
+
+    def detach_pool(self) -> None:
+        """Undo :meth:`attach_pool` (before the pool is unmapped)."""
+        if self._pool is not None:
+            self.dev.unpin_host(self._pool)
+            self._pool = None
+
+    # -- saves ----------------------------------------------------------------------------
+    def fence(self):
+        """An event on the calling thread's current CUDA stream (vLLM's forward pass), for
+        :meth:`fill`'s ``after``; None when PyTorch is not there to say which stream."""
+        try:
+            import torch
+        except ImportError:               # pragma: no cover - vLLM always has torch
+            return None
+        return self.dev.fence(torch.cuda.current_stream(self.device).cuda_stream)
+
+    def fill(self, block_ids, after=None):
+        """``KVCache.put(fill=)`` for blocks ``block_ids`` (``ids[i]`` for key ``i``)."""
+        ids = list(block_ids)
+
+        def fill(items):
+            self.dev.gather_to([ids[i] for i, _ in items],
+                               [v.ctypes.data for _, v in items], after=after)
+        return fill
+
+    def gather_many(self, block_ids, out: np.ndarray) -> None:
+        """Blocks into the rows of ``out`` (host memory; page-locked is fastest)."""
+        bb = self.block_bytes
+        base = out.ctypes.data
+        self.dev.gather_to(block_ids, [base + i * bb for i in range(len(block_ids))])
+
+    # -- loads ----------------------------------------------------------------------------
+    def scatter_held(self, block_id: int, src: np.ndarray) -> None:
+        """Queue a block image (a pool slot's view) for block ``block_id``; :meth:`flush`
+        copies every queued one."""
+        b = int(block_id)
+        if not 0 <= b < self.layout.num_blocks:
+            raise IndexError(f"block id {b} is outside vLLM's {self.layout.num_blocks} "
+                             f"blocks")
+        self._queued.append((b, src.ctypes.data))
+
+    def flush(self) -> None:
+        q, self._queued = self._queued, []
+        if q:
+            self.dev.scatter_from([a for _, a in q], [b for b, _ in q])
+
+    def close(self) -> None:
+        self.detach_pool()
+        self.dev.close()
