@@ -26,6 +26,7 @@ class RemoteTier(Tier):
     ``engine``."""
 
     name = "remote"
+    description = "other instances' pools"
     local = False
     failed_counter = "remote_failed"
 

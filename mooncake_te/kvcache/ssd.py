@@ -80,6 +80,7 @@ class SSDTier(Tier):
     """
 
     name = "ssd"
+    description = "the pool's SSD tier"
     local = True
     disk = True
     failed_counter = "corrupt_dropped"

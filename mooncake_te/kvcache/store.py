@@ -102,6 +102,7 @@ class KVCache:
     """
 
     _fill_fn = None                     # put(fill=)'s callback during that put
+    _where = None                       # get(where=)'s list during that get
 
     def __init__(self, block_bytes: int, dram_bytes: int, ssd_bytes: int = 0,
                  cache_dir: "str | None" = None, policy: str = "lru", engine=None,
@@ -213,6 +214,18 @@ class KVCache:
                     block_tokens=k["block_size"], engine=engine)
         args.update(kwargs)
         return cls(block_bytes, **args)
+
+    @property
+    def tier_names(self) -> tuple:
+        """The registered tiers this cache counts by, hub first (:mod:`.tiers`); the keys
+        of :meth:`lookup_tiers`."""
+        return self._tier_names
+
+    @property
+    def can_remote(self) -> bool:
+        """``remote=True`` has a tier to ask (the owner index, or another tier that is
+        not local)."""
+        return bool(self._far)
 
     def _need_index(self) -> None:
         if not self._far:
@@ -458,7 +471,8 @@ class KVCache:
         return new
 
     # --- get ----------------------------------------------------------------------------
-    def get(self, keys, out=None, remote: bool = False, copy=None) -> list:
+    def get(self, keys, out=None, remote: bool = False, copy=None,
+            where: "list | None" = None) -> list:
         """Read blocks: DRAM hits are copied out, SSD hits promoted to DRAM (then copied),
         misses are None. With ``remote=True``, blocks missing here are read from the peer
         the owner index names (zero-copy into this cache's pool, checked, then kept).
@@ -480,6 +494,9 @@ class KVCache:
             ``copy`` has a ``flush()`` method, it is called after each batch of blocks,
             before the cache lets go of its lock: a sink may queue its copies (a GPU
             copier's batched DMA) and finish them there, while the views stay valid.
+        where : list, optional
+            Filled with one entry per key: the name of the tier the block was served
+            from (``"dram"``, ``"ssd"``, ``"remote"``, ...), None for a miss.
 
         Returns
         -------
@@ -501,12 +518,15 @@ class KVCache:
             outs = [None] * len(ks) if out is None else [_as_bytes_view(o, writable=True)
                                                           for o in out]
         res: list = [None] * len(ks)
+        if where is not None:
+            where[:] = [None] * len(ks)
         missing = []
         served: set = set()       # indices copied out before the walk
         with self._lock:
             c = self._c
             c["get_blocks"] += len(ks)
             self._outs, self._res = outs, res
+            self._where = where
             if self._lower:
                 # Every lower-tier block this call asks for stays there until the call is
                 # done, or demotions made room for earlier blocks could evict later ones
@@ -519,7 +539,7 @@ class KVCache:
                 for i, k in enumerate(ks):
                     ent = self._dram.get(k)
                     if ent is not None:
-                        self._copy_out(i, ent[0], ent[1], outs, res, "dram")
+                        self._copy_out(i, ent[0], ent[1], outs, res, HUB)
                         served.add(i)
                 # Before a promotion below can evict a block just handed to the sink.
                 self._flush_outs(outs)
@@ -533,9 +553,9 @@ class KVCache:
                     self._dpol.touch(k)
                     slot, n = ent
                     if slot in self._assigned:         # placed earlier in this round
-                        self._copyouts.append((i, slot, n, "dram", k))
+                        self._copyouts.append((i, slot, n, HUB, k))
                     else:
-                        self._copy_out(i, slot, n, outs, res, "dram")
+                        self._copy_out(i, slot, n, outs, res, HUB)
                 else:
                     low = self._lower_holding(k)
                     if low is None:
@@ -564,6 +584,7 @@ class KVCache:
                     slot = self._place(ks[i], loc[0], 1)
                     self._reads.append((t, ks[i], slot, loc[0], i, loc[1]))
                 self._outs, self._res = outs, res
+                self._where = where
                 self._run_round()
                 self._end_op()
         with self._lock:
@@ -638,7 +659,7 @@ class KVCache:
         self._reads: list = []         # (tier, key, dram slot, length, out index, handle)
         self._fills: dict = {}         # dram slot -> (key, source view, length)
         self._bounce: list = []        # aligned copies of blocks demoted before their fill
-        self._copyouts: list = []      # (out index, dram slot, length, tier, key)
+        self._copyouts: list = []      # (out index, dram slot, length, tier name, key)
         self._outs = self._res = None
 
     def _place(self, key: bytes, length: int, freq: int) -> int:
@@ -775,7 +796,7 @@ class KVCache:
         self._outs, self._res = outs, res
 
     def _end_op(self) -> None:
-        self._outs = self._res = None
+        self._outs = self._res = self._where = None
         self._pinned = set()
 
     def _slot_view(self, slot: int) -> memoryview:
@@ -842,7 +863,9 @@ class KVCache:
                                            f"{n}")
             dst[:n] = self._mv[off:off + n]
             res[i] = n
-        if tier == "dram":
+        if self._where is not None:
+            self._where[i] = tier
+        if tier == HUB:
             c = self._c
             c["dram_read_s"] += time.perf_counter() - t
             c["served_dram"] += 1
@@ -873,7 +896,7 @@ class KVCache:
                     c[f"served_{t.name}_bytes"] += n
                     if self._index is not None:
                         self._index.publish(k, self.base + slot * self.slot_size, n)
-                    self._copyouts.append((i, slot, n, None, k))
+                    self._copyouts.append((i, slot, n, t.name, k))
                 else:
                     failed = t.failed_counter or f"{t.name}_failed"
                     c[failed] = c.get(failed, 0) + 1

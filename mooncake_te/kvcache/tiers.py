@@ -53,9 +53,12 @@ class Tier:
     """
 
     name: str = ""
+    #: Where the blocks are, in words (metric help texts): "the pool's SSD tier".
+    description: str = ""
     #: Membership is asked key by key under the cache's lock (see module docstring).
     local: bool = True
-    #: The tier keeps blocks on a disk: its ``bytes`` gauge is bytes on disk.
+    #: The tier keeps blocks on a disk; its :meth:`stats` then has ``disk_bytes`` (what
+    #: the vLLM pool reports as the tier's bytes).
     disk: bool = False
     #: The counter a failed :meth:`read_into` item bumps.
     failed_counter: str = ""
@@ -148,6 +151,7 @@ class DRAMHub(Tier):
     questions every tier answers."""
 
     name = HUB
+    description = "the pool's DRAM tier"
     local = True
 
     def __init__(self, cache):
