@@ -5,7 +5,6 @@ line and metrics, and through the vLLM pool in the lookup reply, the worker's co
 and the ``kv cache hit rate`` line, without a line of those modules naming it."""
 from __future__ import annotations
 
-import sys
 import uuid
 
 import numpy as np
@@ -130,8 +129,7 @@ def test_a_registered_tier_is_looked_up_read_counted_and_reported(objstore, tmp_
 def test_a_registered_tier_is_exported_to_prometheus(objstore):
     pytest.importorskip("prometheus_client")
     from mooncake_te import metrics
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1]))
-    from metrics_names import samples, total
+    from metrics_names import samples, total            # tests/ (pytest's pythonpath)
     keys = [bytes([i]) * 16 for i in range(3)]
     objstore.objects.update({k: block(i) for i, k in enumerate(keys)})
     with KVCache(BB, 2 * 4096, namespace="tier-test", log_interval_s=0,
