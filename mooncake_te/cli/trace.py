@@ -258,8 +258,11 @@ def _run_real(args, trace, k, block_bytes, dram, ssd, cache_dir, policy) -> int:
     print(f"  DRAM tier  {s['dram_capacity_blocks']:,} blocks ({human(s['dram_capacity_bytes'])})"
           f"   SSD tier  {s['ssd_capacity_blocks']:,} blocks "
           f"({human(s['ssd_capacity_bytes'])}, {s['ssd_io'] or 'none'})")
-    print(f"  block hit rate  {s['block_hit_rate']:.4f}  (dram {s['block_hit_rate_dram']:.4f}, "
-          f"ssd {s['block_hit_rate_ssd']:.4f})   token hit rate {s['token_hit_rate']:.4f}")
+    # The local tiers, from the cache's registry (those with a capacity): dram, ssd, ...
+    local = [t for t in s["tiers"] if f"{t}_capacity_bytes" in s]
+    rates = ", ".join(f"{t} {s[f'block_hit_rate_{t}']:.4f}" for t in local)
+    print(f"  block hit rate  {s['block_hit_rate']:.4f}  ({rates})   token hit rate "
+          f"{s['token_hit_rate']:.4f}")
     print(f"  served from DRAM  {human(s['served_dram_bytes'])} at {s['dram_read_gbps']:.2f} GB/s")
     print(f"  served from SSD   {human(s['served_ssd_bytes'])} at {s['ssd_read_gbps']:.2f} GB/s "
           f"({s['promotions']:,} promotions)")

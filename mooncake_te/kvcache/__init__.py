@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tiered KV cache: DRAM (a registered memory pool peers read over the transfer engine)
 and SSD (checksummed block records under ``cache_dir``), keyed by prefix hashes, with
-LRU/LFU eviction, demotion and promotion, hit-rate accounting and a remote ``get``.
+LRU/LFU eviction, demotion and promotion, hit-rate accounting and a remote ``get``. The
+tiers are plug-ins of one interface, DRAM the hub they all read into and write from
+(:mod:`.tiers`).
 
 The trace simulator behind ``mooncake-te trace`` lives in :mod:`.trace` (one cache) and
 :mod:`.engine_model` (vLLM's prefix cache in front of the pool); the guide is

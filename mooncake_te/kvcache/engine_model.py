@@ -29,7 +29,7 @@ vLLM's block pool (vLLM 0.32, ``vllm/v1/core/``):
   several blocks (a recomputed last block is cached beside the old copy; the hit takes the
   oldest, ``BlockHashToBlockMap``).
 
-The connector's pool (``mooncake_te/integrations/vllm/scheduler.py``, ``pool.py``):
+The connector's pool (``mooncake_te/integrations/vllm/scheduler.py``, ``pool/``):
 
 * After vLLM's hit of ``k`` blocks, the pool is asked for blocks ``k .. last - 1`` with
   ``last = (num_tokens - 1) // T`` (the same last-token rule); the hit is the run of them

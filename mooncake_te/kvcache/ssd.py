@@ -32,6 +32,7 @@ import os
 from ..errors import ConfigError
 from .policy import make_policy
 from .record import ALIGN, HEADER_SIZE, crc32_held, parse_header, round_up
+from .tiers import Tier
 
 log = logging.getLogger("mooncake_te.kvcache")
 
@@ -56,8 +57,9 @@ def _writable_dir(path: str) -> None:
                           f"only") from None
 
 
-class SSDTier:
-    """Block records on a local file system.
+class SSDTier(Tier):
+    """Block records on a local file system: the tier below the DRAM hub, which takes its
+    demotions (:class:`~.tiers.Tier`, ``local``).
 
     Parameters
     ----------
@@ -76,6 +78,38 @@ class SSDTier:
     o_direct : bool
         Try ``O_DIRECT`` first.
     """
+
+    name = "ssd"
+    description = "the pool's SSD tier"
+    local = True
+    disk = True
+    failed_counter = "corrupt_dropped"
+    demotions = True
+
+    @classmethod
+    def open(cls, cache, args: dict) -> "SSDTier | None":
+        """The tier of ``KVCache(ssd_bytes=..., cache_dir=...)``; None for ``ssd_bytes=0``."""
+        ssd_bytes = args.get("ssd_bytes") or 0
+        if ssd_bytes <= 0:
+            return None
+        if not args.get("cache_dir"):
+            raise ConfigError("[kvcache] ssd_cache_gb > 0 needs cache_dir, a directory "
+                              "on a local SSD")
+        tier = cls(args["cache_dir"], int(ssd_bytes), cache.slot_size, cache.policy_name,
+                   cache.namespace, args.get("io_depth", 4), args.get("o_direct", True))
+        if tier.nslots < 1:
+            tier.close()
+            raise ConfigError(f"[kvcache] ssd_cache_gb = {ssd_bytes / (1 << 30):g} holds "
+                              f"no block of {cache.slot_size} bytes; make it larger or "
+                              f"0 for DRAM only")
+        return tier
+
+    @classmethod
+    def blank_stats(cls) -> dict:
+        d: dict = dict.fromkeys(("blocks", "bytes", "capacity_blocks", "capacity_bytes",
+                                 "disk_bytes", "recovered_blocks", "corrupt_records"), 0)
+        d["io"] = None
+        return d
 
     def __init__(self, cache_dir: str, capacity_bytes: int, slot_size: int,
                  policy: str = "lru", namespace: str = "default", io_depth: int = 4,
@@ -215,6 +249,38 @@ class SSDTier:
 
     def touch(self, key) -> None:
         self.policy.touch(key)
+
+    # --- the Tier interface (the cache's view) ---------------------------------------------
+    def holds(self, key) -> bool:
+        return key in self.index
+
+    def length(self, key) -> "int | None":
+        ent = self.index.get(key)
+        return None if ent is None else ent[1]
+
+    def keys(self) -> list:
+        return list(self.index)
+
+    def frequency(self, key) -> int:
+        return self.policy.frequency(key)
+
+    def accept(self, key, length: int, seq: int, pinned=(), freq: int = 1):
+        return self.assign(key, length, seq, pinned, freq)
+
+    def write_from(self, items) -> None:
+        self.write_many(items)
+
+    def read_into(self, items) -> list:
+        """Promotions: :meth:`read_many` into the hub slots of ``items``
+        (:class:`~.tiers.Tier`); a bad record is dropped and counted."""
+        return self.read_many([(k, self.index[k][0], n, view) for k, _, n, view, _ in items])
+
+    def stats(self) -> dict:
+        return {"blocks": len(self), "bytes": self.bytes_used,
+                "capacity_blocks": self.nslots, "capacity_bytes": self.nslots * self.slot_size,
+                "disk_bytes": self.disk_bytes(),
+                "io": "o_direct" if self.direct else "buffered+fdatasync",
+                "recovered_blocks": self.recovered, "corrupt_records": self.corrupt}
 
     def remove(self, key) -> None:
         ent = self.index.pop(key, None)

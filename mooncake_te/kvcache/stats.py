@@ -12,44 +12,54 @@ Two kinds of counts, kept apart so neither is counted twice:
 """
 from __future__ import annotations
 
+from .tiers import names as tier_names
+
+# Counters that name no tier. Each registered tier adds ``hit_blocks_<tier>`` (lookups),
+# ``served_<tier>``, ``served_<tier>_bytes`` and the timer ``<tier>_read_s`` (reads).
 COUNTERS = (
     # lookups
-    "lookups", "lookup_blocks", "hit_blocks", "hit_blocks_dram", "hit_blocks_ssd",
-    "hit_blocks_remote", "lookup_tokens", "hit_tokens",
+    "lookups", "lookup_blocks", "hit_blocks", "lookup_tokens", "hit_tokens",
     # reads
-    "get_blocks", "get_misses", "served_dram", "served_dram_bytes", "served_ssd",
-    "served_ssd_bytes", "served_remote", "served_remote_bytes", "remote_failed",
+    "get_blocks", "get_misses", "remote_failed",
     # writes and movement
     "put_blocks", "put_bytes", "put_existing", "evictions_dram", "evictions_ssd",
     "demotions", "demoted_bytes", "demotions_skipped", "dropped", "promotions",
     "corrupt_dropped",
 )
-TIMERS = ("dram_read_s", "ssd_read_s", "ssd_write_s", "remote_read_s")
+TIMERS = ("ssd_write_s",)
 
 
-def new_counters() -> dict:
-    d = dict.fromkeys(COUNTERS, 0)
-    d.update(dict.fromkeys(TIMERS, 0.0))
+def tier_counters(tiers=None) -> tuple:
+    """The per-tier counter names of ``tiers`` (default: the registered ones)."""
+    tiers = tier_names() if tiers is None else tiers
+    return tuple(f"hit_blocks_{t}" for t in tiers) + tuple(
+        x for t in tiers for x in (f"served_{t}", f"served_{t}_bytes"))
+
+
+def new_counters(tiers=None) -> dict:
+    """Zeroed counters for a cache of the ``tiers`` (default: the registered ones)."""
+    tiers = tier_names() if tiers is None else tiers
+    d = dict.fromkeys(COUNTERS + tier_counters(tiers), 0)
+    d.update(dict.fromkeys(TIMERS + tuple(f"{t}_read_s" for t in tiers), 0.0))
     return d
 
 
-def derive(c: dict) -> dict:
+def derive(c: dict, tiers=None) -> dict:
     """Add the rates to a snapshot of the counters."""
+    tiers = tier_names() if tiers is None else tiers
     d = dict(c)
     qb, qt = c["lookup_blocks"], c["lookup_tokens"]
     d["miss_blocks"] = qb - c["hit_blocks"]
     d["block_hit_rate"] = c["hit_blocks"] / qb if qb else 0.0
     d["token_hit_rate"] = c["hit_tokens"] / qt if qt else 0.0
-    for tier in ("dram", "ssd", "remote"):
-        d[f"block_hit_rate_{tier}"] = c[f"hit_blocks_{tier}"] / qb if qb else 0.0
-    d["dram_read_gbps"] = c["served_dram_bytes"] / c["dram_read_s"] / 1e9 \
-        if c["dram_read_s"] else 0.0
-    d["ssd_read_gbps"] = c["served_ssd_bytes"] / c["ssd_read_s"] / 1e9 \
-        if c["ssd_read_s"] else 0.0
+    for tier in tiers:
+        d[f"block_hit_rate_{tier}"] = c.get(f"hit_blocks_{tier}", 0) / qb if qb else 0.0
+    for tier in tiers:
+        secs = c.get(f"{tier}_read_s", 0.0)
+        d[f"{tier}_read_gbps"] = c.get(f"served_{tier}_bytes", 0) / secs / 1e9 \
+            if secs else 0.0
     d["ssd_write_gbps"] = c["demoted_bytes"] / c["ssd_write_s"] / 1e9 \
         if c["ssd_write_s"] else 0.0
-    d["remote_read_gbps"] = c["served_remote_bytes"] / c["remote_read_s"] / 1e9 \
-        if c["remote_read_s"] else 0.0
     return d
 
 
@@ -63,14 +73,15 @@ def human(n: float) -> str:
 
 
 def log_line(s: dict) -> str:
-    """The one line logged periodically; starts with ``kv cache hit rate``."""
+    """The one line logged periodically; starts with ``kv cache hit rate``. The tiers
+    are ``s["tiers"]`` (hit rates of each; occupancy of those with a capacity)."""
+    tiers = s.get("tiers") or tier_names()
+    rates = ", ".join(f"{t} {s.get(f'block_hit_rate_{t}', 0.0):.1%}" for t in tiers)
+    held = ", ".join(f"{t} {human(s[f'{t}_bytes'])} of {human(s[f'{t}_capacity_bytes'])} "
+                     f"({s[f'{t}_blocks']} blocks)" for t in tiers
+                     if f"{t}_capacity_bytes" in s)
     return (f"kv cache hit rate {s['block_hit_rate']:.1%} of blocks, "
-            f"{s['token_hit_rate']:.1%} of tokens "
-            f"(dram {s['block_hit_rate_dram']:.1%}, ssd {s['block_hit_rate_ssd']:.1%}, "
-            f"remote {s['block_hit_rate_remote']:.1%}) over {s['lookup_blocks']} blocks in "
-            f"{s['lookups']} lookups; dram {human(s['dram_bytes'])} of "
-            f"{human(s['dram_capacity_bytes'])} ({s['dram_blocks']} blocks), "
-            f"ssd {human(s['ssd_bytes'])} of {human(s['ssd_capacity_bytes'])} "
-            f"({s['ssd_blocks']} blocks); evictions {s['evictions_dram']}, demotions "
-            f"{s['demotions']}, promotions {s['promotions']}, corrupt dropped "
+            f"{s['token_hit_rate']:.1%} of tokens ({rates}) over {s['lookup_blocks']} "
+            f"blocks in {s['lookups']} lookups; {held}; evictions {s['evictions_dram']}, "
+            f"demotions {s['demotions']}, promotions {s['promotions']}, corrupt dropped "
             f"{s['corrupt_dropped']}")

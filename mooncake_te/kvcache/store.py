@@ -1,5 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``KVCache``: a two-tier block store (DRAM pool + SSD) keyed by prefix hashes.
+"""``KVCache``: a tiered block store keyed by prefix hashes: a DRAM pool (the hub) and the
+tiers of :mod:`.tiers` (SSD; other instances' pools through the owner index; any tier
+registered there), every one of which moves blocks only into and out of the hub's slots.
 
 How an operation runs. Every call first walks its keys in order and updates the index and
 the eviction policy exactly as the trace simulator does (a hit is touched; a new block is
@@ -8,7 +10,9 @@ data movement this implies without doing it. The movement then runs in four step
 with many I/Os in flight: (1) write demoted blocks from their DRAM slots to SSD, (2) read
 promoted blocks from SSD (and remote blocks from peers) into their new DRAM slots, (3)
 copy new blocks from the caller into their slots, (4) copy promoted blocks out to the
-caller. A slot is never both emptied and refilled inside one round: if the walk is about
+caller. Steps (1) and (2) walk the tiers: (1) goes to the one that takes demotions
+(``ssd``), (2) asks each tier, in registry order, for the blocks found there
+(:meth:`.tiers.Tier.read_into`). A slot is never both emptied and refilled inside one round: if the walk is about
 to evict a block that was itself placed earlier in the same round (LFU evicts a fresh
 block first when everything else is hotter), the round's movement is run first. So the
 index the simulator predicts is the index the store has, and a DRAM-only cache reproduces
@@ -37,6 +41,7 @@ from .policy import make_policy
 from .record import (HEADER_SIZE, crc32_held, crc32_many, pack_header, parse_header,
                      slot_size_for)
 from .stats import derive, log_line, new_counters
+from .tiers import HUB, registered
 
 log = logging.getLogger("mooncake_te.kvcache")
 
@@ -70,6 +75,9 @@ class KVCache:
         blocks, on SSD or through the index.
     block_tokens : int
         Tokens per block (``[kvcache] block_size``), for token-weighted hit rates.
+    tiers : dict, optional
+        ``{tier name: {option: value}}`` for tiers registered in :mod:`.tiers` beyond the
+        built-in ones (each tier's ``open`` reads its entry).
     io_depth : int
         SSD I/Os in flight.
     o_direct : bool
@@ -95,12 +103,14 @@ class KVCache:
     """
 
     _fill_fn = None                     # put(fill=)'s callback during that put
+    _where = None                       # get(where=)'s list during that get
 
     def __init__(self, block_bytes: int, dram_bytes: int, ssd_bytes: int = 0,
                  cache_dir: "str | None" = None, policy: str = "lru", engine=None,
                  index=None, namespace: str = "default", block_tokens: int = 16,
                  io_depth: int = 4, o_direct: bool = True, log_interval_s: float = 60.0,
-                 prefault: bool = False, prefault_restart: bool = True):
+                 prefault: bool = False, prefault_restart: bool = True,
+                 tiers: "dict | None" = None):
         self._closed = True
         if not isinstance(block_bytes, int) or block_bytes < 1:
             raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
@@ -120,7 +130,9 @@ class KVCache:
         self.dram_slots = ndram
         self._dpol = make_policy(self.policy_name)
         self._lock = threading.RLock()
-        self._c = new_counters()
+        self._tier_classes = registered()
+        self._tier_names = tuple(t.name for t in self._tier_classes)
+        self._c = new_counters(self._tier_names)
         _track_metrics("kvcache", self)         # /metrics (docs/observability.md)
         self._dram: dict = {}                      # key -> (slot, length)
         self._free = list(range(ndram - 1, -1, -1))
@@ -137,32 +149,36 @@ class KVCache:
         if prefault:
             self._np[::4096] = 0
         self.region = None
-        self.ssd = None
-        self._index = None
-        self._own_store = None
+        self.ssd = None                # the "ssd" tier, when open (also in self._tiers)
+        self._index = None             # the owner index the hub publishes to (remote tier)
+        self._tiers: list = []         # the open tiers, hub first, in registry order
+        self._lower: list = []         # open local tiers below the hub
+        self._far: list = []           # open tiers that are not local (remote=True)
+        self._demote = None            # the tier that takes the hub's demotions
         self._seq = 0
         self._reset_round()
-        self._pinned: set = set()      # SSD keys a get is reading: not to be evicted
+        self._pinned: set = set()      # lower-tier keys a get is reading: not to be evicted
+        args = dict(ssd_bytes=ssd_bytes, cache_dir=cache_dir, io_depth=io_depth,
+                    o_direct=o_direct, index=index)
         try:
-            if ssd_bytes and ssd_bytes > 0:
-                if not cache_dir:
-                    raise ConfigError("[kvcache] ssd_cache_gb > 0 needs cache_dir, a directory "
-                                      "on a local SSD")
-                from .ssd import SSDTier
-                self.ssd = SSDTier(cache_dir, int(ssd_bytes), self.slot_size, self.policy_name,
-                                   namespace, io_depth, o_direct)
-                if self.ssd.nslots < 1:
-                    raise ConfigError(f"[kvcache] ssd_cache_gb = {ssd_bytes / _GIB:g} holds "
-                                      f"no block of {self.slot_size} bytes; make it larger or "
-                                      f"0 for DRAM only")
-                self._seq = self.ssd.max_seq
             if engine is not None:
                 # Peers only read the pool: a remote write could corrupt a slot under us.
                 self.region = engine.register(self._np, access="r")
-                self._open_index(index)
-            elif index is not None:
-                raise InvalidArgumentError("index= needs engine= (remote blocks are read "
-                                           "through the transfer engine)")
+            for cls in self._tier_classes:
+                opts = dict(args, **(tiers or {}).get(cls.name, {}))
+                t = cls.open(self, opts)
+                if t is None:
+                    continue
+                self._tiers.append(t)
+                if t.name == HUB:
+                    continue
+                (self._lower if t.local else self._far).append(t)
+                if t.local and t.demotions and self._demote is None:
+                    self._demote = t
+                self._seq = max(self._seq, getattr(t, "max_seq", 0))
+                if t.name == "ssd":
+                    self.ssd = t
+                self._index = t.owner_index or self._index
         except BaseException:
             self._closed = False
             self.close()
@@ -200,24 +216,20 @@ class KVCache:
         args.update(kwargs)
         return cls(block_bytes, **args)
 
-    def _open_index(self, index) -> None:
-        from ..metadata import open_backend
-        from ..metadata.base import KeyValueBackend
-        from .index import OwnerIndex
-        if isinstance(index, str):
-            index = self._own_store = open_backend(index)
-        if index is None:
-            b = getattr(self.engine, "metadata", None)
-            index = b if isinstance(b, KeyValueBackend) else None
-        if index is None:
-            return
-        if not isinstance(index, KeyValueBackend):
-            raise InvalidArgumentError(f"index must be a metadata store (etcd/redis/http) or "
-                                       f"its URL, got {type(index).__name__}")
-        self._index = OwnerIndex(index, self.engine.name, self.namespace)
+    @property
+    def tier_names(self) -> tuple:
+        """The registered tiers this cache counts by, hub first (:mod:`.tiers`); the keys
+        of :meth:`lookup_tiers`."""
+        return self._tier_names
+
+    @property
+    def can_remote(self) -> bool:
+        """``remote=True`` has a tier to ask (the owner index, or another tier that is
+        not local)."""
+        return bool(self._far)
 
     def _need_index(self) -> None:
-        if self._index is None:
+        if not self._far:
             raise InvalidArgumentError(
                 "remote lookups need the key -> owner index, which lives in a metadata store: "
                 "create the cache with engine= an engine using etcd/redis/http metadata, or "
@@ -232,17 +244,17 @@ class KVCache:
         the recency order survives a restart); returns how many were written. ``close``
         does this when ``persist=True``, so a clean restart finds the DRAM blocks too."""
         self._check_open()
-        if self.ssd is None:
+        d = self._demote
+        if d is None:
             return 0
         with self._lock:
-            todo = [k for k in self._dpol if k not in self.ssd]
+            todo = [k for k in self._dpol if not d.holds(k)]
             pinned = set(todo)
             writes = {}
             for k in todo:
                 slot, n = self._dram[k]
                 self._seq += 1
-                sslot, evicted = self.ssd.assign(k, n, self._seq, pinned,
-                                                 self._dpol.frequency(k))
+                sslot, evicted = d.accept(k, n, self._seq, pinned, self._dpol.frequency(k))
                 self._c["evictions_ssd"] += len(evicted)
                 if sslot is None:
                     break
@@ -252,7 +264,7 @@ class KVCache:
                 self._mv[off:off + HEADER_SIZE] = pack_header(k, n, self._seq, h.crc)
                 writes[sslot] = self._mv[off:off + _round4k(HEADER_SIZE + n)]
             t = time.perf_counter()
-            self.ssd.write_many(sorted(writes.items()))
+            d.write_from(sorted(writes.items()))
             self._c["ssd_write_s"] += time.perf_counter() - t
             self._c["demoted_bytes"] += sum(self._dram[k][1] for k in todo[:len(writes)])
             return len(writes)
@@ -264,7 +276,7 @@ class KVCache:
         ``persist=True`` the DRAM blocks are written there first (:meth:`persist`)."""
         if self._closed:
             return
-        if persist and self.ssd is not None:
+        if persist and self._demote is not None:
             self.persist()
         self._closed = True
         stop = getattr(self, "_stop", None)
@@ -273,18 +285,18 @@ class KVCache:
         pre = getattr(self, "_prefaulter", None)
         if pre is not None:
             pre.join(timeout=5)        # it stops at its next 64 MiB step
-        if self._index is not None:
-            self._index.close(withdraw_all=list(self._dram))
-        if self._own_store is not None:
-            self._own_store.close()
+        # The tiers that are not local first (the remote tier withdraws the hub's index
+        # records while the pool is still registered), then the pool, then local tiers.
+        for t in self._far:
+            t.close()
         if self.region is not None and not getattr(self.engine, "_closed", True):
             try:
                 self.engine.unregister(self.region)
             except MooncakeError as e:
                 log.warning("kvcache: could not unregister the DRAM pool: %s", e)
         self.region = None
-        if self.ssd is not None:
-            self.ssd.close()
+        for t in self._lower:
+            t.close()
 
     def __del__(self):
         if not getattr(self, "_closed", True):
@@ -301,10 +313,10 @@ class KVCache:
         self.close()
 
     def __repr__(self) -> str:
-        d = self.ssd
-        return (f"<KVCache {self.policy_name} dram {len(self._dram)}/{self.dram_slots} "
-                f"ssd {len(d) if d is not None else 0}/{d.nslots if d is not None else 0} "
-                f"blocks of {self.block_bytes} B{' closed' if self._closed else ''}>")
+        held = " ".join(f"{t.name} {len(t)}/{t.stats().get('capacity_blocks', 0)}"
+                        for t in self._tiers if t.local)
+        return (f"<KVCache {self.policy_name} {held} blocks of {self.block_bytes} B"
+                f"{' closed' if self._closed else ''}>")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -312,25 +324,26 @@ class KVCache:
 
     # --- queries ------------------------------------------------------------------------
     def tier(self, key) -> "str | None":
-        """``"dram"``, ``"ssd"`` or None: where this cache holds ``key``."""
+        """The name of the first local tier (``"dram"``, ``"ssd"``, ...) holding ``key``,
+        or None."""
         k = as_key(key)
         with self._lock:
-            if k in self._dram:
-                return "dram"
-            if self.ssd is not None and k in self.ssd:
-                return "ssd"
+            return self._local_tier(k)
+
+    def _local_tier(self, k) -> "str | None":
+        if k in self._dram:
+            return HUB
+        for t in self._lower:
+            if t.holds(k):
+                return t.name
         return None
 
     def __contains__(self, key) -> bool:
         return self.tier(key) is not None
 
     def __len__(self) -> int:
-        """Distinct blocks held (a block in both tiers counts once)."""
-        with self._lock:
-            n = len(self._dram)
-            if self.ssd is not None:
-                n += sum(1 for k in self.ssd.index if k not in self._dram)
-            return n
+        """Distinct blocks held (a block in several tiers counts once)."""
+        return len(self.keys())
 
     def lookup(self, keys, num_tokens: "int | None" = None, remote: bool = False) -> int:
         """Length of the longest prefix of ``keys`` this cache (and, with ``remote=True``,
@@ -344,26 +357,40 @@ class KVCache:
             The request's prompt length, for the token-weighted rate (block ``i`` weighs
             ``min(block_tokens, num_tokens - block_tokens * i)``); default: full blocks.
         remote : bool
-            Extend the prefix with blocks peers hold (one index query for them all).
+            Extend the prefix with blocks peers hold (one index query for them all), and
+            with any other tier that is not local (:mod:`.tiers`).
         """
+        return sum(self.lookup_tiers(keys, num_tokens, remote).values())
+
+    def lookup_tiers(self, keys, num_tokens: "int | None" = None,
+                     remote: bool = False) -> dict:
+        """:meth:`lookup` by tier: ``{tier name: blocks}`` of the longest prefix held, one
+        entry per registered tier, in registry order (``{"dram": 3, "ssd": 2,
+        "remote": 0}``). The prefix is walked key by key through the local tiers (a key
+        counts for the first that holds it), then extended by each tier that is not local
+        with one query for the rest (only with ``remote=True``). Counts toward the hit
+        rate as :meth:`lookup` does."""
         self._check_open()
         if remote:
             self._need_index()
         ks = [as_key(k) for k in keys]
         n = len(ks)
-        dram = ssd = rem = 0
+        counts = dict.fromkeys(self._tier_names, 0)
+        hit = 0
         with self._lock:
             for k in ks:
-                if k in self._dram:
-                    dram += 1
-                elif self.ssd is not None and k in self.ssd:
-                    ssd += 1
-                else:
+                name = self._local_tier(k)
+                if name is None:
                     break
-        hit = dram + ssd
-        if remote and hit < n and self._index is not None:
-            rem = self._index.lookup_prefix(ks[hit:])
-            hit += rem
+                counts[name] += 1
+                hit += 1
+        if remote:
+            for t in self._far:
+                if hit >= n:
+                    break
+                got = t.lookup_prefix(ks[hit:])
+                counts[t.name] += got
+                hit += got
         bt = self.block_tokens
         tokens = bt * n if num_tokens is None else int(num_tokens)
         with self._lock:
@@ -371,12 +398,11 @@ class KVCache:
             c["lookups"] += 1
             c["lookup_blocks"] += n
             c["hit_blocks"] += hit
-            c["hit_blocks_dram"] += dram
-            c["hit_blocks_ssd"] += ssd
-            c["hit_blocks_remote"] += rem
+            for name, got in counts.items():
+                c[f"hit_blocks_{name}"] += got
             c["lookup_tokens"] += max(0, min(tokens, bt * n))
             c["hit_tokens"] += max(0, min(tokens, bt * hit))
-        return hit
+        return counts
 
     # --- put ----------------------------------------------------------------------------
     def put(self, keys, blocks=None, *, fill=None, lengths=None) -> int:
@@ -426,10 +452,11 @@ class KVCache:
                     raise InvalidArgumentError(f"put: a block is {n} bytes; blocks must be "
                                                f"1 to block_bytes={self.block_bytes} bytes")
                 freq = 1
-                if self.ssd is not None and k in self.ssd:
-                    # Held on SSD already: take the caller's bytes into DRAM instead of a read.
-                    self.ssd.touch(k)
-                    freq = self.ssd.policy.frequency(k) or 1
+                low = self._lower_holding(k)
+                if low is not None:
+                    # Held below already: take the caller's bytes into DRAM instead of a read.
+                    low.touch(k)
+                    freq = low.frequency(k) or 1
                     c["put_existing"] += 1
                 else:
                     new += 1
@@ -445,7 +472,8 @@ class KVCache:
         return new
 
     # --- get ----------------------------------------------------------------------------
-    def get(self, keys, out=None, remote: bool = False, copy=None) -> list:
+    def get(self, keys, out=None, remote: bool = False, copy=None,
+            where: "list | None" = None) -> list:
         """Read blocks: DRAM hits are copied out, SSD hits promoted to DRAM (then copied),
         misses are None. With ``remote=True``, blocks missing here are read from the peer
         the owner index names (zero-copy into this cache's pool, checked, then kept).
@@ -467,6 +495,9 @@ class KVCache:
             ``copy`` has a ``flush()`` method, it is called after each batch of blocks,
             before the cache lets go of its lock: a sink may queue its copies (a GPU
             copier's batched DMA) and finish them there, while the views stay valid.
+        where : list, optional
+            Filled with one entry per key: the name of the tier the block was served
+            from (``"dram"``, ``"ssd"``, ``"remote"``, ...), None for a miss.
 
         Returns
         -------
@@ -488,24 +519,28 @@ class KVCache:
             outs = [None] * len(ks) if out is None else [_as_bytes_view(o, writable=True)
                                                           for o in out]
         res: list = [None] * len(ks)
+        if where is not None:
+            where[:] = [None] * len(ks)
         missing = []
         served: set = set()       # indices copied out before the walk
         with self._lock:
             c = self._c
             c["get_blocks"] += len(ks)
             self._outs, self._res = outs, res
-            if self.ssd is not None:
-                # Every SSD block this call asks for stays on SSD until the call is done,
-                # or demotions made room for earlier blocks could evict later ones (a
-                # lookup's prefix must still be there when it is read).
-                self._pinned = {k for k in ks if k in self.ssd.index and k not in self._dram}
+            self._where = where
+            if self._lower:
+                # Every lower-tier block this call asks for stays there until the call is
+                # done, or demotions made room for earlier blocks could evict later ones
+                # (a lookup's prefix must still be there when it is read).
+                self._pinned = {k for k in ks if k not in self._dram and
+                                self._lower_holding(k) is not None}
                 # And every DRAM block it asks for is copied out first: promoting the blocks
                 # before it can demote it (a DRAM tier smaller than the call), and then it
                 # would be looked for on SSD, where it may not be (yet, or any more).
                 for i, k in enumerate(ks):
                     ent = self._dram.get(k)
                     if ent is not None:
-                        self._copy_out(i, ent[0], ent[1], outs, res, "dram")
+                        self._copy_out(i, ent[0], ent[1], outs, res, HUB)
                         served.add(i)
                 # Before a promotion below can evict a block just handed to the sink.
                 self._flush_outs(outs)
@@ -519,28 +554,38 @@ class KVCache:
                     self._dpol.touch(k)
                     slot, n = ent
                     if slot in self._assigned:         # placed earlier in this round
-                        self._copyouts.append((i, slot, n, "dram", k))
+                        self._copyouts.append((i, slot, n, HUB, k))
                     else:
-                        self._copy_out(i, slot, n, outs, res, "dram")
-                elif self.ssd is not None and k in self.ssd:
-                    self.ssd.touch(k)
-                    n = self.ssd.index[k][1]
-                    slot = self._place(k, n, self.ssd.policy.frequency(k) or 1)
-                    self._promote.append((k, slot, n, i))
+                        self._copy_out(i, slot, n, outs, res, HUB)
                 else:
-                    missing.append(i)
+                    low = self._lower_holding(k)
+                    if low is None:
+                        missing.append(i)
+                        continue
+                    low.touch(k)
+                    n = low.length(k)
+                    slot = self._place(k, n, low.frequency(k) or 1)
+                    self._reads.append((low, k, slot, n, i, None))
             self._flush_outs(outs)
             self._run_round()
             self._end_op()
-        if remote and missing and self._index is not None:
-            found = zip(missing, self._index.lookup_many([ks[i] for i in missing]))
+        # Then each tier that is not local, for what is still missing (one query each).
+        for t in self._far if remote else ():
+            if not missing:
+                break
+            found = list(zip(missing, t.locate([ks[i] for i in missing])))
+            missing = []
             with self._lock:
-                for i, rec in found:
-                    if rec is None or rec[2] > self.block_bytes or ks[i] in self._dram:
+                for i, loc in found:
+                    if ks[i] in self._dram:
                         continue
-                    slot = self._place(ks[i], rec[2], 1)
-                    self._remote.append((ks[i], slot, rec, i))
+                    if loc is None or loc[0] > self.block_bytes:
+                        missing.append(i)
+                        continue
+                    slot = self._place(ks[i], loc[0], 1)
+                    self._reads.append((t, ks[i], slot, loc[0], i, loc[1]))
                 self._outs, self._res = outs, res
+                self._where = where
                 self._run_round()
                 self._end_op()
         with self._lock:
@@ -554,22 +599,21 @@ class KVCache:
         self._check_open()
         k = as_key(key)
         with self._lock:
-            ent = self._dram.get(k)
-            if ent is not None:
-                return ent[1]
-            if self.ssd is not None and k in self.ssd:
-                return self.ssd.index[k][1]
-        if remote and self._index is not None:
-            rec = self._index.lookup(k)
-            if rec is not None:
-                return rec[2]
+            for t in self._tiers:
+                if t.local and t.holds(k):
+                    return t.length(k)
+        for t in self._far if remote else ():
+            loc = t.locate([k])[0]
+            if loc is not None:
+                return loc[0]
         return None
 
     def remove(self, keys, index: bool = True) -> int:
-        """Drop blocks from both tiers; returns how many this cache held. The slot's
-        header is cleared first, so a peer reading it meanwhile sees no record. With
-        ``index=True`` the owner-index record of each key is deleted too, whoever owns it,
-        so no cache finds the block through the index any more."""
+        """Drop blocks from every local tier; returns how many this cache held. The
+        slot's header is cleared first, so a peer reading it meanwhile sees no record.
+        With ``index=True`` the tiers that are not local forget them too (the owner-index
+        record of each key is deleted, whoever owns it, so no cache finds the block
+        through the index any more)."""
         self._check_open()
         n = 0
         with self._lock:
@@ -581,31 +625,42 @@ class KVCache:
                     self._mv[off:off + 4] = b"\0\0\0\0"
                     self._drop_dram(k, ent[0])
                     held = True
-                if self.ssd is not None and k in self.ssd:
-                    self.ssd.remove(k)
-                    held = True
+                for t in self._lower:
+                    if t.holds(k):
+                        t.remove(k)
+                        held = True
                 n += held
-                if index and self._index is not None:
-                    self._index.drop(k)
+                for t in self._far if index else ():
+                    t.remove(k)
         return n
 
     def keys(self) -> list:
-        """Every key this cache holds (DRAM and SSD), as 16-byte keys."""
+        """Every key this cache holds (in any local tier, once), as 16-byte keys."""
         with self._lock:
             ks = list(self._dram)
-            if self.ssd is not None:
-                ks += [k for k in self.ssd.index if k not in self._dram]
+            seen = self._dram.keys()
+            for t in self._lower:
+                more = [k for k in t.keys() if k not in seen]
+                ks += more
+                if len(self._lower) > 1:
+                    seen = set(ks)
             return ks
+
+    def _lower_holding(self, k):
+        """The first local tier below the hub that holds ``k``, or None."""
+        for t in self._lower:
+            if t.holds(k):
+                return t
+        return None
 
     # --- the round machinery ------------------------------------------------------------
     def _reset_round(self) -> None:
         self._assigned: set = set()
         self._writes: dict = {}        # ssd slot -> (dram slot or bounce view, length, key)
-        self._promote: list = []       # (key, dram slot, length, out index)
-        self._remote: list = []        # (key, dram slot, (owner, addr, length), out index)
+        self._reads: list = []         # (tier, key, dram slot, length, out index, handle)
         self._fills: dict = {}         # dram slot -> (key, source view, length)
         self._bounce: list = []        # aligned copies of blocks demoted before their fill
-        self._copyouts: list = []      # (out index, dram slot, length, tier, key)
+        self._copyouts: list = []      # (out index, dram slot, length, tier name, key)
         self._outs = self._res = None
 
     def _place(self, key: bytes, length: int, freq: int) -> int:
@@ -633,7 +688,7 @@ class KVCache:
                 # running the round here would serialise those puts one write at a time.
                 del self._fills[vslot]
                 self._assigned.discard(vslot)
-                if self.ssd is not None and victim not in self.ssd:
+                if self._demote is not None and not self._demote.holds(victim):
                     bounce = self._bounce_copy(victim, fill[1], fill[2])
             vfreq = self._dpol.frequency(victim)
             self._dpol.remove(victim)
@@ -642,16 +697,17 @@ class KVCache:
             c["evictions_dram"] += 1
             if self._index is not None:
                 self._index.withdraw(victim)
-            # The SSD index takes the block now (so a later key of this call finds it
-            # there); its bytes are written in step (1) of the round, before the DRAM
-            # slot is refilled.
-            if self.ssd is None:
+            # The demotion tier (SSD) takes the block now (so a later key of this call
+            # finds it there); its bytes are written in step (1) of the round, before the
+            # DRAM slot is refilled.
+            d = self._demote
+            if d is None:
                 c["dropped"] += 1
-            elif victim in self.ssd:
+            elif d.holds(victim):
                 c["demotions_skipped"] += 1       # its SSD copy is still there
             else:
-                sslot, evicted = self.ssd.assign(victim, vlen, bounce[1] if bounce else
-                                                 self._next_seq(), self._pinned, vfreq)
+                sslot, evicted = d.accept(victim, vlen, bounce[1] if bounce else
+                                          self._next_seq(), self._pinned, vfreq)
                 c["evictions_ssd"] += len(evicted)
                 if sslot is None:
                     c["dropped"] += 1
@@ -694,9 +750,9 @@ class KVCache:
         for key, (slot, _) in list(self._dram.items()):
             if slot in self._assigned:
                 self._drop_dram(key, slot)
-        if self.ssd is not None:
+        if self._demote is not None:
             for _, _, key in self._writes.values():
-                self.ssd.remove(key)
+                self._demote.remove(key)
         log.error("kvcache: a round of data movement failed; dropped %d DRAM and %d SSD "
                   "blocks it was moving", len(self._assigned), len(self._writes))
         self._reset_round()
@@ -718,29 +774,13 @@ class KVCache:
                 items.append((sslot, self._mv[off:off + _round4k(HEADER_SIZE + n)]))
                 nbytes += n
             t = time.perf_counter()
-            self.ssd.write_many(items)
+            self._demote.write_from(items)
             c["ssd_write_s"] += time.perf_counter() - t
             c["demoted_bytes"] += nbytes
-        # (2) promotions: SSD -> DRAM slots, checked; and remote blocks from peers.
-        if self._promote:
-            items = [(k, self.ssd.index[k][0], n, self._slot_view(slot))
-                     for k, slot, n, _ in self._promote]
-            t = time.perf_counter()
-            ok = self.ssd.read_many(items)
-            c["ssd_read_s"] += time.perf_counter() - t
-            for good, (k, slot, n, i) in zip(ok, self._promote):
-                if good:
-                    c["promotions"] += 1
-                    c["served_ssd"] += 1
-                    c["served_ssd_bytes"] += n
-                    if self._index is not None:
-                        self._index.publish(k, self.base + slot * self.slot_size, n)
-                    self._copyouts.append((i, slot, n, None, k))
-                else:
-                    c["corrupt_dropped"] += 1
-                    self._drop_dram(k, slot)
-        if self._remote:
-            self._read_remote()
+        # (2) blocks found in the other tiers -> their DRAM slots, checked: promotions
+        # from local tiers (SSD), then reads from the tiers that are not local (peers).
+        if self._reads:
+            self._read_tiers()
         # (3) new blocks from the caller (or, with put(fill=), written by the caller).
         if self._fills and self._fill_fn is not None:
             self._fill_slots()
@@ -757,7 +797,7 @@ class KVCache:
         self._outs, self._res = outs, res
 
     def _end_op(self) -> None:
-        self._outs = self._res = None
+        self._outs = self._res = self._where = None
         self._pinned = set()
 
     def _slot_view(self, slot: int) -> memoryview:
@@ -824,83 +864,65 @@ class KVCache:
                                            f"{n}")
             dst[:n] = self._mv[off:off + n]
             res[i] = n
-        if tier == "dram":
+        if self._where is not None:
+            self._where[i] = tier
+        if tier == HUB:
             c = self._c
             c["dram_read_s"] += time.perf_counter() - t
             c["served_dram"] += 1
             c["served_dram_bytes"] += n
 
-    def _read_remote(self) -> None:
-        import mooncake_te as mte
+    def _read_tiers(self) -> None:
+        """Step (2): each tier reads its blocks of the round into their slots (every
+        item in flight at once, as the tier sees fit), then each block is served or its
+        slot freed."""
         c = self._c
-        by_owner: dict = {}
-        for ent in self._remote:
-            by_owner.setdefault(ent[2][0], []).append(ent)
-        t = time.perf_counter()
-        good_set = set()
-        # Every owner's READs in flight at once, then each checked.
-        batches = []
-        for owner, ents in by_owner.items():
-            local = np.array([self.base + e[1] * self.slot_size for e in ents], np.uint64)
-            addrs = np.array([e[2][1] for e in ents], np.uint64)
-            lens = np.array([HEADER_SIZE + e[2][2] for e in ents], np.uint64)
-            try:
-                batches.append((owner, ents, self.engine.submit_arrays(
-                    mte.READ, owner, local, addrs, lens)))
-            except MooncakeError as e:
-                log.info("kvcache: remote get from %s failed: %s", owner, e)
-        for owner, ents, batch in batches:
-            try:
-                batch.wait()
-            except MooncakeError as e:
-                log.info("kvcache: remote get from %s failed: %s", owner, e)
+        by_tier: dict = {}
+        for ent in self._reads:
+            by_tier.setdefault(ent[0], []).append(ent)
+        for t in self._tiers:
+            ents = by_tier.get(t)
+            if not ents:
                 continue
-            for k, slot, (_, _, n), i in ents:
-                view = self._slot_view(slot)
-                h = parse_header(view)
-                if h is not None and h.key == k and h.length == n and \
-                        crc32_held(view[HEADER_SIZE:HEADER_SIZE + n]) == h.crc:
-                    good_set.add(k)
-        c["remote_read_s"] += time.perf_counter() - t
-        for k, slot, (_, _, n), i in self._remote:
-            if k in good_set:
-                c["served_remote"] += 1
-                c["served_remote_bytes"] += n
-                if self._index is not None:
-                    self._index.publish(k, self.base + slot * self.slot_size, n)
-                self._copyouts.append((i, slot, n, None, k))
-            else:
-                c["remote_failed"] += 1
-                self._drop_dram(k, slot)
+            items = [(k, handle, n, self._slot_view(slot), self.base + slot * self.slot_size)
+                     for _, k, slot, n, _, handle in ents]
+            start = time.perf_counter()
+            ok = t.read_into(items)
+            c[f"{t.name}_read_s"] += time.perf_counter() - start
+            for good, (_, k, slot, n, i, _) in zip(ok, ents):
+                if good:
+                    if t.local:
+                        c["promotions"] += 1
+                    c[f"served_{t.name}"] += 1
+                    c[f"served_{t.name}_bytes"] += n
+                    if self._index is not None:
+                        self._index.publish(k, self.base + slot * self.slot_size, n)
+                    self._copyouts.append((i, slot, n, t.name, k))
+                else:
+                    failed = t.failed_counter or f"{t.name}_failed"
+                    c[failed] = c.get(failed, 0) + 1
+                    self._drop_dram(k, slot)
 
     # --- accounting ---------------------------------------------------------------------
     def stats(self) -> dict:
-        """Counters, hit rates, GB/s per tier and the bytes each tier holds, as a dict."""
+        """Counters, hit rates, GB/s per tier and the bytes each tier holds, as a dict;
+        ``tiers`` names the registered tiers in order (the per-tier keys are
+        ``hit_blocks_<tier>``, ``served_<tier>_bytes``, ``<tier>_blocks`` and so on)."""
         with self._lock:
-            s = derive(self._c)
-            d = self.ssd
-            s.update(
-                policy=self.policy_name, block_bytes=self.block_bytes,
-                slot_size=self.slot_size,
-                dram_blocks=len(self._dram),
-                dram_bytes=sum(n for _, n in self._dram.values()),
-                dram_capacity_blocks=self.dram_slots,
-                dram_capacity_bytes=self.dram_slots * self.slot_size,
-                ssd_blocks=len(d) if d is not None else 0,
-                ssd_bytes=d.bytes_used if d is not None else 0,
-                ssd_capacity_blocks=d.nslots if d is not None else 0,
-                ssd_capacity_bytes=d.nslots * self.slot_size if d is not None else 0,
-                ssd_disk_bytes=d.disk_bytes() if d is not None else 0,
-                ssd_io=None if d is None else ("o_direct" if d.direct else "buffered+fdatasync"),
-                ssd_recovered_blocks=d.recovered if d is not None else 0,
-                ssd_corrupt_records=d.corrupt if d is not None else 0,
-            )
+            s = derive(self._c, self._tier_names)
+            s.update(policy=self.policy_name, block_bytes=self.block_bytes,
+                     slot_size=self.slot_size, tiers=list(self._tier_names))
+            opened = {t.name: t for t in self._tiers}
+            for cls in self._tier_classes:
+                t = opened.get(cls.name)
+                st = t.stats() if t is not None else cls.blank_stats()
+                s.update((f"{cls.name}_{k}", v) for k, v in st.items())
         return s
 
     def reset_stats(self) -> None:
         """Zero the counters (capacities and contents stay)."""
         with self._lock:
-            self._c = new_counters()
+            self._c = new_counters(self._tier_names)
 
     def log_stats(self, level: int = logging.INFO) -> str:
         """Log (and return) the ``kv cache hit rate`` line."""

@@ -185,18 +185,25 @@ _KV_COUNTERS = (
 def _export_kvcache(f: _Families, cache) -> None:
     s = cache.stats()
     c = {"cache": str(getattr(cache, "namespace", "") or "default")}
-    for tier in ("dram", "ssd", "remote"):
+    # The tiers are data: KVCache.stats() names them, in its registry's order
+    # (kvcache/tiers.py); a tier with a capacity has occupancy gauges.
+    tiers = s.get("tiers") or ("dram", "ssd", "remote")
+    for tier in tiers:
         f.counter("mooncake_te_kvcache_hit_blocks", "Blocks of looked-up prefixes found, by "
                   "tier", dict(c, tier=tier), s.get(f"hit_blocks_{tier}", 0))
     for key, doc in _KV_COUNTERS:
         if key in s:                  # promoted_bytes: once the cache counts it
             f.counter(f"mooncake_te_kvcache_{key}", doc, c, s[key])
-    for tier in ("dram", "ssd", "remote"):
+    for tier in tiers:
         f.counter("mooncake_te_kvcache_served_bytes", "Bytes served by get(), by tier",
                   dict(c, tier=tier), s.get(f"served_{tier}_bytes", 0))
-    for tier in ("dram", "ssd"):
-        f.counter("mooncake_te_kvcache_evictions", "Blocks evicted, by tier",
-                  dict(c, tier=tier), s.get(f"evictions_{tier}", 0))
+    for tier in tiers:
+        if f"evictions_{tier}" in s:
+            f.counter("mooncake_te_kvcache_evictions", "Blocks evicted, by tier",
+                      dict(c, tier=tier), s[f"evictions_{tier}"])
+    for tier in tiers:
+        if f"{tier}_capacity_bytes" not in s:
+            continue
         f.gauge("mooncake_te_kvcache_bytes", "Bytes held, by tier", dict(c, tier=tier),
                 s.get(f"{tier}_bytes", 0))
         f.gauge("mooncake_te_kvcache_capacity_bytes", "Capacity, by tier", dict(c, tier=tier),

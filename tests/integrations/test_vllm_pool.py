@@ -374,7 +374,7 @@ def test_scheduler_loads_the_pools_prefix_after_vllms_own_hit():
     w = sch.take_work()
     (spec,) = w.pool_loads
     assert spec.keys == keys[1:5] and spec.block_ids == [10, 11, 12, 13]
-    assert w.lookups == [(6, 1, 2, 2, 0)]
+    assert w.lookups == [(6, 1, (2, 2, 0))]            # blocks by tier: a TierCounts
     # The whole prompt in the pool, prompt a multiple of the block: the last block is
     # computed (vLLM needs at least one token to compute).
     r2 = Req("r2", toks[:192])

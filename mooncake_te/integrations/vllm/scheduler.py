@@ -45,7 +45,7 @@ class Work:
     pool_loads: list = field(default_factory=list)   # [pool.PoolLoadSpec]
     saves: list = field(default_factory=list)        # [pool.SaveSpec]
     # One entry per request scheduled for the first time: (prompt blocks asked for,
-    # blocks vLLM's own prefix cache had, pool blocks found in dram, ssd, remote).
+    # blocks vLLM's own prefix cache had, pool blocks loaded by tier: a TierCounts).
     lookups: list = field(default_factory=list)
     # This step runs no forward pass (every request waits for KV): the worker may wait
     # for its READs instead of returning at once.
@@ -80,7 +80,7 @@ class SchedulerSide:
         self.pool = pool
         # The key root (model / layout / rank namespace); used only with a pool.
         self.pool_root = pool_root if pool_root is not None else ROOT
-        self._looked: dict = {}         # request id -> (first block, (dram, ssd, remote))
+        self._looked: dict = {}         # request id -> (first block, TierCounts)
         self._keys: dict = {}           # request id -> keys of its prompt's full blocks
 
     # -- pool -----------------------------------------------------------------------------
@@ -102,10 +102,11 @@ class SchedulerSide:
         # block is loadable only if it ends before it.
         last = (n_prompt - 1) // self.block_size
         first = num_computed_tokens // self.block_size
+        from .pool.lookup import TierCounts
         if last <= first or num_computed_tokens % self.block_size:
-            self._looked[request.request_id] = (first, (0, 0, 0))
+            self._looked[request.request_id] = (first, TierCounts.zero())
             return 0
-        tiers = tuple(self.pool.lookup(self._prompt_keys(request)[first:last]))
+        tiers = TierCounts(self.pool.lookup(self._prompt_keys(request)[first:last]))
         self._looked[request.request_id] = (first, tiers)
         return sum(tiers)
 
@@ -147,7 +148,7 @@ class SchedulerSide:
                 self._work.pool_loads.append(PoolLoadSpec(rid, keys, fresh[:pool_n], tiers))
             # Counted once per request, as vLLM counts its own prefix hits.
             self._work.lookups.append((n_prompt // self.block_size, first,
-                                       *(_clip(tiers, pool_n) if pool_n else (0, 0, 0))))
+                                       tiers.clip(pool_n)))
         if not remote_prefill:
             return
         p["do_remote_prefill"] = False          # load once, even if called again
@@ -218,11 +219,3 @@ class SchedulerSide:
         w, self._work = self._work, Work()
         return w
 
-
-def _clip(tiers, n: int) -> tuple:
-    """The first ``n`` blocks of a prefix found as ``(dram, ssd, remote)``, by tier."""
-    out = []
-    for t in tiers:
-        out.append(min(t, n))
-        n -= out[-1]
-    return tuple(out)

@@ -13,11 +13,13 @@ from __future__ import annotations
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics, KVConnectorStats)
 
-from .counters import GAUGES, SUMS, hit_rates
+from ...kvcache.tiers import registered
+from .counters import gauges, hit_rates, sums
 
 
 class MooncakeTEStats(KVConnectorStats):
-    """Counts since the last report (``data``: :data:`SUMS` and :data:`GAUGES`)."""
+    """Counts since the last report (``data``: :func:`~.counters.sums` and
+    :func:`~.counters.gauges`)."""
 
     def reset(self):
         self.data = {}
@@ -27,8 +29,9 @@ class MooncakeTEStats(KVConnectorStats):
         if not self.data:
             self.data = dict(od)
             return self
+        keep = gauges()
         for k, v in od.items():
-            if k in GAUGES:
+            if k in keep:
                 # Occupancy: the latest report wins (per worker; TP ranks hold equal
                 # shards of the same blocks).
                 self.data[k] = v
@@ -40,13 +43,13 @@ class MooncakeTEStats(KVConnectorStats):
         d = self.data
         r = hit_rates(d)
         out = {"kv cache hit rate": round(r.get("total", 0.0), 4),
-               "pool hit rate": round(r.get("pool", 0.0), 4),
-               "dram": round(r.get("dram", 0.0), 4), "ssd": round(r.get("ssd", 0.0), 4),
-               "remote": round(r.get("remote", 0.0), 4),
-               "blocks stored": d.get("blocks_saved", 0),
+               "pool hit rate": round(r.get("pool", 0.0), 4)}
+        for t in registered():                  # dram, ssd, remote, ...: the registry's
+            out[t.name] = round(r.get(t.name, 0.0), 4)
+        out.update({"blocks stored": d.get("blocks_saved", 0),
                "blocks loaded": d.get("blocks_loaded", 0),
                "blocks dropped": d.get("blocks_dropped", 0),
-               "failed loads": d.get("failed_loads", 0) + d.get("pd_failed_loads", 0)}
+               "failed loads": d.get("failed_loads", 0) + d.get("pd_failed_loads", 0)})
         if d.get("load_s"):
             out["pool load GB/s"] = round(d.get("bytes_loaded", 0) / d["load_s"] / 1e9, 3)
         if d.get("pd_transfer_s"):
@@ -54,16 +57,13 @@ class MooncakeTEStats(KVConnectorStats):
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k) for k in SUMS)
+        return not any(self.data.get(k) for k in sums())
 
 
 _PROM = {
     # name suffix, data key, documentation
     "lookup_blocks": ("lookup_blocks", "Prompt blocks of new requests looked up"),
     "vllm_hit_blocks": ("vllm_hit_blocks", "Prompt blocks vLLM's own prefix cache held"),
-    "pool_hit_blocks_dram": ("hit_dram", "Prompt blocks found in the pool's DRAM tier"),
-    "pool_hit_blocks_ssd": ("hit_ssd", "Prompt blocks found in the pool's SSD tier"),
-    "pool_hit_blocks_remote": ("hit_remote", "Prompt blocks found in other instances' pools"),
     "blocks_stored": ("blocks_saved", "Blocks copied into the pool"),
     "bytes_stored": ("bytes_saved", "Bytes copied into the pool"),
     "blocks_dropped": ("blocks_dropped", "Blocks not stored because the save queue was full"),
@@ -76,11 +76,23 @@ _PROM = {
     "pd_transfer_seconds": ("pd_transfer_s", "Seconds spent reading from P/D producers"),
     "pd_failed_loads": ("pd_failed_loads", "P/D loads that failed and were recomputed"),
 }
-_PROM_GAUGES = {
-    "pool_dram_blocks": ("dram_blocks", "Blocks in the pool's DRAM tier"),
-    "pool_ssd_blocks": ("ssd_blocks", "Blocks in the pool's SSD tier"),
-    "pool_ssd_bytes": ("ssd_bytes", "Bytes the SSD tier takes on disk"),
-}
+
+
+def _prom_tiers() -> "tuple[dict, dict]":
+    """The per-tier counters and gauges, from the KV cache's tier registry: hits of every
+    tier, occupancy of the local ones (``vllm:mooncake_te_pool_hit_blocks_dram``,
+    ``..._pool_ssd_blocks``, ``..._pool_ssd_bytes``)."""
+    counters, gauges_ = {}, {}
+    for t in registered():
+        where = t.description or f"the pool's {t.name} tier"
+        counters[f"pool_hit_blocks_{t.name}"] = (f"hit_{t.name}",
+                                                 f"Prompt blocks found in {where}")
+        if t.local:
+            gauges_[f"pool_{t.name}_blocks"] = (f"{t.name}_blocks", f"Blocks in {where}")
+        if t.local and t.disk:
+            gauges_[f"pool_{t.name}_bytes"] = (f"{t.name}_bytes",
+                                               f"Bytes {where} takes on disk")
+    return counters, gauges_
 
 
 class MooncakeTEPromMetrics(KVConnectorPromMetrics):
@@ -88,13 +100,14 @@ class MooncakeTEPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        tier_counters, tier_gauges = _prom_tiers()
         self._counters = {}
-        for name, (key, doc) in _PROM.items():
+        for name, (key, doc) in dict(_PROM, **tier_counters).items():
             c = self._counter_cls(name=f"vllm:mooncake_te_{name}", documentation=doc,
                                   labelnames=labelnames)
             self._counters[key] = self._per_engine(c)
         self._gauges = {}
-        for name, (key, doc) in _PROM_GAUGES.items():
+        for name, (key, doc) in tier_gauges.items():
             g = self._gauge_cls(name=f"vllm:mooncake_te_{name}", documentation=doc,
                                 labelnames=labelnames)
             self._gauges[key] = self._per_engine(g)

@@ -79,13 +79,13 @@ class WorkerSide:
         self._ready: list = []                  # (spec, record): handshake done, submit
         self._thread: "threading.Thread | None" = None
         self._closing = False
-        # The pool (settings.pool enabled): see pool.py.
+        # The pool (settings.pool enabled): see pool/.
         self.pool = None
         self.pool_namespace = None
         self._holds: dict = {}                  # request id -> reasons its blocks stay
         self._free_now: set = set()             # delay-freed requests nothing holds
         self._parts: dict = {}                  # request id -> [loads pending, all ok]
-        self._lookups = [0, 0, 0, 0, 0, 0]      # asked, vLLM hit, dram, ssd, remote, requests
+        self._lookups: dict = {}                # lookup_blocks, vllm_hit_blocks, hit_<tier>, lookups
         self.hit_rate_log = None
         self.stats = {"registration_s": 0.0, "registered_bytes": 0, "storages": 0,
                       "handshakes": 0, "handshake_s": 0.0, "refused_peers": 0,
@@ -195,14 +195,14 @@ class WorkerSide:
             self._begin_load(spec)
         for engine, rid in work.releases:
             self._jobs.put(("release", (engine, rid)))
-        for asked, vllm_hit, d, s, r in getattr(work, "lookups", ()):
-            lk = self._lookups
-            lk[0] += asked
-            lk[1] += vllm_hit
-            lk[2] += d
-            lk[3] += s
-            lk[4] += r
-            lk[5] += 1
+        lk = self._lookups
+        for asked, vllm_hit, tiers in getattr(work, "lookups", ()):
+            lk["lookup_blocks"] = lk.get("lookup_blocks", 0) + asked
+            lk["vllm_hit_blocks"] = lk.get("vllm_hit_blocks", 0) + vllm_hit
+            lk["lookups"] = lk.get("lookups", 0) + 1
+            # The tiers are named by the lookup's reply (pool/lookup.py: TierCounts).
+            for name, n in zip(tiers.names, tiers):
+                lk[f"hit_{name}"] = lk.get(f"hit_{name}", 0) + n
 
     def _add_part(self, req_id: str, block_ids) -> None:
         with self._done_lock:
@@ -281,9 +281,10 @@ class WorkerSide:
         if self.pool is None:
             return {}
         c = self.pool.take_counters()
-        lk, self._lookups = self._lookups, [0, 0, 0, 0, 0, 0]
-        c.update(lookup_blocks=lk[0], vllm_hit_blocks=lk[1], hit_dram=lk[2], hit_ssd=lk[3],
-                 hit_remote=lk[4], lookups=lk[5])
+        lk, self._lookups = self._lookups, {}
+        c.update(dict.fromkeys(("lookup_blocks", "vllm_hit_blocks", "lookups"), 0))
+        c.update((f"hit_{t}", 0) for t in self.pool.tiers)
+        c.update(lk)
         return c
 
     # -- loads from producers -----------------------------------------------------------
