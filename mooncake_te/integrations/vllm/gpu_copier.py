@@ -97,6 +97,10 @@ class GpuBlockCopier:
                              f"blocks")
         self._queued.append((b, src.ctypes.data))
 
+    def discard(self) -> None:
+        """Forget queued block images (a load that failed before its flush)."""
+        self._queued = []
+
     def flush(self) -> None:
         q, self._queued = self._queued, []
         if q:

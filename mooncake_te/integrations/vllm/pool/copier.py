@@ -10,7 +10,10 @@ view)`` (a load: one block image, a read-only view of a pool slot, into vLLM's b
 straight into the pool's slots (the save then uses it instead of ``gather_many``), and
 ``flush()``, when present, is called by ``get(copy=)`` after each batch of
 ``scatter_held`` calls, while the slots are still valid (a copier may queue its copies
-and run them there as one batch).
+and run them there as one batch). A GPU copier also has ``attach_pool(cache)`` (page-lock
+the pool), ``fence()`` (taken when a save is queued, on the step thread: the copy waits
+for the forward pass queued so far), ``discard()`` (drop queued copies after a failed
+load) and ``close()``.
 """
 from __future__ import annotations
 
@@ -19,12 +22,14 @@ import ctypes
 import numpy as np
 
 
-def make_copier(layout):
-    """The copier for ``layout``: :class:`BlockCopier` for host memory (the only kind
-    today). The seam for KV caches in GPU memory: a layout whose regions are device
-    memory gets a copier that moves blocks with batched DMA (through ``fill``/``flush``
-    above) instead of numpy views, chosen here, so :class:`~.worker.PoolWorker` needs no
-    change."""
+def make_copier(layout, gpu_staging_bytes: int = 64 << 20):
+    """The copier for ``layout``: :class:`~..gpu_copier.GpuBlockCopier` when its regions
+    are GPU memory (vLLM on GPUs: batched DMA through ``fill``/``flush`` above, with GPU
+    staging of ``gpu_staging_bytes``), else :class:`BlockCopier` (host memory, numpy
+    views). :class:`~.worker.PoolWorker` needs no other change for either."""
+    from ..gpu_copier import GpuBlockCopier, is_gpu_layout
+    if is_gpu_layout(layout):
+        return GpuBlockCopier(layout, gpu_staging_bytes)
     return BlockCopier(layout)
 
 

@@ -25,6 +25,8 @@ class SaveSpec:
     request_id: str
     keys: list
     block_ids: list
+    #: The copier's fence (a GPU copier's event on vLLM's stream), set when queued.
+    fence: object = None
 
 
 class SaveQueue:
@@ -100,8 +102,6 @@ class SaveQueue:
         self._thread.join(timeout=5)
 
 
-
-
 def save_blocks(cache, copier, spec: SaveSpec) -> dict:
     """Copy ``spec``'s blocks the hub does not hold yet into ``cache`` (the saver
     thread's job); returns the counts to add (``blocks_saved``, ``bytes_saved``,
@@ -112,11 +112,15 @@ def save_blocks(cache, copier, spec: SaveSpec) -> dict:
         keys, ids = [k for k, _ in todo], [b for _, b in todo]
         fill = getattr(copier, "fill", None)
         if fill is not None:
-            cache.put(keys, fill=fill(ids))       # straight into the pool's slots
+            kw = {"after": spec.fence} if spec.fence is not None else {}
+            cache.put(keys, fill=fill(ids, **kw))  # straight into the pool's slots
         else:
             buf = np.empty((len(todo), copier.block_bytes), dtype=np.uint8)
             copier.gather_many(ids, buf)
             cache.put(keys, buf)
+    if spec.fence is not None:
+        spec.fence.close()
+        spec.fence = None
     return {"blocks_saved": len(todo), "bytes_saved": len(todo) * copier.block_bytes,
             "blocks_save_skipped": len(spec.keys) - len(todo),
             "save_s": time.perf_counter() - t0}

@@ -27,6 +27,7 @@ class PoolSettings:
     block_size: int = 16
     block_size_set: bool = False
     save_queue_bytes: int = 256 << 20
+    gpu_staging_bytes: int = 64 << 20      # GPU KV caches: the copier's staging buffer
     remote: bool = True
     persist_on_exit: bool = True
     log_interval_s: float = 10.0
@@ -62,13 +63,14 @@ class PoolSettings:
 
 
 _EXTRA_KEYS = ("cache_dir", "dram_cache_gb", "ssd_cache_gb", "eviction_policy", "block_size",
-               "save_queue_mb", "remote", "persist_on_exit", "log_interval_s")
+               "save_queue_mb", "gpu_staging_mb", "remote", "persist_on_exit",
+               "log_interval_s")
 
 
 def pool_settings(config, config_path: "str | None", extra: "dict | None") -> PoolSettings:
     """``[kvcache]`` of the connector's ``config.toml`` (``mooncake_config_path``),
     overridden key by key by ``kv_connector_extra_config["kvcache"]`` (a table with the
-    same keys, plus ``save_queue_mb``, ``remote``, ``persist_on_exit``,
+    same keys, plus ``save_queue_mb``, ``gpu_staging_mb``, ``remote``, ``persist_on_exit``,
     ``log_interval_s``)."""
     from ....config import read_toml, validate
     k = dict(config["kvcache"])
@@ -102,6 +104,13 @@ def pool_settings(config, config_path: "str | None", extra: "dict | None") -> Po
             raise ConfigError(f"kv_connector_extra_config.kvcache.save_queue_mb = {v!r}: "
                               f"expected MiB >= 0 (bytes of blocks waiting to be stored)")
         s.save_queue_bytes = int(v * (1 << 20))
+    if "gpu_staging_mb" in extra:
+        v = extra["gpu_staging_mb"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v <= 4096:
+            raise ConfigError(f"kv_connector_extra_config.kvcache.gpu_staging_mb = {v!r}: "
+                              f"expected MiB from 1 to 4096 (GPU memory the pool's copier "
+                              f"stages block images in, for a KV cache on the GPU)")
+        s.gpu_staging_bytes = int(v * (1 << 20))
     for key in ("remote", "persist_on_exit"):
         if key in extra:
             if not isinstance(extra[key], bool):

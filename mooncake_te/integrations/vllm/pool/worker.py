@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import time
 import weakref
 
 from ....errors import MooncakeError
@@ -47,7 +48,7 @@ class PoolWorker:
     ----------
     settings : PoolSettings
     layout : KVLayout
-        This worker's KV cache (host memory).
+        This worker's KV cache (host or GPU memory: :func:`.copier.make_copier`).
     engine : TransferEngine
         The connector's engine: the DRAM pool is registered with it (peers read it) and
         remote blocks are read through it.
@@ -60,13 +61,26 @@ class PoolWorker:
     def __init__(self, settings: PoolSettings, layout, engine, namespace: str,
                  lookup_address: str, logger=None):
         self.settings = settings
-        self.copier = make_copier(layout)
+        self.copier = make_copier(layout, settings.gpu_staging_bytes)
         self.log = logger or log
-        self.cache = KVCache(
-            self.copier.block_bytes, settings.dram_bytes, settings.ssd_bytes,
-            settings.cache_dir or None, policy=settings.policy, engine=engine,
-            namespace=namespace, block_tokens=settings.block_size if settings.block_size_set
-            else 16, log_interval_s=0)
+        try:
+            self.cache = KVCache(
+                self.copier.block_bytes, settings.dram_bytes, settings.ssd_bytes,
+                settings.cache_dir or None, policy=settings.policy, engine=engine,
+                namespace=namespace, block_tokens=settings.block_size
+                if settings.block_size_set else 16, log_interval_s=0)
+            attach = getattr(self.copier, "attach_pool", None)
+            if attach is not None:
+                # The pool page-locked once, so block images move by DMA (GPU KV).
+                t0 = time.perf_counter()
+                attach(self.cache)
+                self.log.info("mooncake_te connector: KV pool page-locked for the GPU in "
+                              "%.2f s", time.perf_counter() - t0)
+        except BaseException:
+            close = getattr(self.copier, "close", None)
+            if close is not None:
+                close()
+            raise
         # Peers (and any other tier that is not local) are asked when the settings allow
         # and the cache has such a tier (the remote one needs a metadata store).
         self.remote = bool(settings.remote and self.cache.can_remote)
@@ -121,8 +135,14 @@ class PoolWorker:
         n = len(spec.keys)
         if not n:
             return False
+        fence = getattr(self.copier, "fence", None)
+        if fence is not None and spec.fence is None:
+            spec.fence = fence()       # here, on the step thread: after the forward pass
         if self._saver.submit(n * self.copier.block_bytes, spec):
             return True
+        if spec.fence is not None:
+            spec.fence.close()
+            spec.fence = None
         self._add({"blocks_dropped": n})
         return False
 
@@ -149,6 +169,10 @@ class PoolWorker:
             self.log.warning("mooncake_te connector: loading %d pool blocks for request "
                              "%s failed: %s; vLLM recomputes them", len(spec.keys),
                              spec.request_id, e)
+        finally:
+            discard = getattr(self.copier, "discard", None)
+            if discard is not None:
+                discard()              # nothing queued outlives the call's slots
         if counts is None:
             counts = {"failed_loads": 1, "failed_blocks": len(spec.keys)}
         self._add(counts)
@@ -198,3 +222,6 @@ class PoolWorker:
             self.cache.close(persist=self.settings.persist_on_exit)
         except (MooncakeError, OSError) as e:
             self.log.warning("mooncake_te connector: closing the KV pool: %s", e)
+        close = getattr(self.copier, "close", None)
+        if close is not None:
+            close()                    # unpins the pool (before its memory goes)
