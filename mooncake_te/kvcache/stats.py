@@ -13,34 +13,36 @@ Two kinds of counts, kept apart so neither is counted twice:
 from __future__ import annotations
 
 from .tiers import names as tier_names
+from .tiers import registered
 
 # Counters that name no tier. Each registered tier adds ``hit_blocks_<tier>`` (lookups),
-# ``served_<tier>``, ``served_<tier>_bytes`` and the timer ``<tier>_read_s`` (reads).
+# ``served_<tier>``, ``served_<tier>_bytes`` and the timer ``<tier>_read_s`` (reads); each
+# local one ``evictions_<tier>``; one that takes demotions the timer ``<tier>_write_s``.
 COUNTERS = (
     # lookups
     "lookups", "lookup_blocks", "hit_blocks", "lookup_tokens", "hit_tokens",
     # reads
     "get_blocks", "get_misses", "remote_failed",
     # writes and movement
-    "put_blocks", "put_bytes", "put_existing", "evictions_dram", "evictions_ssd",
+    "put_blocks", "put_bytes", "put_existing",
     "demotions", "demoted_bytes", "demotions_skipped", "dropped", "promotions",
     "corrupt_dropped",
 )
-TIMERS = ("ssd_write_s",)
-
-
-def tier_counters(tiers=None) -> tuple:
-    """The per-tier counter names of ``tiers`` (default: the registered ones)."""
-    tiers = tier_names() if tiers is None else tiers
-    return tuple(f"hit_blocks_{t}" for t in tiers) + tuple(
-        x for t in tiers for x in (f"served_{t}", f"served_{t}_bytes"))
 
 
 def new_counters(tiers=None) -> dict:
-    """Zeroed counters for a cache of the ``tiers`` (default: the registered ones)."""
-    tiers = tier_names() if tiers is None else tiers
-    d = dict.fromkeys(COUNTERS + tier_counters(tiers), 0)
-    d.update(dict.fromkeys(TIMERS + tuple(f"{t}_read_s" for t in tiers), 0.0))
+    """Zeroed counters for a cache of ``tiers``, tier classes in registry order (default:
+    the registered ones)."""
+    tiers = registered() if tiers is None else tiers
+    d = dict.fromkeys(COUNTERS, 0)
+    for t in tiers:
+        d.update(dict.fromkeys((f"hit_blocks_{t.name}", f"served_{t.name}",
+                                f"served_{t.name}_bytes"), 0))
+        d[f"{t.name}_read_s"] = 0.0
+        if t.local:
+            d[f"evictions_{t.name}"] = 0
+        if t.demotions:
+            d[f"{t.name}_write_s"] = 0.0
     return d
 
 
@@ -58,8 +60,10 @@ def derive(c: dict, tiers=None) -> dict:
         secs = c.get(f"{tier}_read_s", 0.0)
         d[f"{tier}_read_gbps"] = c.get(f"served_{tier}_bytes", 0) / secs / 1e9 \
             if secs else 0.0
-    d["ssd_write_gbps"] = c["demoted_bytes"] / c["ssd_write_s"] / 1e9 \
-        if c["ssd_write_s"] else 0.0
+    for tier in tiers:
+        secs = c.get(f"{tier}_write_s")
+        if secs is not None:
+            d[f"{tier}_write_gbps"] = c["demoted_bytes"] / secs / 1e9 if secs else 0.0
     return d
 
 

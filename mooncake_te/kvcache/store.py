@@ -12,11 +12,11 @@ promoted blocks from SSD (and remote blocks from peers) into their new DRAM slot
 copy new blocks from the caller into their slots, (4) copy promoted blocks out to the
 caller. Steps (1) and (2) walk the tiers: (1) goes to the one that takes demotions
 (``ssd``), (2) asks each tier, in registry order, for the blocks found there
-(:meth:`.tiers.Tier.read_into`). A slot is never both emptied and refilled inside one round: if the walk is about
-to evict a block that was itself placed earlier in the same round (LFU evicts a fresh
-block first when everything else is hotter), the round's movement is run first. So the
-index the simulator predicts is the index the store has, and a DRAM-only cache reproduces
-the simulator's hit rates exactly (tested).
+(:meth:`.tiers.Tier.read_into`). A slot is never both emptied and refilled inside one
+round: if the walk is about to evict a block that was itself placed earlier in the same
+round (LFU evicts a fresh block first when everything else is hotter), the round's
+movement is run first. So the index the simulator predicts is the index the store has,
+and a DRAM-only cache reproduces the simulator's hit rates exactly (tested).
 
 Tiers are inclusive after a promotion: the SSD copy of a promoted block stays (blocks are
 immutable: a key names its content), so demoting it again costs no write.
@@ -132,7 +132,7 @@ class KVCache:
         self._lock = threading.RLock()
         self._tier_classes = registered()
         self._tier_names = tuple(t.name for t in self._tier_classes)
-        self._c = new_counters(self._tier_names)
+        self._c = new_counters(self._tier_classes)
         _track_metrics("kvcache", self)         # /metrics (docs/observability.md)
         self._dram: dict = {}                      # key -> (slot, length)
         self._free = list(range(ndram - 1, -1, -1))
@@ -186,9 +186,10 @@ class KVCache:
         self._closed = False
         self._stop = threading.Event()
         self._prefaulter = None
-        if prefault_restart and not prefault and self.ssd is not None and self.ssd.recovered:
+        recovered = getattr(self._demote, "recovered", 0)     # blocks found at start
+        if prefault_restart and not prefault and recovered:
             # Free slots are handed out from 0 up (self._free pops its end).
-            nbytes = min(ndram, self.ssd.recovered) * self.slot_size
+            nbytes = min(ndram, recovered) * self.slot_size
             self._prefaulter = threading.Thread(target=self._prefault_loop, args=(nbytes,),
                                                 name="kvcache-prefault", daemon=True)
             self._prefaulter.start()
@@ -255,7 +256,7 @@ class KVCache:
                 slot, n = self._dram[k]
                 self._seq += 1
                 sslot, evicted = d.accept(k, n, self._seq, pinned, self._dpol.frequency(k))
-                self._c["evictions_ssd"] += len(evicted)
+                self._c[f"evictions_{d.name}"] += len(evicted)
                 if sslot is None:
                     break
                 # Record the new seq in the header that goes to disk.
@@ -265,7 +266,7 @@ class KVCache:
                 writes[sslot] = self._mv[off:off + _round4k(HEADER_SIZE + n)]
             t = time.perf_counter()
             d.write_from(sorted(writes.items()))
-            self._c["ssd_write_s"] += time.perf_counter() - t
+            self._c[f"{d.name}_write_s"] += time.perf_counter() - t
             self._c["demoted_bytes"] += sum(self._dram[k][1] for k in todo[:len(writes)])
             return len(writes)
 
@@ -694,7 +695,7 @@ class KVCache:
             self._dpol.remove(victim)
             del self._dram[victim]
             self._free.append(vslot)
-            c["evictions_dram"] += 1
+            c[f"evictions_{HUB}"] += 1
             if self._index is not None:
                 self._index.withdraw(victim)
             # The demotion tier (SSD) takes the block now (so a later key of this call
@@ -708,7 +709,7 @@ class KVCache:
             else:
                 sslot, evicted = d.accept(victim, vlen, bounce[1] if bounce else
                                           self._next_seq(), self._pinned, vfreq)
-                c["evictions_ssd"] += len(evicted)
+                c[f"evictions_{d.name}"] += len(evicted)
                 if sslot is None:
                     c["dropped"] += 1
                 else:
@@ -775,7 +776,7 @@ class KVCache:
                 nbytes += n
             t = time.perf_counter()
             self._demote.write_from(items)
-            c["ssd_write_s"] += time.perf_counter() - t
+            c[f"{self._demote.name}_write_s"] += time.perf_counter() - t
             c["demoted_bytes"] += nbytes
         # (2) blocks found in the other tiers -> their DRAM slots, checked: promotions
         # from local tiers (SSD), then reads from the tiers that are not local (peers).
@@ -922,7 +923,7 @@ class KVCache:
     def reset_stats(self) -> None:
         """Zero the counters (capacities and contents stay)."""
         with self._lock:
-            self._c = new_counters(self._tier_names)
+            self._c = new_counters(self._tier_classes)
 
     def log_stats(self, level: int = logging.INFO) -> str:
         """Log (and return) the ``kv cache hit rate`` line."""

@@ -85,7 +85,7 @@ class WorkerSide:
         self._holds: dict = {}                  # request id -> reasons its blocks stay
         self._free_now: set = set()             # delay-freed requests nothing holds
         self._parts: dict = {}                  # request id -> [loads pending, all ok]
-        self._lookups: dict = {}                # lookup_blocks, vllm_hit_blocks, hit_<tier>, lookups
+        self._lookups: dict = {}                # lookup_blocks, vllm_hit_blocks, hit_<tier>, ...
         self.hit_rate_log = None
         self.stats = {"registration_s": 0.0, "registered_bytes": 0, "storages": 0,
                       "handshakes": 0, "handshake_s": 0.0, "refused_peers": 0,
