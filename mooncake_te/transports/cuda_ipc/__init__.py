@@ -62,6 +62,15 @@ class _NoSlots:
         pass
 
 
+class _Group:
+    """The requests of one device's copies in a group: batch indices and lengths."""
+
+    __slots__ = ("idx", "lens")
+
+    def __init__(self, idx: np.ndarray, lens: np.ndarray):
+        self.idx, self.lens = idx, lens
+
+
 class _SlotRelease:
     """A peer's IPC slot held for a group, released with the group's other pins."""
 
@@ -517,19 +526,16 @@ class CudaIpcTransport(Transport):
                 self._enable_peer(a, b)
         dst, src = (rptr, lg) if op == _WRITE else (lg, rptr)
         glens = lens[good]
-        idx = (good + first).tolist()
-        for i in idx:
-            batch.begin(i, 1)
+        idx = (good + first).astype(np.uint32)
+        batch.begin_many(idx, 1)
         # By device, and by whether our side is GPU memory: only then may the kernel
         # touch it (host memory may be pageable; the copy engine takes it, one copy a
         # request, as before).
         gpu = on_gpu[good]
         groups = sorted(set(zip(ordinal.tolist(), gpu.tolist())))
-        idx = np.asarray(idx)
         for m, (o, dev_local) in enumerate(groups):
             sel = (ordinal == o) & (gpu == dev_local)
-            items = [(i, 0, 0, ln, 0, None) for i, ln in
-                     zip(idx[sel].tolist(), glens[sel].tolist())]
+            items = _Group(np.ascontiguousarray(idx[sel]), np.ascontiguousarray(glens[sel]))
             stream = self._stream(o)
             gl = glens[sel]
             # Many small pieces (a KV load of scattered blocks): the kernel; a few large
@@ -546,8 +552,7 @@ class CudaIpcTransport(Transport):
                     stream.synchronize()        # what was queued ends before the unpins
                 except MooncakeError:
                     pass
-                for i, _, _, _, _, _ in items:
-                    batch.finish(i, 0, _E_CUDA)
+                batch.finish_many(items.idx, np.zeros(len(items.idx), np.uint64), _E_CUDA)
                 items = []
             last = m == len(groups) - 1
             # The completion thread takes jobs in order, so the last group's pins are
@@ -579,6 +584,10 @@ class CudaIpcTransport(Transport):
                 event.close()
             for table, h in extra:                 # host-DMA region pins
                 table.unpin(h)
+            if isinstance(items, _Group):           # checked and pinned as a group
+                batch.finish_many(items.idx, items.lens if not err else
+                                  np.zeros(len(items.idx), np.uint64), err)
+                continue
             for i, _, _, ln, pin, slot in items:
                 self._regions.unpin(pin)
                 slots.release(slot)
