@@ -281,13 +281,30 @@ def pd_figures(args, out):
             local, remote, lens, _ = plan(layout, rl, ids, range(n))
             total = int(lens.sum())
 
+            split = []
+
             def read():
+                t0 = time.perf_counter()
                 bt = eng.submit_arrays(mte.READ, name, local, remote, lens)
+                t1 = time.perf_counter()
                 bt.wait()
+                split.append((t1 - t0, time.perf_counter() - t1))
                 transport.append(bt.transport)
+            if args.profile and label == "ipc":
+                import cProfile
+                import pstats
+                read()
+                prof = cProfile.Profile()
+                prof.runcall(lambda: [eng.submit_arrays(mte.READ, name, local, remote,
+                                                         lens).wait() for _ in range(20)])
+                print(f"--- profile: 20 IPC reads{suffix or ' (contiguous ids)'}")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(22)
             if not suffix or label == "ipc":
                 res[label + suffix] = _median_gbps(read, total, args.reps)
                 res[label + suffix + "_requests"] = len(local)
+                res[label + suffix + "_submit_ms"] = 1e3 * statistics.median(
+                    a for a, _ in split)
+                res[label + suffix + "_wait_ms"] = 1e3 * statistics.median(b for _, b in split)
         res[label + "_transport"] = transport[-1]
         eng.close()
         a.send("done")
@@ -304,9 +321,12 @@ def pd_figures(args, out):
     print(f"    CUDA IPC ({res['ipc_transport']}) {res['ipc']:8.2f} GB/s = "
           f"{res['ipc'] / res['ref_d2d_gbps']:.2f} of a D2D copy {res['ref_d2d_gbps']:.1f}"
           f"   (goal >= 0.8)")
+    print(f"      (submit {res['ipc_submit_ms']:.2f} ms, then wait {res['ipc_wait_ms']:.2f} ms; "
+          f"the D2D copy takes {total / res['ref_d2d_gbps'] / 1e6:.2f} ms)")
     print(f"    CUDA IPC, scattered block ids ({res['ipc_scattered_requests']} requests) "
           f"{res['ipc_scattered']:8.2f} GB/s = {res['ipc_scattered'] / res['ref_d2d_gbps']:.2f}"
-          f" of the D2D copy")
+          f" of the D2D copy (submit {res['ipc_scattered_submit_ms']:.2f} ms, wait "
+          f"{res['ipc_scattered_wait_ms']:.2f} ms)")
     print(f"    TCP, GPU KV       {res['tcp_gpu']:8.2f} GB/s = "
           f"{res['tcp_gpu'] / res['tcp_cpu']:.2f} of host KV over TCP {res['tcp_cpu']:.2f}"
           f"   (goal >= 0.85)")
@@ -321,10 +341,13 @@ def main(argv=None):
     ap.add_argument("--staging-mb", type=int, default=64)
     ap.add_argument("--ssd-dir", default=None, help="where the SSD tier goes (default /tmp)")
     ap.add_argument("--no-pd", action="store_true")
+    ap.add_argument("--no-pool", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile the IPC reads")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     out: dict = {}
-    pool_figures(args, out)
+    if not args.no_pool:
+        pool_figures(args, out)
     if not args.no_pd:
         pd_figures(args, out)
     if args.json:

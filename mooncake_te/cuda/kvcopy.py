@@ -134,17 +134,19 @@ def copy_pieces_async(ordinal: int, dst: np.ndarray, src: np.ndarray, lens: np.n
     dst = np.asarray(dst, np.uint64)
     src = np.asarray(src, np.uint64)
     lens = np.asarray(lens, np.uint64)
-    parts = (lens + np.uint64(SPLIT - 1)) // np.uint64(SPLIT)
-    parts = np.maximum(parts, 1).astype(np.int64)
-    k = int(parts.sum())
-    first = np.repeat(np.cumsum(parts) - parts, parts)
-    j = (np.arange(k, dtype=np.int64) - first).astype(np.uint64)     # part index in piece
-    off = j * np.uint64(SPLIT)
-    rl = np.repeat(lens, parts)
-    table = np.empty((3, k), np.uint64)
-    table[0] = np.repeat(src, parts) + off
-    table[1] = np.repeat(dst, parts) + off
-    table[2] = np.minimum(rl - off, np.uint64(SPLIT))
+    if not len(lens) or int(lens.max()) <= SPLIT:  # vLLM's pieces (32 KiB): as they are
+        k = len(lens)
+        table = np.stack((src, dst, lens))
+    else:
+        parts = (lens + np.uint64(SPLIT - 1)) // np.uint64(SPLIT)
+        parts = np.maximum(parts, 1).astype(np.int64)
+        k = int(parts.sum())
+        first = np.repeat(np.cumsum(parts) - parts, parts)
+        off = (np.arange(k, dtype=np.int64) - first).astype(np.uint64) * np.uint64(SPLIT)
+        table = np.empty((3, k), np.uint64)
+        table[0] = np.repeat(src, parts) + off
+        table[1] = np.repeat(dst, parts) + off
+        table[2] = np.minimum(np.repeat(lens, parts) - off, np.uint64(SPLIT))
     p = D.CUdeviceptr(0)
     _check(alloc(byref(p), table.nbytes, stream.handle), "cuMemAllocAsync(piece table)")
     try:

@@ -48,7 +48,7 @@ class GpuBlockCopier:
         self.block_bytes = self.dev.block_bytes
         self.device = self.dev.device
         self._queued: list = []           # (block id, slot address) for flush
-        self._pool = None
+        self._pool: "int | None" = None
 
     # -- the pool -------------------------------------------------------------------------
     def attach_pool(self, cache) -> None:

@@ -461,28 +461,31 @@ class CudaIpcTransport(Transport):
         if len(view.starts):
             ok &= remote + lens <= view.ends[np.where(ok, k, 0)]
         codes[~ok] = _E_REMOTE_NOT_REG
-        nb = len(view.buffers)
-        delta = np.zeros(max(nb, 1), np.int64)   # peer address -> address here
-        rord = np.full(max(nb, 1), -1, np.int64)  # our ordinal of each buffer's GPU
+        nb = max(len(view.buffers), 1)
+        delta = np.zeros(nb, np.int64)            # peer address -> address here
+        rord = np.full(nb, -1, np.int64)          # our ordinal of each buffer's GPU
+        bcode = np.zeros(nb, np.int32)            # a refusal for every request to it
         extra: list = []                          # (table, handle) released after the copies
-        for bk in np.unique(k[codes == 0]).tolist():
+        cand = np.flatnonzero(codes == 0)
+        used = np.flatnonzero(np.bincount(k[cand], minlength=nb))
+        for bk in used.tolist():
             b = view.buffers[bk]
-            sel = (k == bk) & (codes == 0)
             if op == _WRITE and b.access != "rw":
-                codes[sel] = _E_REMOTE_ACCESS
+                bcode[bk] = _E_REMOTE_ACCESS
                 continue
             if not view.slots.acquire(b.slot, b.epoch):
-                codes[sel] = _E_REMOTE_NOT_REG     # unregistered by its owner
+                bcode[bk] = _E_REMOTE_NOT_REG     # unregistered by its owner
                 continue
             extra.append((_SlotRelease(view.slots), b.slot))
             try:
                 base, other = self._open(view, b)
             except MooncakeError as e:
                 log.warning("CUDA IPC to %s: %s", view.name, e)
-                codes[sel] = _E_CUDA
+                bcode[bk] = _E_CUDA
                 continue
             delta[bk] = (base + b.offset) - b.addr
             rord[bk] = other
+        codes[cand] = bcode[k[cand]]
         # Local side: GPU regions of ours pinned once each; anything else (host memory)
         # pinned per request.
         with self._mu:
@@ -497,12 +500,15 @@ class CudaIpcTransport(Transport):
             on_gpu &= local + lens <= de[np.where(on_gpu, lk, 0)]
         else:
             on_gpu[:] = False
-        for li in np.unique(lk[on_gpu & (codes == 0)]).tolist():
+        lcand = np.flatnonzero(on_gpu & (codes == 0))
+        lcode = np.zeros(max(len(ds), 1), np.int32)
+        for li in np.flatnonzero(np.bincount(lk[lcand], minlength=len(lcode))).tolist():
             h = self._regions.pin(dstarts[li], 1)
             if h:
                 extra.append((self._regions, h))
             else:                                 # unregistered meanwhile
-                codes[on_gpu & (lk == li) & (codes == 0)] = _E_LOCAL_NOT_REG
+                lcode[li] = _E_LOCAL_NOT_REG
+        codes[lcand] = lcode[lk[lcand]]
         for j in np.flatnonzero(~on_gpu & (codes == 0)).tolist():
             h = self._regions.pin(int(local[j]), int(lens[j]))
             if h:
@@ -535,7 +541,8 @@ class CudaIpcTransport(Transport):
         groups = sorted(set(zip(ordinal.tolist(), gpu.tolist())))
         for m, (o, dev_local) in enumerate(groups):
             sel = (ordinal == o) & (gpu == dev_local)
-            items = _Group(np.ascontiguousarray(idx[sel]), np.ascontiguousarray(glens[sel]))
+            group = _Group(np.ascontiguousarray(idx[sel]), np.ascontiguousarray(glens[sel]))
+            items: "_Group | list" = group
             stream = self._stream(o)
             gl = glens[sel]
             # Many small pieces (a KV load of scattered blocks): the kernel; a few large
@@ -552,7 +559,7 @@ class CudaIpcTransport(Transport):
                     stream.synchronize()        # what was queued ends before the unpins
                 except MooncakeError:
                     pass
-                batch.finish_many(items.idx, np.zeros(len(items.idx), np.uint64), _E_CUDA)
+                batch.finish_many(group.idx, np.zeros(len(group.idx), np.uint64), _E_CUDA)
                 items = []
             last = m == len(groups) - 1
             # The completion thread takes jobs in order, so the last group's pins are

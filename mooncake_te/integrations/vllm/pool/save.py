@@ -9,6 +9,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ class SaveSpec:
     keys: list
     block_ids: list
     #: The copier's fence (a GPU copier's event on vLLM's stream), set when queued.
-    fence: object = None
+    fence: Any = None
 
 
 class SaveQueue:
