@@ -333,6 +333,37 @@ class DeviceBlockCopier:
                 h.used = True
             self.stream.synchronize()
 
+    def copy_regions_async(self, regions, block_ids, dst_rows, after: "Event | None" = None
+                           ) -> None:
+        """Queue (no wait) the pieces of ``regions`` (region indices) of blocks
+        ``block_ids`` into block images at ``dst_rows`` (each at its region's offset),
+        one batched copy-engine call, after ``after``; for layer-wise saves, where a
+        layer's pieces move while the next layer computes. The caller keeps the rows
+        until an event recorded after this (:meth:`record`) completes."""
+        r = np.asarray(regions, dtype=np.int64).reshape(-1)
+        ids = np.asarray(block_ids, dtype=np.uint64).reshape(-1)
+        rows = np.asarray(dst_rows, dtype=np.uint64).reshape(-1)
+        if not len(r) or not len(ids):
+            return
+        if int(ids.max()) >= self.num_blocks:
+            raise E.InvalidArgumentError(f"block id {int(ids.max())} is outside the KV "
+                                         f"cache's {self.num_blocks} blocks")
+        src = (self.base[r][None, :] + ids[:, None] * self.stride[r][None, :]).reshape(-1)
+        dst = (rows[:, None] + self.offsets[r][None, :]).reshape(-1)
+        lens = np.tile(self.block_len[r], len(ids))
+        with self._lock, device(self.device):
+            if after is not None:
+                _check(_lib().cuStreamWaitEvent(self.stream.handle, after.handle, 0),
+                       "cuStreamWaitEvent")
+            copy_many(dst, src, lens, self.stream)
+
+    def record(self) -> Event:
+        """An event after everything queued on the copier's stream so far."""
+        ev = Event(self.device)
+        with self._lock:
+            ev.record(self.stream)
+        return ev
+
     def scatter_from(self, src_addrs, block_ids) -> None:
         """Block images at ``src_addrs`` into blocks ``block_ids`` of the GPU cache;
         returns when the images have been read and the blocks written."""

@@ -268,6 +268,73 @@ def test_pool_worker_gpu_ssd_after_restart_corrupt_and_evicted(tmp_path):
         pool.close()
 
 
+def test_layer_wise_save_copies_each_layer_after_its_forward_pass(tmp_path):
+    # A forward pass as vLLM runs it: each layer's KV written on the compute stream (busy
+    # with other work first), then save_kv_layer; wait_for_save at the end. The pool must
+    # hold what each layer wrote, and the next step's writes (queued right after
+    # wait_for_save) must not reach the saved copy.
+    from mooncake_te.integrations.vllm.pool import PoolLoadSpec, SaveSpec
+    kv = make_kv("flash_attn", seed=40)
+    layout, _ = layout_from_tensors(kv)
+    bb = int(layout.block_len.sum())
+    pool = _worker(_pool_settings(tmp_path, bb, 16, 0), layout)
+    try:
+        keys = [bytes([i + 1]) * 16 for i in range(5)]
+        ids = [3, 4, 5, 6, 7]
+        s = torch.cuda.Stream()
+        a = torch.randn(2048, 2048, device="cuda")
+        with torch.cuda.stream(s):
+            pool.begin_layer_saves([SaveSpec("r", keys, ids)])
+            for n, (name, t) in enumerate(kv.items()):
+                for _ in range(5):
+                    a = a @ a / 40.0                 # the layer's compute
+                for j, b in enumerate(ids):
+                    t[:, b].fill_(float(n * 10 + j))
+                pool.save_layer(name)
+            pool.end_layer_saves()
+            for t in kv.values():                    # the next step overwrites them
+                t[:, ids].fill_(-1.0)
+        want = {}
+        for n, name in enumerate(kv):
+            for j in range(len(ids)):
+                want[(n, j)] = float(n * 10 + j)
+        assert pool.flush()
+        c = pool.take_counters()
+        assert c["blocks_layer_saved"] == 5 and c["blocks_saved"] == 5
+        assert pool.collect() == (set(), {})         # nothing held, nothing to report
+        dst = [20, 21, 22, 23, 24]
+        pool.load(PoolLoadSpec("l", keys, dst))
+        assert pool.collect()[1] == {"l": True}
+        for n, t in enumerate(kv.values()):
+            for j, b in enumerate(dst):
+                assert bool((t[:, b] == want[(n, j)]).all()), (n, j)
+        # Layers vLLM did not announce are copied at wait_for_save.
+        pool.begin_layer_saves([SaveSpec("r2", [b"\x77" * 16], [9])])
+        pool.end_layer_saves()
+        assert pool.flush()
+        assert pool.take_counters()["blocks_layer_saved"] == 1
+    finally:
+        pool.close()
+
+
+def test_layer_wise_staging_full_leaves_blocks_to_the_request_end(tmp_path):
+    from mooncake_te.integrations.vllm.pool import SaveSpec
+    kv = make_kv("flash_attn", seed=41)
+    layout, _ = layout_from_tensors(kv)
+    bb = int(layout.block_len.sum())
+    # A save queue (and staging) of two blocks: three asked, two staged, one skipped.
+    pool = _worker(_pool_settings(tmp_path, bb, 16, 0, save_queue_bytes=2 * bb), layout)
+    try:
+        pool.begin_layer_saves([SaveSpec("r", [bytes([i + 1]) * 16 for i in range(3)],
+                                         [1, 2, 3])])
+        pool.end_layer_saves()
+        assert pool.flush()
+        c = pool.take_counters()
+        assert c["blocks_layer_saved"] == 2 and c["blocks_layer_skipped"] == 1
+    finally:
+        pool.close()
+
+
 def test_tp2_ranks_keep_their_own_keys_and_dirs(tmp_path):
     from mooncake_te.integrations.vllm.pool import PoolLoadSpec, SaveSpec
     from mooncake_te.integrations.vllm.worker import rank_pool_settings

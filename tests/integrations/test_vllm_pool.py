@@ -450,3 +450,66 @@ def test_a_process_that_exits_without_closing_still_persists(tmp_path):
     finally:
         look.close()
         pool.close()
+
+
+# --- layer-wise saves: the scheduler side ------------------------------------------------------
+def _sched_out(new=(), cached=(), resumed=(), scheduled=None):
+    from types import SimpleNamespace as NS
+    new_reqs = [NS(req_id=r, prompt_token_ids=toks, block_ids=(ids,), num_computed_tokens=c)
+                for r, toks, ids, c in new]
+    cr = NS(req_ids=[r for r, _, _ in cached], new_block_ids=[(b,) if b else None
+                                                              for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached], resumed_req_ids=set(resumed))
+    return NS(scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cr,
+              num_scheduled_tokens=dict(scheduled or {}))
+
+
+def test_scheduler_hands_out_the_blocks_each_step_fills_for_layer_saves():
+    root = namespace_root("m", BS)
+    s = SchedulerSide(block_size=BS, is_producer=False, is_consumer=False, engine_name="e",
+                      host="h", port=1, pool=object(), pool_root=root)
+    toks = list(range(5 * BS + 7))                      # 5 full prompt blocks
+    keys = block_keys(toks, BS, root)
+    # Step 1: a chunked prefill of 2 blocks and a half; vLLM's prefix cache had block 0.
+    s.layer_saves(_sched_out(new=[("r", toks, [10, 11, 12], BS)],
+                             scheduled={"r": BS + BS + BS // 2}))
+    w = s.take_work()
+    assert [(x.request_id, x.keys, x.block_ids) for x in w.layer_saves] == \
+        [("r", keys[1:3], [11, 12])]
+    # Step 2: the rest of the prompt with three more blocks; blocks 3 and 4 fill.
+    s.layer_saves(_sched_out(cached=[("r", [13, 14, 15], 3 * BS + BS // 2)],
+                             scheduled={"r": len(toks) - 3 * BS - BS // 2}))
+    w = s.take_work()
+    assert [(x.keys, x.block_ids) for x in w.layer_saves] == [(keys[3:5], [13, 14])]
+    # Decoding: nothing more (the whole prompt was handed out, the entry is gone).
+    s.layer_saves(_sched_out(cached=[("r", None, len(toks))], scheduled={"r": 1}))
+    assert s.take_work().layer_saves == [] and "r" not in s._layered
+    # Preempted and resumed: a new block list, from what was computed.
+    s.layer_saves(_sched_out(new=[("q", toks, [1, 2], 0)], scheduled={"q": BS}))
+    assert [x.block_ids for x in s.take_work().layer_saves] == [[1]]
+    s.layer_saves(_sched_out(cached=[("q", [7, 8, 9, 6, 5], 0)], resumed=["q"],
+                             scheduled={"q": 4 * BS}))
+    assert [(x.keys, x.block_ids) for x in s.take_work().layer_saves] == \
+        [(keys[0:4], [7, 8, 9, 6])]
+    # A finished request is forgotten; without a pool nothing is handed out.
+    s.request_finished(type("R", (), {"request_id": "q", "kv_transfer_params": None,
+                                      "prompt_token_ids": toks, "all_token_ids": toks,
+                                      "num_computed_tokens": 0})(), [])
+    assert "q" not in s._layered
+    s2 = SchedulerSide(block_size=BS, is_producer=False, is_consumer=False, engine_name="e",
+                       host="h", port=1)
+    s2.layer_saves(_sched_out(new=[("r", toks, [1, 2, 3], 0)], scheduled={"r": 3 * BS}))
+    assert s2.take_work().layer_saves == []
+
+
+def test_a_host_copier_leaves_layer_saves_to_the_request_end(tmp_path):
+    kv = HostKV()
+    pool, _ = _pool(_settings(dram_blocks=8), kv)
+    try:
+        pool.begin_layer_saves([SaveSpec("r", [b"k" * 16], [1])])
+        pool.save_layer("l0")
+        pool.end_layer_saves()
+        assert pool.flush() and pool.collect() == (set(), {})
+        assert pool.take_counters()["blocks_saved"] == 0
+    finally:
+        pool.close()

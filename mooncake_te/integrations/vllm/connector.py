@@ -97,6 +97,7 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        self._scheduler.layer_saves(scheduler_output)
         work = self._scheduler.take_work()
         work.idle = getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         return MooncakeTEMetadata(work=work)
@@ -152,11 +153,18 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
-        # Pull protocol: the blocks stay in the paged cache under a lease until read.
-        return
+        # P/D is pull: the producer's blocks stay in the paged cache under a lease until
+        # read. The pool (GPU KV caches): this layer's part of the prompt blocks this
+        # step fills starts copying out now, on the copier's stream, while the next
+        # layer computes.
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self):
-        return
+        # Nothing blocks here: the rest of this step's layer copies are queued, and the
+        # next forward pass's stream waits (on the GPU) only for copies still in flight.
+        if self._worker is not None:
+            self._worker.end_layer_saves()
 
     def get_finished(self, finished_req_ids):
         if self._worker is None:

@@ -15,6 +15,9 @@
 """
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import numpy as np
 
 from ...cuda.kvcopy import DeviceBlockCopier
@@ -42,13 +45,23 @@ class GpuBlockCopier:
         GPU memory for staging block images (two halves used in turn).
     """
 
-    def __init__(self, layout, staging_bytes: int = 64 << 20):
+    def __init__(self, layout, staging_bytes: int = 64 << 20,
+                 host_staging_bytes: int = 256 << 20):
         self.layout = layout
         self.dev = DeviceBlockCopier.from_layout(layout, staging_bytes)
         self.block_bytes = self.dev.block_bytes
         self.device = self.dev.device
         self._queued: list = []           # (block id, slot address) for flush
         self._pool: "int | None" = None
+        # Layer-wise saves: page-locked block images (allocated on first use), handed
+        # out by row; a layer's regions by the layer's name (vLLM's save_kv_layer).
+        self._rows_total = max(0, int(host_staging_bytes) // self.block_bytes)
+        self._host: Any = None            # cuda.PinnedBuffer
+        self._free_rows: list = []
+        self._rows_lock = threading.Lock()
+        self._layers: dict = {}
+        for r, name in enumerate(layout.names):
+            self._layers.setdefault(name.split("#", 1)[0], []).append(r)
 
     # -- the pool -------------------------------------------------------------------------
     def attach_pool(self, cache) -> None:
@@ -87,6 +100,81 @@ class GpuBlockCopier:
         base = out.ctypes.data
         self.dev.gather_to(block_ids, [base + i * bb for i in range(len(block_ids))])
 
+    # -- layer-wise saves ---------------------------------------------------------------
+    def layer_begin(self, block_ids) -> "_LayerJob | None":
+        """Staging rows for (the first of) ``block_ids``, or None when none is free; the
+        job's ``blocks`` says how many it covers."""
+        with self._rows_lock:
+            if self._host is None and self._rows_total:
+                from ... import cuda
+                self._host = cuda.PinnedBuffer(self._rows_total * self.block_bytes,
+                                               self.device)
+                self._free_rows = list(range(self._rows_total - 1, -1, -1))
+            n = min(len(block_ids), len(self._free_rows))
+            if n == 0:
+                return None
+            rows = [self._free_rows.pop() for _ in range(n)]
+        return _LayerJob(list(block_ids[:n]), rows)
+
+    def _current_stream(self) -> int:
+        import torch
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def layer_copy(self, job: "_LayerJob", layer_name: str) -> None:
+        """Queue ``layer_name``'s pieces of the job's blocks (after the work queued so far
+        on vLLM's stream: the layer's attention that wrote them)."""
+        regions = self._layers.get(layer_name)
+        if regions is None or layer_name in job.copied:
+            return
+        job.copied.add(layer_name)
+        self._copy(job, regions)
+
+    def _copy(self, job: "_LayerJob", regions) -> None:
+        fence = self.dev.fence(self._current_stream())
+        try:
+            base = self._host.address
+            self.dev.copy_regions_async(regions, job.block_ids,
+                                        [base + r * self.block_bytes for r in job.rows],
+                                        after=fence)
+        finally:
+            fence.close()
+
+    def layer_end(self, job: "_LayerJob") -> None:
+        """The layers not announced are queued now; an event marks the job's end, and
+        vLLM's stream waits for it on the GPU (its next kernels may not overwrite a
+        block still being copied out), the host not at all."""
+        rest = [r for name, rs in self._layers.items() if name not in job.copied for r in rs]
+        if rest:
+            job.copied.update(self._layers)
+            self._copy(job, rest)
+        job.done = self.dev.record()
+        from ... import cuda
+        cuda._check(cuda._lib().cuStreamWaitEvent(self._current_stream(), job.done.handle, 0),
+                    "cuStreamWaitEvent(vLLM's stream)")
+
+    def layer_fill(self, job: "_LayerJob", rows):
+        """``KVCache.put(fill=)`` from the job's staged rows ``rows[i]`` for key ``i``
+        (on the saver thread, once the copies landed)."""
+        def fill(items):
+            if job.done is not None:
+                job.done.synchronize()
+            host = self._host.array
+            bb = self.block_bytes
+            for i, view in items:
+                r = job.rows[rows[i]]
+                view[:] = host[r * bb:(r + 1) * bb]
+        return fill
+
+    def layer_release(self, job: "_LayerJob") -> None:
+        """Give the job's rows back (after its copies ended)."""
+        if job.done is not None:
+            job.done.synchronize()
+            job.done.close()
+            job.done = None
+        with self._rows_lock:
+            self._free_rows.extend(job.rows)
+            job.rows = []
+
     # -- loads ----------------------------------------------------------------------------
     def scatter_held(self, block_id: int, src: np.ndarray) -> None:
         """Queue a block image (a pool slot's view) for block ``block_id``; :meth:`flush`
@@ -109,3 +197,16 @@ class GpuBlockCopier:
     def close(self) -> None:
         self.detach_pool()
         self.dev.close()
+        if self._host is not None:
+            self._host.close()
+            self._host = None
+
+
+class _LayerJob:
+    """Blocks being copied out layer by layer into staging rows."""
+
+    def __init__(self, block_ids: list, rows: list):
+        self.block_ids, self.rows = block_ids, rows
+        self.blocks = len(block_ids)
+        self.copied: set = set()
+        self.done: Any = None             # cuda.Event after the last copy

@@ -44,6 +44,10 @@ class Work:
     leases: list = field(default_factory=list)       # [request_id] on the producer
     pool_loads: list = field(default_factory=list)   # [pool.PoolLoadSpec]
     saves: list = field(default_factory=list)        # [pool.SaveSpec]
+    # Prompt blocks that become full in this step's forward pass ([pool.SaveSpec]): a
+    # worker that can (a GPU KV cache) copies them out layer by layer as they are
+    # computed (save_kv_layer); others leave them to the save at the request's end.
+    layer_saves: list = field(default_factory=list)
     # One entry per request scheduled for the first time: (prompt blocks asked for,
     # blocks vLLM's own prefix cache had, pool blocks loaded by tier: a TierCounts).
     lookups: list = field(default_factory=list)
@@ -82,6 +86,10 @@ class SchedulerSide:
         self.pool_root = pool_root if pool_root is not None else ROOT
         self._looked: dict = {}         # request id -> (first block, TierCounts)
         self._keys: dict = {}           # request id -> keys of its prompt's full blocks
+        # Requests running with prompt blocks still to save layer-wise:
+        # request id -> [prompt token ids, block ids, prompt blocks already handed out]
+        self._layered: dict = {}
+        self.layerwise = pool is not None
 
     # -- pool -----------------------------------------------------------------------------
     def _prompt_keys(self, request) -> list:
@@ -109,6 +117,53 @@ class SchedulerSide:
         tiers = TierCounts(self.pool.lookup(self._prompt_keys(request)[first:last]))
         self._looked[request.request_id] = (first, tiers)
         return sum(tiers)
+
+    def layer_saves(self, out) -> None:
+        """Add to this step's work the prompt blocks that this step's forward pass fills
+        (from vLLM's ``SchedulerOutput``: new and running requests, their block ids and
+        scheduled token counts; the same fields from vLLM 0.26 on), with their keys, for
+        saving layer by layer (:attr:`Work.layer_saves`)."""
+        if not self.layerwise or out is None:
+            return
+        from .pool import SaveSpec
+        bs = self.block_size
+        start: dict = {}
+        for nr in getattr(out, "scheduled_new_reqs", None) or ():
+            toks = list(nr.prompt_token_ids or ())
+            ids = list(nr.block_ids[0]) if nr.block_ids else []
+            self._layered[nr.req_id] = [toks, ids, int(nr.num_computed_tokens) // bs]
+            start[nr.req_id] = int(nr.num_computed_tokens)
+        cached = getattr(out, "scheduled_cached_reqs", None)
+        if cached is not None:
+            resumed = getattr(cached, "resumed_req_ids", None) or set()
+            for i, rid in enumerate(cached.req_ids):
+                t = self._layered.get(rid)
+                if t is None:
+                    continue
+                new = cached.new_block_ids[i]
+                done = int(cached.num_computed_tokens[i])
+                if rid in resumed:               # preempted and back: its block list anew
+                    t[1] = list(new[0]) if new else []
+                    t[2] = done // bs
+                elif new:
+                    t[1].extend(new[0])
+                start[rid] = done
+        for rid, n in (getattr(out, "num_scheduled_tokens", None) or {}).items():
+            t = self._layered.get(rid)
+            if t is None or rid not in start:
+                continue
+            toks, ids, done = t
+            full = min((start[rid] + int(n)) // bs, len(toks) // bs, len(ids))
+            if full <= done:
+                continue
+            keys = self._keys.get(rid)
+            if keys is None:
+                from .pool import block_keys
+                keys = self._keys[rid] = block_keys(toks, bs, self.pool_root)
+            self._work.layer_saves.append(SaveSpec(rid, keys[done:full], ids[done:full]))
+            t[2] = full
+            if full >= len(toks) // bs:          # the whole prompt handed out
+                del self._layered[rid]
 
     # -- consumer -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -173,6 +228,7 @@ class SchedulerSide:
                        else block_ids or ())
         self._looked.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)
+        self._layered.pop(request.request_id, None)
         save = self._pool_save(request, ids_all)
         p = request.kv_transfer_params
         if not p:

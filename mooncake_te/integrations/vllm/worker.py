@@ -175,6 +175,8 @@ class WorkerSide:
         for req_id in work.leases:
             self.leases.add(req_id)
             self._holds[req_id] = self._holds.get(req_id, 0) + 1
+        if self.pool is not None and getattr(work, "layer_saves", None):
+            self.pool.begin_layer_saves(work.layer_saves)
         for spec in getattr(work, "saves", ()):
             if self.pool is not None and self.pool.save(spec):
                 self._holds[spec.request_id] = self._holds.get(spec.request_id, 0) + 1
@@ -203,6 +205,16 @@ class WorkerSide:
             # The tiers are named by the lookup's reply (pool/lookup.py: TierCounts).
             for name, n in zip(tiers.names, tiers):
                 lk[f"hit_{name}"] = lk.get(f"hit_{name}", 0) + n
+
+    def save_layer(self, layer_name: str) -> None:
+        """vLLM's ``save_kv_layer``: this layer's part of the step's layer saves."""
+        if self.pool is not None:
+            self.pool.save_layer(layer_name)
+
+    def end_layer_saves(self) -> None:
+        """vLLM's ``wait_for_save``: queue what is left of the step's layer saves."""
+        if self.pool is not None:
+            self.pool.end_layer_saves()
 
     def _add_part(self, req_id: str, block_ids) -> None:
         with self._done_lock:

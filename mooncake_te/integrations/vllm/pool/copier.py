@@ -22,14 +22,15 @@ import ctypes
 import numpy as np
 
 
-def make_copier(layout, gpu_staging_bytes: int = 64 << 20):
+def make_copier(layout, gpu_staging_bytes: int = 64 << 20,
+                host_staging_bytes: int = 256 << 20):
     """The copier for ``layout``: :class:`~..gpu_copier.GpuBlockCopier` when its regions
     are GPU memory (vLLM on GPUs: batched DMA through ``fill``/``flush`` above, with GPU
     staging of ``gpu_staging_bytes``), else :class:`BlockCopier` (host memory, numpy
     views). :class:`~.worker.PoolWorker` needs no other change for either."""
     from ..gpu_copier import GpuBlockCopier, is_gpu_layout
     if is_gpu_layout(layout):
-        return GpuBlockCopier(layout, gpu_staging_bytes)
+        return GpuBlockCopier(layout, gpu_staging_bytes, host_staging_bytes)
     return BlockCopier(layout)
 
 

@@ -28,6 +28,12 @@ class SaveSpec:
     block_ids: list
     #: The copier's fence (a GPU copier's event on vLLM's stream), set when queued.
     fence: Any = None
+    #: A layer-wise save: the copier's staged copy of the blocks (GPU KV caches), whose
+    #: block ``i`` is row ``i``.
+    staged: Any = None
+    #: The request's blocks stay allocated until this save is done (vLLM's delay_free;
+    #: a layer-wise save holds none: its blocks are staged).
+    hold: bool = True
 
 
 class SaveQueue:
@@ -109,7 +115,19 @@ def save_blocks(cache, copier, spec: SaveSpec) -> dict:
     ``blocks_save_skipped``, ``save_s``)."""
     t0 = time.perf_counter()
     todo = [(k, b) for k, b in zip(spec.keys, spec.block_ids) if cache.tier(k) != HUB]
-    if todo:
+    layered = {}
+    if spec.staged is not None:
+        # Copied out layer by layer during the forward pass: from the staged rows.
+        rows = [i for i, k in enumerate(spec.keys) if cache.tier(k) != HUB]
+        try:
+            if rows:
+                cache.put([spec.keys[i] for i in rows],
+                          fill=copier.layer_fill(spec.staged, rows))
+        finally:
+            copier.layer_release(spec.staged)
+            spec.staged = None
+        layered = {"blocks_layer_saved": len(rows)}
+    elif todo:
         keys, ids = [k for k, _ in todo], [b for _, b in todo]
         fill = getattr(copier, "fill", None)
         if fill is not None:
@@ -124,4 +142,4 @@ def save_blocks(cache, copier, spec: SaveSpec) -> dict:
         spec.fence = None
     return {"blocks_saved": len(todo), "bytes_saved": len(todo) * copier.block_bytes,
             "blocks_save_skipped": len(spec.keys) - len(todo),
-            "save_s": time.perf_counter() - t0}
+            "save_s": time.perf_counter() - t0, **layered}

@@ -31,6 +31,7 @@ def counter_names(tiers=None) -> tuple:
     per tier of ``tiers`` (default: the registered ones)."""
     tiers = [t.name for t in registered()] if tiers is None else tiers
     return (("blocks_saved", "bytes_saved", "blocks_save_skipped", "blocks_dropped",
+             "blocks_layer_saved", "blocks_layer_skipped",
              "save_s", "blocks_loaded", "bytes_loaded", "load_s", "loads")
             + tuple(f"loaded_{t}" for t in tiers) + ("failed_loads", "failed_blocks"))
 
@@ -61,7 +62,9 @@ class PoolWorker:
     def __init__(self, settings: PoolSettings, layout, engine, namespace: str,
                  lookup_address: str, logger=None):
         self.settings = settings
-        self.copier = make_copier(layout, settings.gpu_staging_bytes)
+        # Layer-wise saves stage in page-locked memory of the save queue's size.
+        self.copier = make_copier(layout, settings.gpu_staging_bytes,
+                                  settings.save_queue_bytes)
         self.log = logger or log
         try:
             self.cache = KVCache(
@@ -88,6 +91,7 @@ class PoolWorker:
         self._lock = threading.Lock()
         self._c = self._zero()
         self._saved: set = set()              # request ids whose save finished
+        self._layer_jobs: list = []           # this step's layer-wise saves (SaveSpec)
         self._loaded: dict = {}               # request id -> True (ok) / False (failed)
         self._saver = SaveQueue(settings.save_queue_bytes, self._save, self._save_done)
         self._server = _LookupServer(lookup_address, self.lookup)
@@ -150,8 +154,49 @@ class PoolWorker:
         self._add(save_blocks(self.cache, self.copier, spec))
 
     def _save_done(self, spec: SaveSpec, ok: bool) -> None:
+        if spec.staged is not None:               # dropped before it ran (close)
+            self.copier.layer_release(spec.staged)
+            spec.staged = None
+            return
+        if not spec.hold:
+            return
         with self._lock:
             self._saved.add(spec.request_id)
+
+    # -- layer-wise saves (a copier that can: GPU KV caches) --------------------------------
+    def begin_layer_saves(self, specs) -> None:
+        """This step's prompt blocks that the forward pass fills (step thread, before
+        it): staging reserved for as many as fit; the rest wait for the request's end."""
+        begin = getattr(self.copier, "layer_begin", None)
+        if begin is None:
+            return
+        for spec in specs:
+            job = begin(spec.block_ids)
+            if job is None:
+                self._add({"blocks_layer_skipped": len(spec.keys)})
+                continue
+            n = job.blocks
+            if n < len(spec.keys):
+                self._add({"blocks_layer_skipped": len(spec.keys) - n})
+            self._layer_jobs.append(SaveSpec(spec.request_id, list(spec.keys[:n]),
+                                             list(spec.block_ids[:n]), staged=job,
+                                             hold=False))
+
+    def save_layer(self, layer_name: str) -> None:
+        """vLLM's ``save_kv_layer``: the layer's pieces of the step's blocks, queued."""
+        for spec in self._layer_jobs:
+            self.copier.layer_copy(spec.staged, layer_name)
+
+    def end_layer_saves(self) -> None:
+        """vLLM's ``wait_for_save``: the layers vLLM did not announce are copied, the
+        next forward pass waits (on the GPU) for the copies in flight, and the saver
+        thread stores the staged blocks once they landed."""
+        jobs, self._layer_jobs = self._layer_jobs, []
+        for spec in jobs:
+            self.copier.layer_end(spec.staged)
+            if not self._saver.submit(len(spec.keys) * self.copier.block_bytes, spec):
+                self._add({"blocks_layer_skipped": len(spec.keys)})
+                self.copier.layer_release(spec.staged)
 
     # -- loads --------------------------------------------------------------------------
     def load(self, spec: PoolLoadSpec) -> None:
