@@ -377,13 +377,14 @@ def _producer(conn, protocol, seed, port):
     w.register_kv_caches(make_kv("flash_attn", seed), NB)
     w.start(Work(leases=["p1"]))
     conn.send(w.engine.name)
-    freed = []
+    told = False
     while not conn.poll(0.01):
         sending, _, _ = w.collect()
-        freed += list(sending)
+        if "p1" in sending and not told:       # the reader's read-done freed the lease
+            conn.send("freed p1")
+            told = True
         time.sleep(0.005)
     conn.recv()
-    conn.send(freed)
     w.close()
 
 
@@ -430,9 +431,10 @@ def test_pd_reads_the_producers_gpu_blocks(protocol, transport):
             for lb, rb in zip(local, remote):
                 assert torch.equal(kv[layer][:, lb], want[layer][:, rb])
         w.close()
+        # The READ's notification tells the producer its blocks may be freed (well
+        # before the lease runs out).
+        assert a.poll(30) and a.recv() == "freed p1"
         a.send("stop")
-        assert a.poll(30)
-        assert "p1" in a.recv()            # the read-done freed the producer's lease
     finally:
         p.join(30)
         if p.is_alive():
