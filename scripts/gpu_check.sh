@@ -22,11 +22,13 @@ if ! "$PY" setup.py build_ext --inplace -q >"$OUT/build.log" 2>&1; then
     exit 1
 fi
 grep "native build" "$OUT/build.log"
-"$PY" -m pytest -q -rs -p no:cacheprovider --timeout 120 tests/transports/test_gpu.py 2>&1 \
+"$PY" -m pytest -q -rs -p no:cacheprovider --timeout 120 tests/transports/test_gpu.py \
+    tests/integrations/test_vllm_gpu.py 2>&1 \
     | tee "$OUT/tests.log"
 rc=${PIPESTATUS[0]}
 "$PY" -m pytest -q -p no:cacheprovider --timeout 120 tests/transports/test_transfer.py 2>&1 | tail -3 \
     | tee "$OUT/tests_cpu.log"
 timeout 240 "$PY" benchmarks/gpu_bench.py --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/bench.log"
+timeout 240 "$PY" benchmarks/gpu_kv.py --json "$OUT/gpu_kv.json" 2>&1 | tee "$OUT/gpu_kv.log"
 "$PY" -m mooncake_te topology 2>&1 | head -40 | tee "$OUT/topology.log"
 exit "$rc"
