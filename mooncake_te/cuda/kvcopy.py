@@ -165,6 +165,15 @@ def copy_pieces_async(ordinal: int, dst: np.ndarray, src: np.ndarray, lens: np.n
     return True
 
 
+def _pairs(block_ids, addrs, what: str):
+    """(ids, addresses) as uint64 arrays of one length each."""
+    ids = np.asarray(block_ids, dtype=np.uint64).reshape(-1)
+    a = np.asarray(addrs, dtype=np.uint64).reshape(-1)
+    if len(ids) != len(a):
+        raise E.InvalidArgumentError(f"{len(ids)} blocks but {len(a)} {what}")
+    return ids, a
+
+
 class _Half:
     """One half of the staging: device memory for block images, the piece table on the
     device and in page-locked host memory, and an event marking when its last use ended."""
@@ -315,10 +324,7 @@ class DeviceBlockCopier:
         """Blocks ``block_ids`` of the GPU cache into block images at ``dst_addrs`` (one
         address per block, ``block_bytes`` each: page-locked host memory for full speed,
         or GPU memory); returns when the bytes are there."""
-        ids = np.asarray(block_ids, dtype=np.uint64).reshape(-1)
-        dst = np.asarray(dst_addrs, dtype=np.uint64).reshape(-1)
-        if len(ids) != len(dst):
-            raise E.InvalidArgumentError(f"{len(ids)} blocks but {len(dst)} destinations")
+        ids, dst = _pairs(block_ids, dst_addrs, "destinations")
         bb = np.uint64(self.block_bytes)
         with self._lock, device(self.device):
             if after is not None:
@@ -367,10 +373,7 @@ class DeviceBlockCopier:
     def scatter_from(self, src_addrs, block_ids) -> None:
         """Block images at ``src_addrs`` into blocks ``block_ids`` of the GPU cache;
         returns when the images have been read and the blocks written."""
-        ids = np.asarray(block_ids, dtype=np.uint64).reshape(-1)
-        src = np.asarray(src_addrs, dtype=np.uint64).reshape(-1)
-        if len(ids) != len(src):
-            raise E.InvalidArgumentError(f"{len(src)} block images but {len(ids)} blocks")
+        ids, src = _pairs(block_ids, src_addrs, "block images")
         bb = np.uint64(self.block_bytes)
         with self._lock, device(self.device):
             for h, lo, hi in self._chunks(len(ids)):
