@@ -115,15 +115,15 @@ def copy_many(dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: Str
                "cuMemcpyAsync")
 
 
-SPLIT = 64 << 10                        # the kernel's smallest cut of a long piece
+SPLIT = 64 << 10                        # pieces longer than this are cut for the kernel
 
 
 def copy_pieces_async(ordinal: int, dst: np.ndarray, src: np.ndarray, lens: np.ndarray,
                       stream: Stream) -> bool:
     """Queue ``mte_copy_pieces`` on ``stream`` for pieces ``src[i] -> dst[i]``
     (``lens[i]`` bytes; device memory of one GPU, IPC-mapped memory of a peer, or
-    page-locked host memory): one launch for all of them, long pieces cut into parts (64
-    KiB or more, about 16 parts per SM in all) so every SM has work. The piece table lives in stream-ordered device memory
+    page-locked host memory): one launch for all of them, long pieces cut into 64 KiB
+    parts so every SM has work. The piece table lives in stream-ordered device memory
     freed after the launch, so nothing waits here. False when the driver lacks
     stream-ordered allocation (CUDA < 11.2): then use :func:`copy_many`. The caller makes
     the stream's device current."""
@@ -134,30 +134,26 @@ def copy_pieces_async(ordinal: int, dst: np.ndarray, src: np.ndarray, lens: np.n
     dst = np.asarray(dst, np.uint64)
     src = np.asarray(src, np.uint64)
     lens = np.asarray(lens, np.uint64)
-    _mod, fn, sms = _kernel(ordinal)
-    # Parts of at least SPLIT bytes, and few enough (about 16 per SM) that a group of a
-    # few large pieces is a short table, many enough that every SM has work.
-    total = int(lens.sum())
-    split = max(SPLIT, -(-total // (16 * sms) // SPLIT) * SPLIT)
-    if not len(lens) or int(lens.max()) <= split:  # vLLM's pieces (32 KiB): as they are
+    if not len(lens) or int(lens.max()) <= SPLIT:  # vLLM's pieces (32 KiB): as they are
         k = len(lens)
         table = np.stack((src, dst, lens))
     else:
-        parts = (lens + np.uint64(split - 1)) // np.uint64(split)
+        parts = (lens + np.uint64(SPLIT - 1)) // np.uint64(SPLIT)
         parts = np.maximum(parts, 1).astype(np.int64)
         k = int(parts.sum())
         first = np.repeat(np.cumsum(parts) - parts, parts)
-        off = (np.arange(k, dtype=np.int64) - first).astype(np.uint64) * np.uint64(split)
+        off = (np.arange(k, dtype=np.int64) - first).astype(np.uint64) * np.uint64(SPLIT)
         table = np.empty((3, k), np.uint64)
         table[0] = np.repeat(src, parts) + off
         table[1] = np.repeat(dst, parts) + off
-        table[2] = np.minimum(np.repeat(lens, parts) - off, np.uint64(split))
+        table[2] = np.minimum(np.repeat(lens, parts) - off, np.uint64(SPLIT))
     p = D.CUdeviceptr(0)
     _check(alloc(byref(p), table.nbytes, stream.handle), "cuMemAllocAsync(piece table)")
     try:
         # From pageable memory the driver has taken the bytes when this returns.
         _check(lib.cuMemcpyHtoDAsync_v2(p.value, table.ctypes.data, table.nbytes,
                                         stream.handle), "piece table to the GPU")
+        _mod, fn, sms = _kernel(ordinal)
         args = [ctypes.c_uint64(p.value), ctypes.c_uint64(p.value + 8 * k),
                 ctypes.c_uint64(p.value + 16 * k), ctypes.c_uint64(k)]
         params = (ctypes.c_void_p * 4)(*[ctypes.cast(byref(a), ctypes.c_void_p) for a in args])

@@ -48,6 +48,12 @@ from ...errors import (ERR_ADDRESS_NOT_REGISTERED as _E_REMOTE_NOT_REG, ERR_CUDA
 from ...core import ACC_READ as _ACC_READ, ACC_WRITE as _ACC_WRITE
 
 
+# A group of GPU-to-GPU copies goes to the mte_copy_pieces kernel when it has at least
+# this many pieces of less than this mean length; else to the copy engines.
+KERNEL_MIN_PIECES = 16
+KERNEL_MAX_MEAN = 1 << 20
+
+
 class _NoSlots:
     """Host-DMA copies hold region pins, not IPC slots."""
 
@@ -539,11 +545,12 @@ class CudaIpcTransport(Transport):
             items: "_Group | list" = group
             stream = self._stream(o)
             gl = glens[sel]
+            # Many small pieces (a KV load of scattered blocks): the kernel; a few large
+            # ones (coalesced runs): the copy engines, one batched call.
+            small = len(gl) >= KERNEL_MIN_PIECES and int(gl.sum()) < KERNEL_MAX_MEAN * len(gl)
             try:
                 with cuda.device(o):
-                    # GPU to GPU: one kernel launch (the driver's batched copy costs about
-                    # 6 us a copy to submit); with host memory here, the copy engines.
-                    if not (dev_local and kvcopy.copy_pieces_async(
+                    if not (dev_local and small and kvcopy.copy_pieces_async(
                             o, dst[sel], src[sel], gl, stream)):
                         kvcopy.copy_many(dst[sel], src[sel], gl, stream, batched=dev_local)
             except MooncakeError as e:
