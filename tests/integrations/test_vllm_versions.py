@@ -138,3 +138,32 @@ def test_the_fakes_are_undone_after_each_test():
         assert m is None or hasattr(m, "__file__"), name
     if "mooncake_te.integrations.vllm.connector" in sys.modules:
         assert hasattr(sys.modules["vllm"], "__file__")
+
+
+def test_layer_saves_begin_when_vllm_binds_the_step_before_its_forward(shape):
+    # vLLM binds the step's metadata before the forward pass in every version, while
+    # start_load_kv comes after the forward's launch in 0.32: layer saves begin at the
+    # bind, so each save_kv_layer of the forward finds them; wait_for_save ends them.
+    version, conn = shape
+    base = sys.modules["vllm.distributed.kv_transfer.kv_connector.v1.base"]
+    calls = []
+
+    class Worker(FakeWorkerSide):
+        def begin_layer_saves(self, work):
+            calls.append(("begin", list(work.layer_saves)))
+
+        def save_layer(self, name):
+            calls.append(("layer", name))
+
+        def end_layer_saves(self):
+            calls.append(("end",))
+    c = conn.MooncakeTEConnector(vllm_config(), base.KVConnectorRole.WORKER, None)
+    c._worker = Worker()
+    meta = conn.MooncakeTEMetadata()
+    meta.work.layer_saves.append("spec")
+    c.bind_connector_metadata(meta)
+    c.save_kv_layer("model.layers.0.self_attn.attn", None, None)
+    c.wait_for_save()
+    assert calls == [("begin", ["spec"]), ("layer", "model.layers.0.self_attn.attn"),
+                     ("end",)]
+    assert c._get_connector_metadata() is meta

@@ -143,6 +143,14 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         self.get_kv_connector_stats()          # fold in what happened since vLLM asked
         return dict(self._worker.stats, pool=dict(self._worker.hit_rate_log.total))
 
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        # Before the forward pass in every vLLM (0.26-0.33); start_load_kv is not (0.32
+        # calls it after launching the forward), so the step's layer saves begin here
+        # and each save_kv_layer of the forward finds them.
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, MooncakeTEMetadata):
+            self._worker.begin_layer_saves(connector_metadata.work)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if self._worker is not None and isinstance(meta, MooncakeTEMetadata):

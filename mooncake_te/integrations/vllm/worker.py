@@ -175,8 +175,6 @@ class WorkerSide:
         for req_id in work.leases:
             self.leases.add(req_id)
             self._holds[req_id] = self._holds.get(req_id, 0) + 1
-        if self.pool is not None and getattr(work, "layer_saves", None):
-            self.pool.begin_layer_saves(work.layer_saves)
         for spec in getattr(work, "saves", ()):
             if self.pool is not None and self.pool.save(spec):
                 self._holds[spec.request_id] = self._holds.get(spec.request_id, 0) + 1
@@ -205,6 +203,12 @@ class WorkerSide:
             # The tiers are named by the lookup's reply (pool/lookup.py: TierCounts).
             for name, n in zip(tiers.names, tiers):
                 lk[f"hit_{name}"] = lk.get(f"hit_{name}", 0) + n
+
+    def begin_layer_saves(self, work: Work) -> None:
+        """The step's layer saves, before its forward pass (vLLM binds the step's
+        metadata then; ``start_load_kv`` comes after the forward's launch in vLLM 0.32)."""
+        if self.pool is not None and getattr(work, "layer_saves", None):
+            self.pool.begin_layer_saves(work.layer_saves)
 
     def save_layer(self, layer_name: str) -> None:
         """vLLM's ``save_kv_layer``: this layer's part of the step's layer saves."""
