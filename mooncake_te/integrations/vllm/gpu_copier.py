@@ -154,10 +154,12 @@ class GpuBlockCopier:
 
     def layer_fill(self, job: "_LayerJob", rows):
         """``KVCache.put(fill=)`` from the job's staged rows ``rows[i]`` for key ``i``
-        (on the saver thread, once the copies landed)."""
+        (on the saver thread: waits here, before the cache is locked, for the copies to
+        land)."""
+        if job.done is not None:
+            job.done.synchronize()
+
         def fill(items):
-            if job.done is not None:
-                job.done.synchronize()
             host = self._host.array
             bb = self.block_bytes
             for i, view in items:

@@ -109,6 +109,16 @@ class SaveQueue:
         self._thread.join(timeout=5)
 
 
+#: Bytes of blocks a ``put(fill=)`` moves at a time (the cache's lock is held meanwhile).
+FILL_CHUNK_BYTES = 64 << 20
+
+
+def _chunks(items: list, block_bytes: int):
+    n = max(1, FILL_CHUNK_BYTES // max(1, block_bytes))
+    for lo in range(0, len(items), n):
+        yield items[lo:lo + n]
+
+
 def save_blocks(cache, copier, spec: SaveSpec) -> dict:
     """Copy ``spec``'s blocks the hub does not hold yet into ``cache`` (the saver
     thread's job); returns the counts to add (``blocks_saved``, ``bytes_saved``,
@@ -120,9 +130,9 @@ def save_blocks(cache, copier, spec: SaveSpec) -> dict:
         # Copied out layer by layer during the forward pass: from the staged rows.
         rows = [i for i, k in enumerate(spec.keys) if cache.tier(k) != HUB]
         try:
-            if rows:
-                cache.put([spec.keys[i] for i in rows],
-                          fill=copier.layer_fill(spec.staged, rows))
+            for part in _chunks(rows, copier.block_bytes):
+                cache.put([spec.keys[i] for i in part],
+                          fill=copier.layer_fill(spec.staged, part))
         finally:
             copier.layer_release(spec.staged)
             spec.staged = None
@@ -131,8 +141,11 @@ def save_blocks(cache, copier, spec: SaveSpec) -> dict:
         keys, ids = [k for k, _ in todo], [b for _, b in todo]
         fill = getattr(copier, "fill", None)
         if fill is not None:
+            # Straight into the pool's slots, a chunk at a time: the cache is locked
+            # while a chunk lands and is checksummed, and lookups and loads wait for it.
             kw = {"after": spec.fence} if spec.fence is not None else {}
-            cache.put(keys, fill=fill(ids, **kw))  # straight into the pool's slots
+            for part in _chunks(list(range(len(keys))), copier.block_bytes):
+                cache.put([keys[i] for i in part], fill=fill([ids[i] for i in part], **kw))
         else:
             buf = np.empty((len(todo), copier.block_bytes), dtype=np.uint8)
             copier.gather_many(ids, buf)
