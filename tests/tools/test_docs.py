@@ -244,3 +244,15 @@ def test_wheel_script_is_documented_and_sound():
     assert subprocess.run(["bash", "-n", path]).returncode == 0
     with open(os.path.join(ROOT, "docs", "index.md")) as f:
         assert "./scripts/wheel.sh" in f.read()
+
+
+def test_every_page_is_in_the_site_nav_and_linked_from_home():
+    """mkdocs only warns about a page left out of ``nav`` (issue 41, item 9)."""
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        nav = set(re.findall(r"^\s*- [^:\n]+:\s*(\S+\.md)\s*$", f.read(), re.M))
+    with open(os.path.join(ROOT, "docs", "index.md")) as f:
+        home = set(re.findall(r"\]\(([\w-]+\.md)", f.read()))
+    pages = {p[len("docs/"):] for p in PAGES if p.startswith("docs/")}
+    assert pages - nav == set(), f"not in mkdocs.yml's nav: {sorted(pages - nav)}"
+    assert pages - home - {"index.md"} == set(), \
+        f"not linked from index.md: {sorted(pages - home - {'index.md'})}"
