@@ -256,3 +256,16 @@ def test_every_page_is_in_the_site_nav_and_linked_from_home():
     assert pages - nav == set(), f"not in mkdocs.yml's nav: {sorted(pages - nav)}"
     assert pages - home - {"index.md"} == set(), \
         f"not linked from index.md: {sorted(pages - home - {'index.md'})}"
+
+
+def test_no_page_points_readers_at_our_issue_numbers():
+    """Readers of the command's page cannot see our issues (issue 41, item 12: bench.md
+    said "issue-2 target" and "see issue 9"); Mooncake's or vLLM's issues are URLs.
+    benchmarks.md, a record of runs against targets, still names them: not checked."""
+    found = []
+    for page in ["README.md", "docs/bench.md", "docs/index.md"]:
+        with open(os.path.join(ROOT, page)) as f:
+            for n, line in enumerate(f, 1):
+                if re.search(r"\bissue[- ]\d+\b", line, re.I) and "github.com" not in line:
+                    found.append(f"{page}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
