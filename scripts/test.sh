@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
-exec .venv/bin/python -m pytest -q "$@"
+# -rs: every skip and its reason in the summary at the end.
+exec .venv/bin/python -m pytest -q -rs "$@"

@@ -208,3 +208,64 @@ def test_shell_blocks_name_real_commands_and_flags(page, line, text, excerpt, fi
             ok = (0, 1, 2) if argv[0] == "doctor" else (0,)
             assert r.returncode in ok and "Traceback" not in r.stderr, \
                 f"{where}: exit {r.returncode}\n{r.stderr[-2000:]}"
+
+
+# `pip install mooncake-te` (or `mooncake-te[extra]`) asks PyPI, which has no such package
+# (issue 41, item 1): the docs say `pip install .` in a clone, or a wheel from
+# scripts/wheel.sh.
+PYPI_INSTALL = re.compile(
+    r"pip3? install\b[^`\n;&|#]*?(?<![\w./-])['\"]?mooncake-te(?![\w-])")
+
+
+def test_no_doc_installs_mooncake_te_from_pypi():
+    found = []
+    for page in PAGES:
+        with open(os.path.join(ROOT, page)) as f:
+            for n, line in enumerate(f, 1):
+                if PYPI_INSTALL.search(line):
+                    found.append(f"{page}:{n}: {line.strip()}")
+    assert not found, ("mooncake-te is not on PyPI; say `pip install .` (or '.[extra]') in "
+                       "a clone, or a wheel from scripts/wheel.sh:\n" + "\n".join(found))
+
+
+def test_pypi_pattern_catches_the_forms_that_fail():
+    assert PYPI_INSTALL.search("pip install mooncake-te && mooncake-te compat install")
+    assert PYPI_INSTALL.search("`pip install 'mooncake-te[bench]'`")
+    assert PYPI_INSTALL.search("pip install vllm mooncake-te   # x")
+    assert not PYPI_INSTALL.search("pip install . && mooncake-te compat install")
+    assert not PYPI_INSTALL.search("`pip install mooncake-transfer-engine`")
+    assert not PYPI_INSTALL.search("pip install '.[metrics]'")
+    assert not PYPI_INSTALL.search("pip install .   # the mooncake-te command")
+
+
+def test_wheel_script_is_documented_and_sound():
+    path = os.path.join(ROOT, "scripts", "wheel.sh")
+    assert os.access(path, os.X_OK)
+    assert subprocess.run(["bash", "-n", path]).returncode == 0
+    with open(os.path.join(ROOT, "docs", "index.md")) as f:
+        assert "./scripts/wheel.sh" in f.read()
+
+
+def test_every_page_is_in_the_site_nav_and_linked_from_home():
+    """mkdocs only warns about a page left out of ``nav`` (issue 41, item 9)."""
+    with open(os.path.join(ROOT, "mkdocs.yml")) as f:
+        nav = set(re.findall(r"^\s*- [^:\n]+:\s*(\S+\.md)\s*$", f.read(), re.M))
+    with open(os.path.join(ROOT, "docs", "index.md")) as f:
+        home = set(re.findall(r"\]\(([\w-]+\.md)", f.read()))
+    pages = {p[len("docs/"):] for p in PAGES if p.startswith("docs/")}
+    assert pages - nav == set(), f"not in mkdocs.yml's nav: {sorted(pages - nav)}"
+    assert pages - home - {"index.md"} == set(), \
+        f"not linked from index.md: {sorted(pages - home - {'index.md'})}"
+
+
+def test_no_page_points_readers_at_our_issue_numbers():
+    """Readers of the command's page cannot see our issues (issue 41, item 12: bench.md
+    said "issue-2 target" and "see issue 9"); Mooncake's or vLLM's issues are URLs.
+    benchmarks.md, a record of runs against targets, still names them: not checked."""
+    found = []
+    for page in ["README.md", "docs/bench.md", "docs/index.md"]:
+        with open(os.path.join(ROOT, page)) as f:
+            for n, line in enumerate(f, 1):
+                if re.search(r"\bissue[- ]\d+\b", line, re.I) and "github.com" not in line:
+                    found.append(f"{page}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
