@@ -401,7 +401,7 @@ class MooncakeDistributedStore:
 
     def _registered(self, ptr: int, n: int) -> bool:
         with self._lock:
-            regions = list(self._buffers.values())
+            regions: list = list(self._buffers.values())
         eng = self._eng
         if eng is not None:
             regions += list(getattr(eng, "regions", ()))
