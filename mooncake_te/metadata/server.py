@@ -389,7 +389,7 @@ class KeyStore:
                         raise ValueError(f"key {key!r} has TTL {ttl!r}, not a number")
                     try:
                         ttl = parse_ttl(repr(float(ttl)))
-                    except ValueError:
+                    except (ValueError, OverflowError):
                         raise ValueError(f"key {key!r} has TTL {ttl!r}; a TTL is finite, "
                                          f"above 0 and at most {MAX_TTL:g} s (edit or "
                                          f"delete the key in the file)") from None

@@ -120,7 +120,7 @@ def test_batch_reput_keeps_the_ttl():
 
 # -- persisted TTLs are checked on load --------------------------------------------------------
 @pytest.mark.parametrize("ttl", ["NaN", "Infinity", "-Infinity", "-5", "0", "1e12", "true",
-                                 '"30"'])
+                                 '"30"', "1" + "0" * 400])
 def test_persisted_ttl_is_checked_on_load(tmp_path, ttl):
     path = tmp_path / "m.json"
     value = base64.b64encode(b"v").decode()
