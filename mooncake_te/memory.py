@@ -283,11 +283,18 @@ class MemoryRegion:
     @classmethod
     def from_address(cls, address: int, length: int, owner=None, location: str = "cpu:0",
                      access: str = "rw") -> "MemoryRegion":
-        """The one door for raw integer addresses (ints or numpy integers)."""
+        """The one door for raw integer addresses (ints or numpy integers).
+
+        An ``owner`` with the buffer protocol is pinned as :func:`intake` pins a
+        registered buffer: a ``memoryview`` of it is held until the region is
+        unregistered, so a ``bytearray`` owner refuses ``extend``/``del`` with
+        ``BufferError`` and an ``mmap`` refuses ``resize``/``close`` instead of freeing
+        memory a peer may still write into (issue 35, item 6)."""
         from .arguments import U64_MAX, integer
         address = integer(address, "address", minimum=1)
         length = integer(length, "length", minimum=1, maximum=U64_MAX + 1 - address)
-        return cls(address, length, location, access, owner)
+        export = _export(owner) if owner is not None else None
+        return cls(address, length, location, access, owner, export=export)
 
     def release(self) -> None:
         """Drop the buffer export held while registered (the engine calls it when the

@@ -85,6 +85,8 @@ class RegionBook:
                                          f"got {mr.access!r}")
         mr.location, device = locate(mr, known)
         rc = self.table.add(mr.address, mr.length, _ACCESS_BITS[mr.access], device)
+        if rc != 0:
+            mr.release()       # not registered: the owner may resize its memory again
         if rc == -_errno.EEXIST:
             raise E.AddressOverlappedError(
                 f"[{mr.address:#x}, {mr.end:#x}) overlaps a region already registered; "

@@ -72,6 +72,21 @@ def _missing(binary: str, package: str):
     pytest.skip(msg)
 
 
+#: the Python client library each metadata backend needs in the test process, and the
+#: extra that installs it
+CLIENTS = {"etcd": ("etcd3gw", "etcd"), "redis": ("redis", "redis"),
+           "http": ("requests", "http")}
+
+
+def require_client(scheme: str) -> None:
+    """Skip the test, with the install command, when the client library of the
+    ``scheme`` backend (an optional extra) is missing: the test is about that backend,
+    and erroring there says nothing about the code under test."""
+    module, extra = CLIENTS[scheme]
+    pytest.importorskip(module, reason=f"the {scheme} metadata backend needs the Python "
+                                       f"module {module!r}: pip install mooncake-te[{extra}]")
+
+
 _RUNNING: "weakref.WeakSet[_Server]" = weakref.WeakSet()
 
 
@@ -94,7 +109,15 @@ class _Server:
     def kind_word(self) -> str:
         return self.label
 
+    #: (module, extra) pairs this server's tests need in the test process: the client
+    #: library of the matching backend. A missing one skips the test with the install
+    #: command (pytest.importorskip), instead of erroring deep inside the backend.
+    extras: tuple = ()
+
     def __init__(self, workdir: str | None = None):
+        for module, extra in self.extras:
+            pytest.importorskip(module, reason=f"{self.label} tests need the Python module "
+                                               f"{module!r}: pip install mooncake-te[{extra}]")
         self.host = "127.0.0.1"
         self.port = 0
         self._own_dir = workdir is None
@@ -203,6 +226,7 @@ class RedisServer(_Server):
     name = "redis"
     label = "redis"
     binary = "redis-server"
+    extras = (("redis", "redis"),)
 
     def __init__(self, workdir: str | None = None, password: str | None = None):
         super().__init__(workdir)
@@ -230,6 +254,7 @@ class EtcdServer(_Server):
     name = "etcd"
     label = "etcd"
     binary = "etcd"
+    extras = (("etcd3gw", "etcd"),)
 
     def _pick_ports(self):
         self.port = free_port()
@@ -269,6 +294,7 @@ class HttpMetadataServer(_Server):
 
     name = "http-metadata"
     label = "HTTP"
+    extras = (("aiohttp", "http"), ("requests", "http"))
 
     def __init__(self, workdir: str | None = None, persist: bool = True):
         super().__init__(workdir)
@@ -331,4 +357,5 @@ def store_server(request):
 
 
 __all__ = ["redis_server", "etcd_server", "http_metadata_server", "store_server",
+           "require_client", "CLIENTS",
            "RedisServer", "EtcdServer", "HttpMetadataServer", "free_port"]

@@ -47,6 +47,9 @@ def add_parser(subparsers) -> None:
                    help="largest value a PUT may store (default: 64M)")
     p.add_argument("--quota-bytes", metavar="SIZE", type=_size, default=None,
                    help="all keys and values together (default: 1G)")
+    p.add_argument("--max-batch-reply-bytes", metavar="SIZE", type=_size, default=None,
+                   help="most bytes of values one POST /metadata/batch read answers "
+                        "(default: 16M; 413 beyond)")
     p.add_argument("--auth-token-file", metavar="FILE", default=None,
                    help="require requests signed with the auth_token in FILE (default: "
                         "MC_AUTH_TOKEN if set, else no authentication)")
@@ -61,7 +64,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     """Serve until SIGINT/SIGTERM; return the exit status."""
     from ..errors import MetadataError
-    from ..metadata.server import MAX_VALUE, QUOTA, MetadataServer
+    from ..metadata.server import MAX_BATCH_REPLY, MAX_VALUE, QUOTA, MetadataServer
 
     logging.basicConfig(level=getattr(logging, args.log_level),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -93,7 +96,9 @@ def run(args) -> int:
     try:
         MetadataServer(args.host, args.port, args.persist,
                        max_value=args.max_value_bytes or MAX_VALUE,
-                       quota=args.quota_bytes or QUOTA, token=token).serve_forever(announce)
+                       quota=args.quota_bytes or QUOTA, token=token,
+                       max_batch_reply=args.max_batch_reply_bytes or MAX_BATCH_REPLY
+                       ).serve_forever(announce)
     except MetadataError as e:
         print(f"mooncake-te metadata-server: {e}", file=sys.stderr)
         return 1

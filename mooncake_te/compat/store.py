@@ -26,7 +26,15 @@ Return codes are Mooncake Store's (``mooncake-store/include/types.h``): 0 succes
 -704 ``OBJECT_NOT_FOUND``, -600 ``INVALID_PARAMS``, -200 ``NO_AVAILABLE_HANDLE``
 (the object does not fit a pool slot), -800 ``TRANSFER_FAIL``, -1 ``INTERNAL_ERROR``.
 A put of a key that exists succeeds without rewriting it, as Mooncake's ``PutStart``
-treats ``OBJECT_ALREADY_EXISTS``. ``docs/compat.md`` lists every method and where the
+treats ``OBJECT_ALREADY_EXISTS``.
+
+Raw pointers (``register_buffer``, ``put_from``, ``get_into`` and their batch forms) are
+checked before a byte is copied, so a wrong one is a return code, never a crash (issue
+35): ``register_buffer`` takes only a range this process has mapped readable and
+writable (``/proc/self/maps``), and every piece a zero-copy call names must be a
+non-NULL pointer with a size of 0 or more lying inside one buffer registered with
+``register_buffer`` (or a region of the engine), as Mooncake requires; otherwise that
+key gets -600 ``INVALID_PARAMS`` and the log says which range was refused. ``docs/compat.md`` lists every method and where the
 semantics differ.
 """
 from __future__ import annotations
@@ -334,14 +342,23 @@ class MooncakeDistributedStore:
     # --- buffers -------------------------------------------------------------------------
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
         """Register memory for the zero-copy calls (``put_from``, ``get_into``, the batch
-        and multi-buffer forms). 0, or a negative code."""
+        and multi-buffer forms). 0, or a negative code (-600 for a NULL pointer, a size
+        below 1, or a range this process has not mapped readable and writable)."""
         try:
             eng = self._eng
             if eng is None:
                 self._c()
-            region = eng.register_address(int(buffer_ptr), int(size), access="local")
+            ptr, n = _pointer(buffer_ptr, "buffer_ptr"), _size(size, "size", minimum=1)
+            if not _mapped_rw(ptr, n):
+                raise E.InvalidArgumentError(
+                    f"[{ptr:#x}, +{n}) is not memory this process has mapped readable and "
+                    f"writable (/proc/self/maps); pass the address and the real size of a "
+                    f"buffer you allocated")
+            region = eng.register_address(ptr, n, access="local")
         except E.MooncakeError as e:
-            log.error("register_buffer(%#x, %d): %s", buffer_ptr, size, e)
+            log.error("register_buffer(%r, %r): %s", buffer_ptr, size, e)
+            if isinstance(e, E.InvalidArgumentError):
+                return INVALID_PARAMS
             return e.status if isinstance(e.status, int) and e.status < 0 else INVALID_PARAMS
         with self._lock:
             self._buffers[int(buffer_ptr)] = region
@@ -360,6 +377,35 @@ class MooncakeDistributedStore:
             log.error("unregister_buffer(%#x): %s", buffer_ptr, e)
             return INTERNAL_ERROR
         return OK
+
+    def _pieces(self, key, ptrs, lens, what: str) -> "list | None":
+        """``[(address, size), ...]`` of one key's buffers, each checked: a non-NULL
+        integer pointer, a size of 0 or more, the range inside one buffer registered with
+        register_buffer (or a region of the engine). None, logged, when one is not."""
+        try:
+            if len(ptrs) != len(lens):
+                raise E.InvalidArgumentError(f"{len(ptrs)} buffers but {len(lens)} sizes")
+            out = []
+            for p, n in zip(ptrs, lens):
+                p, n = _pointer(p, "buffer pointer"), _size(n, "size", minimum=0)
+                if n and not self._registered(p, n):
+                    raise E.InvalidArgumentError(
+                        f"[{p:#x}, +{n}) is not inside a buffer registered with "
+                        f"register_buffer(); register the buffer first, and pass sizes "
+                        f"that fit in it")
+                out.append((p, n))
+            return out
+        except (E.MooncakeError, TypeError, ValueError, OverflowError) as e:
+            log.error("%s %r: %s", what, key, e)
+            return None
+
+    def _registered(self, ptr: int, n: int) -> bool:
+        with self._lock:
+            regions: list = list(self._buffers.values())
+        eng = self._eng
+        if eng is not None:
+            regions += list(getattr(eng, "regions", ()))
+        return any(r.address <= ptr and ptr + n <= r.address + r.length for r in regions)
 
     # --- the core: put and get of gathered / scattered objects ---------------------------
     def _check_config(self, config) -> None:
@@ -469,18 +515,24 @@ class MooncakeDistributedStore:
         key: 0 stored (or existed already), negative on error."""
         def go():
             _same_len(keys, all_buffer_ptrs, all_sizes)
-            datas = []
-            for ptrs, lens in zip(all_buffer_ptrs, all_sizes):
-                if len(ptrs) != len(lens):
-                    raise E.InvalidArgumentError(f"{len(ptrs)} buffers but {len(lens)} sizes")
-                total = int(sum(int(n) for n in lens))
-                buf = np.empty(total, np.uint8)
+            self._c()
+            out = [INVALID_PARAMS] * len(keys)
+            good, datas = [], []
+            for i, (key, ptrs, lens) in enumerate(zip(keys, all_buffer_ptrs, all_sizes)):
+                pieces = self._pieces(key, ptrs, lens, "put_from")
+                if pieces is None:
+                    continue
+                buf = np.empty(sum(n for _, n in pieces), np.uint8)
                 off = 0
-                for p, n in zip(ptrs, lens):
-                    ctypes.memmove(buf.ctypes.data + off, int(p), int(n))
-                    off += int(n)
+                for p, n in pieces:
+                    ctypes.memmove(buf.ctypes.data + off, p, n)
+                    off += n
+                good.append(i)
                 datas.append(buf)
-            return self._put_many(list(keys), datas, config)
+            codes = self._put_many([keys[i] for i in good], datas, config) if good else []
+            for i, code in zip(good, codes):
+                out[i] = code
+            return out
         return self._guard(go, [INVALID_PARAMS] * len(keys))
 
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
@@ -489,22 +541,29 @@ class MooncakeDistributedStore:
         each, in order). Bytes read per key, or a negative code (-704 missing)."""
         def go():
             _same_len(keys, all_buffer_ptrs, all_sizes)
-            totals = [int(sum(int(n) for n in lens)) for lens in all_sizes]
-            got = self._get_many(keys, totals)
-            out = []
-            for g, ptrs, lens in zip(got, all_buffer_ptrs, all_sizes):
+            self._c()
+            out = [INVALID_PARAMS] * len(keys)
+            good, where = [], []
+            for i, (key, ptrs, lens) in enumerate(zip(keys, all_buffer_ptrs, all_sizes)):
+                pieces = self._pieces(key, ptrs, lens, "get_into")
+                if pieces is not None:
+                    good.append(i)
+                    where.append(pieces)
+            got = self._get_many([keys[i] for i in good],
+                                 [sum(n for _, n in pieces) for pieces in where]) if good else []
+            for i, g, pieces in zip(good, got, where):
                 if isinstance(g, int):
-                    out.append(g)
+                    out[i] = g
                     continue
                 src, left = g.ctypes.data, g.nbytes
-                for p, n in zip(ptrs, lens):
-                    k = min(int(n), left)
+                for p, n in pieces:
+                    k = min(n, left)
                     if k <= 0:
                         break
-                    ctypes.memmove(int(p), src, k)
+                    ctypes.memmove(p, src, k)
                     src += k
                     left -= k
-                out.append(g.nbytes)
+                out[i] = g.nbytes
             return out
         return self._guard(go, [INVALID_PARAMS] * len(keys))
 
@@ -603,6 +662,42 @@ def _key(key) -> bytes:
     if not isinstance(key, str) or not key:
         raise E.InvalidArgumentError(f"a store key is a non-empty str, got {key!r}")
     return as_key(key.encode())
+
+
+def _pointer(value, what: str) -> int:
+    """A raw pointer argument: a non-NULL integer below 2^64."""
+    from ..arguments import U64_MAX, integer
+    return integer(value, what, minimum=1, maximum=U64_MAX)
+
+
+def _size(value, what: str, minimum: int) -> int:
+    from ..arguments import integer
+    return integer(value, what, minimum=minimum, maximum=1 << 62)
+
+
+def _mapped_rw(address: int, length: int) -> bool:
+    """Whether [address, address + length) is covered by mappings of this process that
+    are readable and writable (/proc/self/maps), so copying there cannot fault."""
+    end, at = address + length, address
+    try:
+        with open("/proc/self/maps") as f:
+            spans = []
+            for line in f:
+                bounds, perms = line.split(None, 2)[:2]
+                lo, hi = (int(x, 16) for x in bounds.split("-"))
+                if hi > at and lo < end:
+                    spans.append((lo, hi, perms))
+    except OSError:
+        return True                  # no procfs: nothing to check against
+    for lo, hi, perms in sorted(spans):
+        if lo > at:
+            return False             # a hole
+        if not perms.startswith("rw"):
+            return False
+        at = max(at, hi)
+        if at >= end:
+            return True
+    return at >= end
 
 
 def _same_len(keys, ptrs, sizes) -> None:

@@ -6,6 +6,13 @@ Layout of ``cache_dir``::
     kvcache.json   manifest: format, slot size, namespace (a mismatch is a ConfigError)
     kvcache.slab   slot i at offset i * slot_size, each a record (:mod:`.record`)
     kvcache.lock   flock(2)ed while a process uses the directory
+    instance-<i>/  the same, for the i-th process sharing ``cache_dir`` (``share=True``)
+
+With ``share=True`` (the vLLM connector's pool) several processes may be given one
+``cache_dir``: each takes the first of ``cache_dir``, ``cache_dir/instance-1``, ... that
+no other process holds (its ``flock``) and whose manifest is its own layout or absent,
+so a second vLLM instance on the host starts without set-up and a restarted one finds
+a directory of its own layout again (issue 35, item 9).
 
 The file grows (sparsely) as blocks are demoted, so ``du -sh cache_dir`` shows what the
 tier holds. The slots of one batch that lie side by side are read or written with one
@@ -38,6 +45,8 @@ log = logging.getLogger("mooncake_te.kvcache")
 
 FORMAT = "mooncake_te.kvcache/1"
 SLAB, MANIFEST, LOCK = "kvcache.slab", "kvcache.json", "kvcache.lock"
+#: most processes that share one cache_dir (share=True): cache_dir and instance-1..63
+MAX_SHARERS = 64
 # Buffers one preadv(2)/pwritev(2) takes (IOV_MAX, 1024 on Linux).
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
@@ -55,6 +64,14 @@ def _writable_dir(path: str) -> None:
                           f"({e.strerror or e}); point cache_dir at a directory on a local SSD "
                           f"that this user can write, or set ssd_cache_gb = 0 for DRAM "
                           f"only") from None
+
+
+class _DirInUse(ConfigError):
+    """cache_dir is flock()ed by another process."""
+
+
+class _DirOfAnotherLayout(ConfigError):
+    """cache_dir holds a cache of another format, slot size or namespace."""
 
 
 class SSDTier(Tier):
@@ -77,6 +94,10 @@ class SSDTier(Tier):
         ``preadv``/``pwritev`` on the caller's thread (see :meth:`read_many`).
     o_direct : bool
         Try ``O_DIRECT`` first.
+    share : bool
+        Other processes may be given the same ``cache_dir``: take the first free
+        directory of this layout among ``cache_dir`` and its ``instance-<i>``
+        subdirectories (see the module's docstring) instead of refusing a busy one.
     """
 
     name = "ssd"
@@ -96,7 +117,8 @@ class SSDTier(Tier):
             raise ConfigError("[kvcache] ssd_cache_gb > 0 needs cache_dir, a directory "
                               "on a local SSD")
         tier = cls(args["cache_dir"], int(ssd_bytes), cache.slot_size, cache.policy_name,
-                   cache.namespace, args.get("io_depth", 4), args.get("o_direct", True))
+                   cache.namespace, args.get("io_depth", 4), args.get("o_direct", True),
+                   share=bool(args.get("share", False)))
         if tier.nslots < 1:
             tier.close()
             raise ConfigError(f"[kvcache] ssd_cache_gb = {ssd_bytes / (1 << 30):g} holds "
@@ -113,7 +135,7 @@ class SSDTier(Tier):
 
     def __init__(self, cache_dir: str, capacity_bytes: int, slot_size: int,
                  policy: str = "lru", namespace: str = "default", io_depth: int = 4,
-                 o_direct: bool = True):
+                 o_direct: bool = True, share: bool = False):
         if slot_size % ALIGN:
             raise ValueError(f"slot_size must be a multiple of {ALIGN}")
         self.dir = os.path.abspath(os.fspath(cache_dir))
@@ -126,10 +148,8 @@ class SSDTier(Tier):
         self._next = 0                   # slots below this have been used at least once
         self._fd = self._lockfd = -1
         self.corrupt = 0                 # records dropped for a bad checksum
-        _writable_dir(self.dir)
-        self._lock_dir()
+        self._claim_dir(share)
         try:
-            self._check_manifest()
             self._open(o_direct)
             self.recovered = self._rebuild()
         except BaseException:
@@ -137,6 +157,34 @@ class SSDTier(Tier):
             raise
 
     # --- set-up -------------------------------------------------------------------------
+    def _claim_dir(self, share: bool) -> None:
+        """Lock ``self.dir`` and check its manifest; with ``share``, move on to the next
+        ``instance-<i>`` subdirectory while the directory is held by another process or
+        holds another layout."""
+        base = self.dir
+        skipped: list = []
+        for i in range(MAX_SHARERS if share else 1):
+            self.dir = base if i == 0 else os.path.join(base, f"instance-{i}")
+            _writable_dir(self.dir)
+            try:
+                self._lock_dir()
+                self._check_manifest()
+            except (_DirInUse, _DirOfAnotherLayout) as e:
+                self.close()
+                if not share:
+                    raise
+                why = "in use" if isinstance(e, _DirInUse) else "another layout"
+                skipped.append(f"{self.dir} ({why})")
+                continue
+            if skipped:
+                log.info("kvcache: cache_dir %s is shared; this process uses %s (skipped: "
+                         "%s)", base, self.dir, ", ".join(skipped))
+            return
+        raise ConfigError(f"[kvcache] cache_dir = {base!r} is shared by {MAX_SHARERS} "
+                          f"processes already (all of it and its instance-<i> "
+                          f"subdirectories are in use or hold another layout); give this "
+                          f"one another cache_dir")
+
     def _lock_dir(self) -> None:
         path = os.path.join(self.dir, LOCK)
         self._lockfd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -144,7 +192,7 @@ class SSDTier(Tier):
             fcntl.flock(self._lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise ConfigError(f"[kvcache] cache_dir = {self.dir!r} is in use by another "
+                raise _DirInUse(f"[kvcache] cache_dir = {self.dir!r} is in use by another "
                                   f"process (flock on {LOCK}); give each cache its own "
                                   f"cache_dir") from None
             raise
@@ -160,7 +208,7 @@ class SSDTier(Tier):
         except (OSError, ValueError):
             have = {}
         if have is not None and {k: have.get(k) for k in want} != want:
-            raise ConfigError(
+            raise _DirOfAnotherLayout(
                 f"[kvcache] cache_dir = {self.dir!r} holds a cache written with "
                 f"{ {k: have.get(k) for k in want} }, not {want}; use another cache_dir, or "
                 f"delete {SLAB} and {MANIFEST} there to start empty")

@@ -27,18 +27,24 @@ engines can use it unchanged. Beyond Mooncake:
 * **Limits**: a value may be at most ``max_value`` bytes (413), all keys and values
   together at most ``quota`` bytes (507); see docs/security.md.
 * **Authentication** (optional, ``--auth-token-file`` or ``MC_AUTH_TOKEN``): every
-  ``/metadata`` request must carry ``X-MTE-Auth: v1 <time> <nonce> <hmac>``, an
-  HMAC-SHA256 with the engines' ``auth_token`` over the method, key, TTL header, body
-  hash, time and nonce; a request older than ``AUTH_WINDOW`` seconds or a nonce seen
-  before is refused (401), so a recorded request cannot be replayed. Replies carry an
-  HMAC over the request's nonce, the status and the body hash, which the client checks.
-  The token never crosses the wire. Mooncake's C++ engines do not sign: leave
-  authentication off where they share the server.
+  ``/metadata`` request must carry ``X-MTE-Auth: v2 <time> <nonce> <hmac>``, an
+  HMAC-SHA256 with the engines' ``auth_token`` over the method, the path and query
+  (decoded, query pairs sorted: :func:`canonical_target`), key, TTL header, body hash,
+  time and nonce; a request older than ``AUTH_WINDOW`` seconds or a nonce seen before
+  is refused (401), so a recorded request cannot be replayed, nor sent to another route.
+  Replies carry an HMAC over the request's nonce, the status and the body hash, which a
+  client with a token requires (an unsigned reply is refused unless the metadata URL
+  says ``?auth=off``). The token never crosses the wire. Mooncake's C++ engines do not
+  sign: leave authentication off where they share the server.
 * ``GET /health`` (JSON: status, key count, bytes used, uptime, persistence file; open
   without authentication) and ``GET /metadata/keys[?prefix=...]`` (JSON list of keys).
 * ``POST /metadata/batch``, several keys in one round trip (at most ``MAX_BATCH``):
-  ``{"get": [key, ...]}`` answers ``{"values": [base64 value or null, ...]}``;
-  ``{"put": {key: base64 value}, "delete": [key, ...]}`` (no TTL; the limits and the
+  ``{"get": [key, ...]}`` answers ``{"values": [base64 value or null, ...]}``, at most
+  ``max_batch_reply`` bytes of values (413 beyond, naming the limit: ask for fewer keys
+  per batch, or GET big values one by one), encoded off the event loop when large so
+  lease renewals are answered meanwhile;
+  ``{"put": {key: base64 value}, "delete": [key, ...]}`` (a re-put keeps the key's TTL,
+  a new key has none; the limits and the
   ``rpc_meta`` rule as for single PUTs; deletes first, then puts, one persistence write)
   answers ``{"stored": n, "deleted": n}``, or the first refusal's status with what was
   refused (the keys before it are stored). The KV cache's owner index reads and writes
@@ -62,6 +68,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from urllib.parse import urlencode
 
 from ..errors import MetadataError
 from ..metrics.metadata import ServerCounters
@@ -91,6 +98,15 @@ MAX_TTL = 365 * 86400.0
 AUTH_WINDOW = 60.0
 #: most keys one ``POST /metadata/batch`` may ask for
 MAX_BATCH = 4096
+#: most bytes of (base64) values one batch read answers (``max_batch_reply``): a small
+#: request naming one big key many times must not build a reply of gigabytes (issue 35,
+#: item 7)
+MAX_BATCH_REPLY = 16 << 20
+#: a batch body or reply past this many bytes is parsed / encoded in a worker thread,
+#: so the event loop keeps answering renewals meanwhile
+_OFFLOAD_BYTES = 256 << 10
+#: the signature scheme of ``X-MTE-Auth`` (v2: covers the path and the query)
+AUTH_VERSION = "v2"
 #: how often expired keys are swept (a GET also checks its key's deadline)
 SWEEP_INTERVAL = 0.5
 _FILE_VERSION = 1
@@ -115,6 +131,8 @@ class _Entry:
 
 # put() outcomes
 STORED, UNCHANGED, DUPLICATE, TOO_LARGE, OVER_QUOTA = range(5)
+#: put(ttl=KEEP_TTL): a re-put keeps the key's TTL (the batch route has no TTL field)
+KEEP_TTL = -1.0
 
 
 def parse_ttl(raw: str) -> float:
@@ -129,15 +147,27 @@ def _body_hash(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest()
 
 
+def canonical_target(path: str, query) -> str:
+    """The request target a signature covers, as both ends see it: the percent-decoded
+    path, then the decoded query pairs sorted and re-encoded (so that the client's
+    encoding and the server's parsing cannot differ). ``query``: (name, value) pairs."""
+    return f"{path}?{urlencode(sorted((str(k), str(v)) for k, v in query))}"
+
+
 def sign_request(token: bytes, method: str, key: str, ttl: str, body: bytes,
-                 when: int | None = None, nonce: str | None = None) -> str:
-    """The ``X-MTE-Auth`` header value for one request (the client half)."""
+                 when: int | None = None, nonce: str | None = None,
+                 target: str | None = None) -> str:
+    """The ``X-MTE-Auth`` header value for one request (the client half). ``target``:
+    :func:`canonical_target` of the URL sent; by default ``/metadata?key=<key>``."""
     when = int(time.time()) if when is None else when
     nonce = nonce or os.urandom(16).hex()
-    mac = hmac.new(token, "\n".join(("mte-http-req", method.upper(), key, ttl, str(when),
-                                      nonce, _body_hash(body))).encode(),
+    if target is None:
+        target = canonical_target("/metadata", [("key", key)] if key else [])
+    mac = hmac.new(token, "\n".join(("mte-http-req", AUTH_VERSION, method.upper(), target,
+                                      key, ttl, str(when), nonce,
+                                      _body_hash(body))).encode(),
                    hashlib.sha256).hexdigest()
-    return f"v1 {when} {nonce} {mac}"
+    return f"{AUTH_VERSION} {when} {nonce} {mac}"
 
 
 def sign_reply(token: bytes, nonce: str, status: int, body: bytes) -> str:
@@ -158,6 +188,32 @@ class _Nonces:
             return False
         self._seen[nonce] = now
         return True
+
+
+_BATCH_USAGE = ('a batch is JSON {"get": [key, ...]} or {"put": {key: base64 value}, '
+                '"delete": [key, ...]} with non-empty string keys')
+
+
+def _parse_batch(raw: bytes) -> "tuple[list | None, dict, list] | str":
+    """(gets, puts decoded, deletes) of a batch body, or the usage text when malformed."""
+    try:
+        body = json.loads(raw)
+        gets = body.get("get")
+        puts = body.get("put") or {}
+        dels = body.get("delete") or []
+        if gets is not None and (puts or dels):
+            raise TypeError
+        ok = (isinstance(puts, dict) and isinstance(dels, list)
+              and all(isinstance(k, str) and k.strip() for k in [*puts, *dels])
+              and all(isinstance(v, str) for v in puts.values())
+              and (gets is None or (isinstance(gets, list)
+                                    and all(isinstance(k, str) for k in gets))))
+        if not ok:
+            raise TypeError
+        values = {k: base64.b64decode(v, validate=True) for k, v in puts.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return _BATCH_USAGE
+    return gets, values, dels
 
 
 class KeyStore:
@@ -222,7 +278,8 @@ class KeyStore:
 
     def put(self, key: str, value: bytes, ttl: float | None) -> int:
         """Store; returns STORED (persistence is due), UNCHANGED (a renewal), or the
-        refusal: DUPLICATE, TOO_LARGE, OVER_QUOTA."""
+        refusal: DUPLICATE, TOO_LARGE, OVER_QUOTA. ``ttl``: seconds, None (kept until
+        deleted), or KEEP_TTL (the live key's own TTL, renewed; none for a new key)."""
         now = time.monotonic()
         old = self._entries.get(key)
         if old is not None and old.expired(now):
@@ -231,6 +288,8 @@ class KeyStore:
         # Mooncake PR #2311, whatever the TTL header says: one name, one rpc_meta.
         if old is not None and "rpc_meta" in key and old.value != value:
             return DUPLICATE
+        if ttl == KEEP_TTL:
+            ttl = old.ttl if old is not None else None
         if len(value) > self.max_value:
             return TOO_LARGE
         grow = self._cost(key, value) - (self._cost(key, old.value) if old else 0)
@@ -324,7 +383,16 @@ class KeyStore:
             now = time.monotonic()
             for key, item in keys.items():
                 ttl = item.get("ttl")
-                ttl = None if ttl is None else float(ttl)
+                if ttl is not None:
+                    # json reads NaN and Infinity: such a key would never expire.
+                    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+                        raise ValueError(f"key {key!r} has TTL {ttl!r}, not a number")
+                    try:
+                        ttl = parse_ttl(repr(float(ttl)))
+                    except (ValueError, OverflowError):
+                        raise ValueError(f"key {key!r} has TTL {ttl!r}; a TTL is finite, "
+                                         f"above 0 and at most {MAX_TTL:g} s (edit or "
+                                         f"delete the key in the file)") from None
                 value = base64.b64decode(item["value"], validate=True)
                 self._entries[str(key)] = _Entry(value, ttl, None if ttl is None else now + ttl,
                                                  item["value"].encode())
@@ -347,6 +415,8 @@ class MetadataServer:
         Persistence file (see :class:`KeyStore`).
     max_value, quota : int
         Limits of one value and of the whole store, bytes (see :class:`KeyStore`).
+    max_batch_reply : int
+        Most bytes of (base64) values one batch read answers (413 beyond).
     token : bytes or str, optional
         Require signed requests (``X-MTE-Auth``) made with this ``auth_token``.
 
@@ -359,10 +429,12 @@ class MetadataServer:
 
     def __init__(self, host: str = "0.0.0.0", port: int = 8080,
                  persist_path: str | None = None, max_value: int = MAX_VALUE,
-                 quota: int = QUOTA, token: bytes | str | None = None):
+                 quota: int = QUOTA, token: bytes | str | None = None,
+                 max_batch_reply: int = MAX_BATCH_REPLY):
         _require_aiohttp()
         self.host = host
         self.port = port
+        self.max_batch_reply = int(max_batch_reply)
         self.store = KeyStore(persist_path, max_value, quota)
         self.token = token.encode() if isinstance(token, str) else (token or None)
         self.auth_failures = 0
@@ -424,15 +496,21 @@ class MetadataServer:
         parts = raw.split()
         body = await request.read()
         why = None
-        if len(parts) != 4 or parts[0] != "v1":
+        if len(parts) != 4 or not parts[0].startswith("v"):
             why = (f"authentication required: this metadata server has an auth_token; sign "
                    f"requests with the same token ({AUTH_HEADER} header)")
+        elif parts[0] != AUTH_VERSION:
+            why = (f"request signed with scheme {parts[0]!r}, which this server no longer "
+                   f"accepts (it does not cover the path and query); upgrade the client to "
+                   f"a mooncake_te that signs {AUTH_VERSION!r}")
         else:
             _, when, nonce, mac = parts
             want = sign_request(self.token, request.method, request.query.get("key", ""),
                                 request.headers.get(TTL_HEADER, ""), body,
-                                int(when) if when.isdigit() else 0, nonce).split()[3]
-            if not hmac.compare_digest(mac, want):
+                                int(when) if when.isdigit() else 0, nonce,
+                                canonical_target(request.path,
+                                                 request.query.items())).split()[3]
+            if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), want.encode()):
                 why = "wrong auth token (the request's signature does not check out)"
             elif abs(time.time() - int(when)) > AUTH_WINDOW:
                 why = (f"signed request is {time.time() - int(when):+.0f} s off this server's "
@@ -550,37 +628,28 @@ class MetadataServer:
         return self._reply("", body=json.dumps(keys).encode())
 
     async def _handle_batch(self, request):
-        usage = ('a batch is JSON {"get": [key, ...]} or {"put": {key: base64 value}, '
-                 '"delete": [key, ...]} with non-empty string keys')
-        try:
-            body = json.loads(await request.read())
-            gets = body.get("get")
-            puts = body.get("put") or {}
-            dels = body.get("delete") or []
-            if gets is not None and (puts or dels):
-                raise TypeError
-            ok = (isinstance(puts, dict) and isinstance(dels, list)
-                  and all(isinstance(k, str) and k.strip() for k in [*puts, *dels])
-                  and all(isinstance(v, str) for v in puts.values())
-                  and (gets is None or (isinstance(gets, list)
-                                        and all(isinstance(k, str) for k in gets))))
-            if not ok:
-                raise TypeError
-            values = {k.strip(): base64.b64decode(v, validate=True) for k, v in puts.items()}
-        except (ValueError, KeyError, TypeError, AttributeError):
-            return self._reply(usage, 400)
-        n = len(gets) if gets is not None else len(puts) + len(dels)
+        raw = await request.read()
+        if len(raw) > _OFFLOAD_BYTES:       # a big body: decode it off the event loop
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                None, _parse_batch, raw)
+        else:
+            parsed = _parse_batch(raw)
+        if isinstance(parsed, str):
+            return self._reply(parsed, 400)
+        gets, values, dels = parsed
+        n = len(gets) if gets is not None else len(values) + len(dels)
         if n > MAX_BATCH:
             return self._reply(f"a batch asks for at most {MAX_BATCH} keys, this one for "
                                f"{n}: split it", 413)
         if gets is not None:
-            got = [self.store.get(k.strip()) for k in gets]
-            return self._reply("", body=json.dumps({"values": [
-                None if v is None else base64.b64encode(v).decode() for v in got]}).encode())
+            return await self._batch_read(gets)
+        values = {k.strip(): v for k, v in values.items()}
         deleted = sum(1 for k in dels if self.store.delete(k.strip()))
         stored, refused = 0, None
         for key, value in values.items():
-            outcome = self.store.put(key, value, None)
+            # No TTL field in a batch: a re-put keeps the key's TTL (a batch used to strip
+            # it, so a leased key written through a batch never expired; issue 35).
+            outcome = self.store.put(key, value, KEEP_TTL)
             if outcome in (STORED, UNCHANGED):
                 stored += 1
                 continue
@@ -599,6 +668,33 @@ class MetadataServer:
             return self._reply(f"{refused[1]}; {stored} stored before it", refused[0])
         return self._reply("", body=json.dumps({"stored": stored,
                                                 "deleted": deleted}).encode())
+
+    async def _batch_read(self, gets: list):
+        """The values of ``gets``, bounded by ``max_batch_reply`` (issue 35, item 7: a
+        709-byte request naming one big key many times built a 533 MiB reply and held
+        the event loop 20 s, so engines' lease renewals timed out)."""
+        got, size = [], 0
+        for k in gets:
+            v = self.store.get(k.strip())
+            got.append(v)
+            if v is not None:
+                size += 4 * ((len(v) + 2) // 3) + 4          # base64 and its quotes
+                if size > self.max_batch_reply:
+                    return self._reply(
+                        f"a batch read of {len(gets)} keys would answer more than "
+                        f"{self.max_batch_reply} bytes of values (the limit, reached at "
+                        f"key {len(got)}, {k.strip()!r}): ask for fewer keys per batch, or "
+                        f"GET big values one by one (GET /metadata?key=...)", 413)
+
+        def encode() -> bytes:
+            return json.dumps({"values": [
+                None if v is None else base64.b64encode(v).decode() for v in got]}).encode()
+
+        if size > _OFFLOAD_BYTES:         # encode off the loop: renewals keep flowing
+            body = await asyncio.get_running_loop().run_in_executor(None, encode)
+        else:
+            body = encode()
+        return self._reply("", body=body)
 
     async def _handle_health(self, request):
         return self._reply("", body=json.dumps({

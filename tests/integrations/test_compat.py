@@ -490,12 +490,42 @@ def test_initialize_variants(monkeypatch):
     assert c.get_engine() is None
 
 
-def test_get_local_topology(local):
+def _numa_locations() -> list:
+    try:
+        nodes = [d for d in os.listdir("/sys/devices/system/node")
+                 if d.startswith("node") and d[4:].isdigit()]
+    except OSError:
+        nodes = []
+    return sorted(f"cpu:{d[4:]}" for d in nodes) or ["cpu:0"]
+
+
+def test_get_local_topology(local, monkeypatch, tmp_path):
+    """One ``cpu:N`` entry per NUMA node sysfs lists, each [[preferred], [available]]
+    naming only RDMA devices this host has (none: ``[[], []]``), as Mooncake's
+    discoverCpuTopology; an empty ``{}`` fails (issue 35: it used to pass)."""
+    monkeypatch.delenv("MC_CUSTOM_TOPO_JSON", raising=False)
+    nodes = _numa_locations()
+    try:
+        nics = set(os.listdir("/sys/class/infiniband"))
+    except OSError:
+        nics = set()
     topo = json.loads(local.get_local_topology())
-    assert isinstance(topo, dict)
+    assert sorted(topo) == nodes
     for location, lists in topo.items():
-        assert isinstance(location, str) and len(lists) == 2
-    assert isinstance(json.loads(TransferEngine().get_local_topology("no_such_nic")), dict)
+        assert isinstance(lists, list) and len(lists) == 2, (location, lists)
+        assert all(isinstance(x, list) for x in lists), (location, lists)
+        assert set(lists[0]) | set(lists[1]) <= nics, (location, lists, nics)
+        if not nics:
+            assert lists == [[], []]
+    # A device name that matches no NIC filters every NIC out: still every NUMA node.
+    assert json.loads(TransferEngine().get_local_topology("no_such_nic")) == {
+        n: [[], []] for n in nodes}
+    # MC_CUSTOM_TOPO_JSON is echoed as written (its NICs need not exist here).
+    custom = {"cpu:0": [["mlx5_9"], ["mlx5_8"]], "cuda:0": [["mlx5_9"], []]}
+    path = tmp_path / "topo.json"
+    path.write_text(json.dumps(custom))
+    monkeypatch.setenv("MC_CUSTOM_TOPO_JSON", str(path))
+    assert json.loads(TransferEngine().get_local_topology()) == custom
 
 
 # --- managed buffers ----------------------------------------------------------------------

@@ -60,6 +60,7 @@ class MooncakeLikeHttpServer(_Server):
 
     name = "mooncake-http"
     label = "HTTP"
+    extras = (("requests", "http"),)      # the engines' HTTP client (the server: stdlib)
 
     @property
     def url(self) -> str:

@@ -117,6 +117,67 @@ def test_zero_copy_and_multi_buffers(redis_server):
         s.close()
 
 
+def test_raw_pointers_are_checked_never_crash(redis_server):
+    """NULL, negative sizes, sizes past the buffer and unregistered ranges are return
+    codes (-600), never a segfault or a write past the buffer (issue 35). Run in a child:
+    before the checks, these calls killed the process."""
+    code = r"""
+import ctypes, json, sys
+import numpy as np
+from mooncake_te.compat.store import MooncakeDistributedStore, INVALID_PARAMS
+s = MooncakeDistributedStore()
+assert s.setup(dict(local_hostname="127.0.0.1", metadata_server=sys.argv[1],
+                    global_segment_size=8 << 20, max_object_size=64 << 10)) == 0
+out = {}
+mem = np.zeros(3 * 4096, np.uint8)           # [guard | buffer | guard]
+buf = mem.ctypes.data + 4096
+mem[4096:8192] = 7
+out["reg_null"] = s.register_buffer(0, 4096)
+out["reg_negative"] = s.register_buffer(buf, -1)
+out["reg_zero"] = s.register_buffer(buf, 0)
+out["reg_unmapped"] = s.register_buffer(0x1000, 1 << 20)
+out["reg_str"] = s.register_buffer("0x1000", 4096)
+out["reg_ok"] = s.register_buffer(buf, 4096)
+out["put_null"] = s.put_from("k", 0, 4096)
+out["put_negative"] = s.put_from("k", buf, -4096)
+out["put_past_end"] = s.put_from("k", buf, 8192)
+out["put_unregistered"] = s.put_from("k", mem.ctypes.data, 4096)
+out["put_ok"] = s.put_from("k", buf, 2048)
+out["put_multi"] = s.batch_put_from_multi_buffers(
+    ["m1", "m2"], [[buf, 0], [buf]], [[1024, 1024], [1024]])
+big = np.full(8192, 9, np.uint8)
+assert s.put("big", big.tobytes()) == 0
+out["get_null"] = s.get_into("k", 0, 4096)
+out["get_negative"] = s.get_into("k", buf, -1)
+out["get_past_end"] = s.get_into("big", buf, 8192)
+out["get_ok"] = s.get_into("k", buf, 4096)
+out["get_multi"] = s.batch_get_into_multi_buffers(
+    ["k", "big"], [[buf], [buf, buf + 4096]], [[4096], [4096, 4096]])
+out["guards"] = bool((mem[:4096] == 0).all() and (mem[8192:] == 0).all())
+out["unreg"] = s.unregister_buffer(buf)
+out["get_after_unregister"] = s.get_into("k", buf, 4096)
+s.close()
+print(json.dumps(out))
+"""
+    r = subprocess.run([sys.executable, "-c", code, redis_server.url], capture_output=True,
+                       text=True, timeout=90, env=dict(os.environ, PYTHONPATH=ROOT,
+                                                       MC_TCP_BIND_ADDRESS="127.0.0.1"))
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    bad = INVALID_PARAMS
+    assert {k: v for k, v in out.items() if k.startswith("reg_")} == dict(
+        reg_null=bad, reg_negative=bad, reg_zero=bad, reg_unmapped=bad, reg_str=bad,
+        reg_ok=0)
+    assert (out["put_null"], out["put_negative"], out["put_past_end"],
+            out["put_unregistered"], out["put_ok"]) == (bad, bad, bad, bad, 0)
+    assert out["put_multi"] == [bad, 0]            # one bad piece fails its key only
+    assert (out["get_null"], out["get_negative"], out["get_past_end"]) == (bad, bad, bad)
+    assert out["get_ok"] == 2048
+    assert out["get_multi"] == [2048, bad]         # buf + 4096 is past the buffer
+    assert out["guards"] is True
+    assert out["unreg"] == 0 and out["get_after_unregister"] == bad
+
+
 def test_ssd_tier_replica_is_local_disk(redis_server, tmp_path):
     # A DRAM share of 4 slots: the fifth object pushes the oldest to the SSD tier.
     s = _store(redis_server.url, global_segment_size=4 * ((64 << 10) + 4096),
@@ -207,6 +268,7 @@ def test_objects_shared_between_processes(which, redis_server, http_metadata_ser
             assert d.is_memory_replica()
             assert d.get_memory_descriptor().buffer_descriptor.segment_name == b_name
             dst = np.zeros(64 << 10, np.uint8)
+            assert a.register_buffer(dst.ctypes.data, dst.nbytes) == 0
             for k, v in objs.items():
                 assert a.get_into(k, dst.ctypes.data, dst.nbytes) == len(v)
                 assert dst[:len(v)].tobytes() == v

@@ -184,11 +184,14 @@ def test_tp2_ranks_share_one_cache_dir_each_in_its_own_subdirectory(tmp_path):
     # cache_dir/tp<r>-of-2, and a namespace naming the rank.
     base = _settings(tmp_path, dram_blocks=4, ssd_blocks=8)
     keys = block_keys(list(range(3 * BS)), BS, namespace_root("m", BS))
-    # One cache_dir for both ranks, as it was: rank 1 is refused (the SSD tier's flock).
+    # One cache_dir given to two pools: the second takes a subdirectory of its own
+    # (issue 35, item 9; it used to be refused by the SSD tier's flock).
     p0, _ = _pool(base, HostKV(seed=10))
     try:
-        with pytest.raises(ConfigError, match="in use by another process"):
-            _pool(base, HostKV(seed=11))
+        p1, _ = _pool(base, HostKV(seed=11))
+        assert (p0.cache.ssd.dir, p1.cache.ssd.dir) == (str(tmp_path / "kv"),
+                                                        str(tmp_path / "kv" / "instance-1"))
+        p1.close()
     finally:
         p0.close()
     ranks = [rank_pool_settings(base, r, 2) for r in (0, 1)]
@@ -513,3 +516,58 @@ def test_a_host_copier_leaves_layer_saves_to_the_request_end(tmp_path):
         assert pool.take_counters()["blocks_saved"] == 0
     finally:
         pool.close()
+
+
+def test_two_instances_share_one_cache_dir_without_set_up(tmp_path):
+    """Two vLLM instances given the same cache_dir (issue 35, item 9): both start, each
+    in a directory of its own (cache_dir, cache_dir/instance-1), and after a restart of
+    both each finds its blocks again; an instance of another model (namespace) on the
+    same cache_dir takes a fresh directory instead of being refused or reading theirs."""
+    base = _settings(tmp_path, dram_blocks=4, ssd_blocks=8)
+    keys = block_keys(list(range(3 * BS)), BS, namespace_root("m", BS))
+    kvs = [HostKV(seed=40 + i) for i in (0, 1)]
+    want = [[kv.block(b) for b in range(3)] for kv in kvs]
+    pools = [_pool(base, kv)[0] for kv in kvs]               # both start
+    dirs = [p.cache.ssd.dir for p in pools]
+    assert dirs == [str(tmp_path / "kv"), str(tmp_path / "kv" / "instance-1")]
+    for p in pools:
+        p.save(SaveSpec("r", keys, [0, 1, 2]))
+        p.flush()
+        p.close()                                            # persisted to SSD
+    # Both restarted (in the same order): each takes a directory of its layout again.
+    restarted = []
+    try:
+        for i in (0, 1):
+            kv, addr = HostKV(seed=50 + i), lookup_address(uuid.uuid4().hex)
+            restarted.append((PoolWorker(base, kv.layout, None, "test-ns", addr), kv, addr))
+        for i, (pool, kv, addr) in enumerate(restarted):
+            assert pool.cache.ssd.dir == dirs[i]
+            look = PoolLookup(addr)
+            try:
+                assert look.lookup(keys) == (0, 3, 0)
+            finally:
+                look.close()
+            pool.load(PoolLoadSpec("x", keys, [7, 8, 9]))
+            loaded: dict = {}
+            _wait(lambda: loaded.update(pool.collect()[1]) or "x" in loaded)
+            assert loaded["x"] is True
+            for j, b in enumerate((7, 8, 9)):
+                assert all(np.array_equal(kv.layers[n][b], want[i][j][n]) for n in range(2))
+        other = PoolWorker(base, HostKV(seed=60).layout, None, "another-model",
+                           lookup_address(uuid.uuid4().hex))
+        try:        # cache_dir and instance-1 held: a fresh instance-2, none of their blocks
+            assert other.cache.ssd.dir == str(tmp_path / "kv" / "instance-2")
+            assert other.cache.stats()["ssd_recovered_blocks"] == 0
+        finally:
+            other.close()
+    finally:
+        for pool, _, _ in restarted:
+            pool.close()
+    # Another model alone on the cache_dir later: the two directories hold another
+    # layout, so it goes back to its own instance-2 rather than reading theirs.
+    other = PoolWorker(base, HostKV(seed=61).layout, None, "another-model",
+                       lookup_address(uuid.uuid4().hex))
+    try:
+        assert other.cache.ssd.dir == str(tmp_path / "kv" / "instance-2")
+    finally:
+        other.close()

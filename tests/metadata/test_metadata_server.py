@@ -13,7 +13,11 @@ import sys
 import time
 
 import pytest
-import requests
+
+pytest.importorskip("aiohttp", reason="the HTTP metadata server needs the [http] "
+                                      "extra: pip install mooncake-te[http]")
+requests = pytest.importorskip("requests", reason="the HTTP metadata client needs "
+                               "the [http] extra: pip install mooncake-te[http]")
 
 from servers import HttpMetadataServer, http_metadata_server  # noqa: F401
 

@@ -13,7 +13,11 @@ import time
 
 import numpy as np
 import pytest
-import requests
+
+pytest.importorskip("aiohttp", reason="the HTTP metadata server needs the [http] "
+                                      "extra: pip install mooncake-te[http]")
+requests = pytest.importorskip("requests", reason="the HTTP metadata client needs "
+                               "the [http] extra: pip install mooncake-te[http]")
 
 import mooncake_te as mte
 from mooncake_te.errors import AuthenticationError, MetadataError

@@ -17,7 +17,8 @@ import time
 import pytest
 
 from servers import (HttpMetadataServer, RedisServer, etcd_server,  # noqa: F401
-                     free_port, http_metadata_server, redis_server, store_server)
+                     free_port, http_metadata_server, redis_server, require_client,
+                     store_server)
 
 from mooncake_te.errors import MetadataError, SegmentNotFoundError
 from mooncake_te.metadata import BufferInfo, SegmentDescriptor, open_backend
@@ -245,16 +246,18 @@ def test_http_server_without_persistence_loses_keys(tmp_path):
 
 
 # -- wrong addresses --------------------------------------------------------------------------
-def test_connection_refused_names_backend_and_address():
+@pytest.mark.parametrize("scheme, spec, word", [
+    ("etcd", "etcd://127.0.0.1:{}", "etcd"), ("redis", "redis://127.0.0.1:{}", "redis"),
+    ("http", "http://127.0.0.1:{}/metadata", "HTTP")])
+def test_connection_refused_names_backend_and_address(scheme, spec, word):
+    require_client(scheme)
     port = free_port()
-    for spec, word in ((f"etcd://127.0.0.1:{port}", "etcd"), (f"redis://127.0.0.1:{port}", "redis"),
-                       (f"http://127.0.0.1:{port}/metadata", "HTTP")):
-        b = open_backend(spec)
-        with pytest.raises(MetadataError) as ei:
-            b.fetch("x", 1.0)
-        msg = str(ei.value)
-        assert word in msg and f"127.0.0.1:{port}" in msg and "running" in msg, msg
-        b.close()
+    b = open_backend(spec.format(port))
+    with pytest.raises(MetadataError) as ei:
+        b.fetch("x", 1.0)
+    msg = str(ei.value)
+    assert word in msg and f"127.0.0.1:{port}" in msg and "running" in msg, msg
+    b.close()
 
 
 def test_http_backend_given_the_etcd_port(etcd_server):
@@ -294,6 +297,7 @@ def test_etcd_backend_given_the_http_server(http_metadata_server):
 
 
 def test_default_port_hint():
+    require_client("redis")
     b = open_backend("redis://127.0.0.1:2379")     # nothing listens on 2379 here
     with pytest.raises(MetadataError, match="2379 is etcd's default port"):
         b.fetch("x", 1.0)
@@ -310,15 +314,17 @@ def test_etcd_failover_to_a_live_member(etcd_server):
         b.close()
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("zookeeper://h:2181", "unknown metadata backend"),
-    ("etcd://", "names no server address"),
-    ("redis://127.0.0.1:6379/zero", "not a number"),
-    ("redis://127.0.0.1:6379?ttl=soon", "not a number of seconds"),
-    ("http://127.0.0.1:8080/metadata?ttl=0.1", "too short"),
-    ("etcd://127.0.0.1:abc", "not host:port"),
+@pytest.mark.parametrize("spec, match, client", [
+    ("zookeeper://h:2181", "unknown metadata backend", None),
+    ("etcd://", "names no server address", None),
+    ("redis://127.0.0.1:6379/zero", "not a number", "redis"),
+    ("redis://127.0.0.1:6379?ttl=soon", "not a number of seconds", "redis"),
+    ("http://127.0.0.1:8080/metadata?ttl=0.1", "too short", "http"),
+    ("etcd://127.0.0.1:abc", "not host:port", "etcd"),
 ])
-def test_bad_specs(spec, match):
+def test_bad_specs(spec, match, client):
+    if client:          # checked by the backend, after it found its client library
+        require_client(client)
     with pytest.raises(MetadataError, match=match):
         open_backend(spec)
 

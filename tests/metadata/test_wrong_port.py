@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from servers import etcd_server, free_port, http_metadata_server, redis_server  # noqa: F401
+from servers import (etcd_server, free_port, http_metadata_server, redis_server,  # noqa: F401
+                     require_client)
 
 import mooncake_te as mte
 
@@ -90,6 +91,7 @@ def test_a_real_peer_still_resolves(engine):
 
 @pytest.mark.parametrize("scheme", ["redis", "etcd", "http"])
 def test_closed_store_port_fails_fast_and_quietly(scheme, caplog):
+    require_client(scheme)
     url = {"redis": "redis://127.0.0.1:{}", "etcd": "etcd://127.0.0.1:{}",
            "http": "http://127.0.0.1:{}/metadata"}[scheme].format(free_port())
     caplog.set_level(logging.DEBUG, logger="mooncake_te")

@@ -666,3 +666,29 @@ def test_remote_get_needs_an_index(engine):
     with cache(dram=2, engine=engine) as c:              # p2p metadata: no store
         with pytest.raises(InvalidArgumentError, match="owner index"):
             c.get([1], remote=True)
+
+
+def test_shared_cache_dir_across_processes(tmp_path):
+    """share=True (the vLLM pool's SSD tier): a cache_dir another *process* holds is not
+    an error; this one takes cache_dir/instance-1 (issue 35, item 9). Without share the
+    refusal stays."""
+    import subprocess
+    import sys
+    d = tmp_path / "kv"
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from mooncake_te.kvcache import KVCache\n"
+         f"c = KVCache({BB}, {SLOT}, {4 * SLOT}, {str(d)!r}, tiers={{'ssd': {{'share': True}}}})\n"
+         "print(c.ssd.dir, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    try:
+        assert holder.stdout.readline().strip() == str(d)
+        with pytest.raises(ConfigError, match="in use by another process"):
+            KVCache(BB, SLOT, 4 * SLOT, str(d))
+        with KVCache(BB, SLOT, 4 * SLOT, str(d), tiers={"ssd": {"share": True}}) as c:
+            assert c.ssd.dir == str(d / "instance-1")
+            c.put([b"k" * 16], [b"\x01" * BB])
+    finally:
+        holder.stdin.close()
+        holder.wait(30)

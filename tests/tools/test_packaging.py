@@ -80,6 +80,30 @@ def test_sdist_contents(dists):
     assert generated == [], f"generated files in the sdist: {generated}"
 
 
+def _requirement(text: str) -> "tuple[str, tuple]":
+    """(normalised name, lower bound as a tuple of ints) of a PEP 508 requirement."""
+    m = re.match(r"\s*([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*(?:>=\s*([0-9.]+))?", text)
+    assert m, text
+    name = re.sub(r"[-_.]+", "-", m.group(1)).lower()
+    return name, tuple(int(x) for x in (m.group(3) or "0").split("."))
+
+
+def test_dev_extra_holds_the_build_requirements():
+    """Builds without isolation (the sanitizer tier's setup.py build_ext, ``python -m
+    build --no-isolation`` above) use the dev venv, so ``.[dev]`` must bring every
+    [build-system] requirement at its version (issue 35: setuptools 77, for the PEP 639
+    license fields, was missing, and a fresh venv could not build the sanitizer tier)."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        doc = tomllib.load(f)
+    have = dict(_requirement(r) for r in [*doc["project"]["dependencies"],
+                                          *doc["project"]["optional-dependencies"]["dev"]])
+    for req in doc["build-system"]["requires"]:
+        name, low = _requirement(req)
+        assert name in have, f"[dev] lacks the build requirement {req!r}"
+        assert have[name] >= low, f"[dev] asks for {name} >= {have[name]}, the build {req!r}"
+
+
 def test_mypy_is_clean():
     r = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True,
                        text=True, timeout=900)

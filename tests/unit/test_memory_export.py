@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import mmap
 
+import numpy as np
 import pytest
 
 import mooncake_te as mte
@@ -63,3 +64,43 @@ def test_peer_writes_land_in_the_registered_buffer(engine_pair):
         dst.extend(bytes(16 << 20))
     a.write(b.name, ms.address, md.address, 65536)
     assert dst == src
+
+
+def _address_of(buf) -> int:
+    """The address of buf's memory, without keeping a buffer export alive."""
+    arr = np.frombuffer(buf, np.uint8)
+    address = int(arr.ctypes.data)
+    del arr
+    return address
+
+
+def test_register_address_pins_a_resizable_owner(engine_pair):
+    """register_address(owner=bytearray) pins the owner as register() does (issue 35,
+    item 6): a resize while registered raises BufferError instead of moving the memory
+    a peer writes into; a peer WRITE lands in the owner; unregistering lets it resize."""
+    a, b = engine_pair
+    src = bytearray(b"\xa7" * 65536)
+    dst = bytearray(65536)
+    ms = a.register(src)
+    md = b.register_address(_address_of(dst), len(dst), owner=dst)
+    with pytest.raises(BufferError):
+        dst.extend(bytes(16 << 20))
+    with pytest.raises(BufferError):
+        del dst[:]
+    assert len(dst) == 65536
+    a.write(b.name, ms.address, md.address, 65536)
+    assert dst == src
+    b.unregister(md)
+    dst.extend(b"x")                    # released: the owner may resize again
+    assert len(dst) == 65537
+
+
+def test_register_address_refused_releases_the_owner(engine):
+    """A register_address that fails (overlap) does not leave the owner pinned."""
+    buf = bytearray(8192)
+    mr = engine.register(buf)
+    other = bytearray(4096)
+    with pytest.raises(mte.AddressOverlappedError):
+        engine.register_address(mr.address, 4096, owner=other)
+    other.extend(b"x")
+    assert len(other) == 4097

@@ -10,8 +10,12 @@ asks for in the ``X-Mooncake-TTL`` request header and confirms in the reply. Moo
 servers ignore the header (keys then live until deleted; a warning says so).
 
 With an ``auth_token`` (the engine's, or ``MC_AUTH_TOKEN``) every request is signed
-(``X-MTE-Auth``, see :mod:`mooncake_te.metadata.server`) and a signed reply is checked;
-servers without authentication ignore the header.
+(``X-MTE-Auth``, over the method, path, query, key, TTL and body; see
+:mod:`mooncake_te.metadata.server`) and every reply must carry the server's signature:
+an unsigned reply (a server without authentication, or something else answering on
+the path) is an ``AuthenticationError``, unless the metadata URL says ``?auth=off``
+(an unauthenticating server such as Mooncake's, whose replies are then trusted
+unsigned; the engines' handshake still proves each peer's name).
 
 Mooncake's rule "one segment name, one ``rpc_meta``" holds on our server whatever the
 TTL: an engine restarted under its old name, whose dead predecessor's key has not
@@ -27,7 +31,7 @@ import hmac
 import json
 import logging
 import os
-from urllib.parse import urlsplit, urlunsplit, urlencode
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit, urlencode
 
 from ...errors import AuthenticationError, MetadataError, ERR_SOCKET
 from ._leased import LeasedStore, is_rpc_meta, port_hint, split_options, ttl_from
@@ -71,6 +75,12 @@ class HttpStore(LeasedStore):
                                 "pip install mooncake-te[http]")
         base, options = split_options(rest)
         ttl = ttl_from(options)
+        auth = options.pop("auth", "on").lower()
+        if auth not in ("on", "off"):
+            raise MetadataError(f"metadata URL option auth={auth!r}: use auth=off for a "
+                                f"server that does not sign its replies, or leave it out")
+        #: replies must be signed when this client has a token (auth=off: trusted unsigned)
+        self._require_signed = auth == "on"
         u = urlsplit(f"{scheme}://{base}")
         try:
             self.port = u.port or (443 if scheme == "https" else 80)
@@ -104,23 +114,21 @@ class HttpStore(LeasedStore):
             url = f"{self.url}{sep}{urlencode({'key': key})}"
         nonce = None
         if self._token:
-            from ..server import sign_request
+            from ..server import canonical_target, sign_request
             headers = dict(headers or {})
+            u = urlsplit(url)
+            target = canonical_target(unquote(u.path),
+                                      parse_qsl(u.query, keep_blank_values=True))
             headers[AUTH_HEADER] = sign_request(self._token, method, key,
-                                                headers.get(TTL_HEADER, ""), data or b"")
+                                                headers.get(TTL_HEADER, ""), data or b"",
+                                                target=target)
             nonce = headers[AUTH_HEADER].split()[2]
         try:
             with self._lock:
                 resp = self._session.request(method, url, data=data, headers=headers,
                                              timeout=self._timeout)
-            if nonce is not None and AUTH_HEADER in resp.headers:
-                from ..server import sign_reply
-                if not hmac.compare_digest(resp.headers[AUTH_HEADER], sign_reply(
-                        self._token, nonce, resp.status_code, resp.content)):
-                    raise AuthenticationError(
-                        f"HTTP metadata server {self.address}: the reply to {method} {key!r} "
-                        f"is not signed with this engine's auth_token (a different token on "
-                        f"the server, or something on the path altered it)")
+            if nonce is not None:
+                self._check_reply(method, key, nonce, resp)
             return resp
         except _requests.exceptions.ConnectionError as e:
             text = str(e)
@@ -137,6 +145,30 @@ class HttpStore(LeasedStore):
             raise MetadataError(f"HTTP metadata server {self.address}: {method} {key!r} "
                                 f"failed: {type(e).__name__}: {e}.{port_hint('http', self.port)}",
                                 status=ERR_SOCKET) from None
+
+    def _check_reply(self, method: str, key: str, nonce: str, resp) -> None:
+        """A client with a token believes only replies signed with it (issue 35: an
+        unsigned reply used to be accepted, so anything answering on the path could
+        hand out forged descriptors or report keys missing). A 401 is let through
+        unsigned: it only ever makes the call fail (``_unexpected``)."""
+        from ..server import sign_reply
+        mac = resp.headers.get(AUTH_HEADER)
+        if mac is None:
+            if not self._require_signed or resp.status_code == 401:
+                return
+            raise AuthenticationError(
+                f"HTTP metadata server {self.address}: the reply to {method} {key!r} "
+                f"(HTTP {resp.status_code}) is not signed, and this engine has an "
+                f"auth_token: start the server with the same token (`mooncake-te "
+                f"metadata-server --auth-token-file FILE` or MC_AUTH_TOKEN), or, for a "
+                f"server that cannot sign (Mooncake's), add '?auth=off' to the metadata "
+                f"URL to trust its replies unsigned", status=ERR_SOCKET)
+        if not hmac.compare_digest(mac.encode("utf-8", "surrogateescape"), sign_reply(
+                self._token, nonce, resp.status_code, resp.content).encode()):
+            raise AuthenticationError(
+                f"HTTP metadata server {self.address}: the reply to {method} {key!r} "
+                f"is not signed with this engine's auth_token (a different token on "
+                f"the server, or something on the path altered it)", status=ERR_SOCKET)
 
     def _unexpected(self, method: str, key: str, resp) -> MetadataError:
         body = " ".join(resp.text.split())[:120]
@@ -191,19 +223,29 @@ class HttpStore(LeasedStore):
         raise self._unexpected("GET", key, resp)
 
     def get_many(self, keys: list[str]) -> list[bytes | None]:
-        """One ``POST /metadata/batch`` per ``MAX_BATCH`` keys where the server is ours;
+        """One ``POST /metadata/batch`` per ``MAX_BATCH`` keys where the server is ours
+        (halved while the server says the reply would be too big: 413);
         key by key where it is not (Mooncake's servers have no batch route: the first
         refusal is remembered)."""
         if self._batch is False or not keys:
             return [self.get(k) for k in keys]
         out: list[bytes | None] = []
-        for i in range(0, len(keys), MAX_BATCH):
-            chunk = keys[i:i + MAX_BATCH]
+        pending = [keys[i:i + MAX_BATCH] for i in range(0, len(keys), MAX_BATCH)]
+        while pending:
+            chunk = pending.pop(0)
             body = json.dumps({"get": chunk}).encode()
             resp = self._request("POST", "", data=body, path="/batch")
             if resp.status_code != 200 and not out and SERVER_HEADER not in resp.headers:
                 self._batch = False           # not our server: no batch route there
                 return [self.get(k) for k in keys]
+            if resp.status_code == 413 and len(chunk) > 1:
+                # The reply would pass the server's max_batch_reply: halve the batch.
+                half = len(chunk) // 2
+                pending[:0] = [chunk[:half], chunk[half:]]
+                continue
+            if resp.status_code == 413:
+                out.append(self.get(chunk[0]))    # one big value: the plain GET
+                continue
             if resp.status_code != 200:
                 raise self._unexpected("POST", f"/batch of {len(chunk)} keys", resp)
             try:

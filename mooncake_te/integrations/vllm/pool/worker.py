@@ -71,7 +71,10 @@ class PoolWorker:
                 self.copier.block_bytes, settings.dram_bytes, settings.ssd_bytes,
                 settings.cache_dir or None, policy=settings.policy, engine=engine,
                 namespace=namespace, block_tokens=settings.block_size
-                if settings.block_size_set else 16, log_interval_s=0)
+                if settings.block_size_set else 16, log_interval_s=0,
+                # Two vLLM instances on a host may be given one cache_dir: the second
+                # takes a subdirectory of its own instead of failing (issue 35, item 9).
+                tiers={"ssd": {"share": True}})
             attach = getattr(self.copier, "attach_pool", None)
             if attach is not None:
                 # The pool page-locked once, so block images move by DMA (GPU KV).
@@ -112,7 +115,8 @@ class PoolWorker:
         self.log.info("mooncake_te connector: KV pool of %d blocks of %d KiB in DRAM "
                       "(%.2f GiB)%s%s, %s", s["dram_capacity_blocks"],
                       self.copier.block_bytes >> 10, s["dram_capacity_bytes"] / _GIB,
-                      f", {s['ssd_capacity_blocks']} on SSD in {settings.cache_dir} "
+                      f", {s['ssd_capacity_blocks']} on SSD in "
+                      f"{getattr(self.cache.ssd, 'dir', settings.cache_dir)} "
                       f"({s['ssd_recovered_blocks']} found there)" if self.cache.ssd else "",
                       ", shared through the metadata store" if self.remote else "",
                       settings.policy)
