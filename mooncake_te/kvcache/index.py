@@ -114,20 +114,23 @@ class OwnerIndex:
         """:meth:`lookup` of every key in one query to the store (one round trip on
         redis, etcd and our HTTP server): a prompt's blocks cost one request, not one
         each."""
+        return [self._record(k, raw) for k, raw in zip(keys, self._raw_many(keys))]
+
+    def _raw_many(self, keys) -> list:
         if not keys:
             return []
         try:
-            raws = self.store.get_many([self._key(k) for k in keys])
+            return self.store.get_many([self._key(k) for k in keys])
         except Exception as e:          # the index is a hint: an outage is a miss
             log.warning("kvcache: owner index lookup failed: %s", e)
             return [None] * len(keys)
-        return [self._record(k, raw) for k, raw in zip(keys, raws)]
 
     def lookup_prefix(self, keys) -> int:
-        """How many of ``keys``, from the first, other engines hold (one query)."""
+        """How many of ``keys``, from the first, other engines hold (one query; records
+        past the first miss are not checked)."""
         n = 0
-        for rec in self.lookup_many(keys):
-            if rec is None:
+        for k, raw in zip(keys, self._raw_many(keys)):
+            if self._record(k, raw) is None:
                 break
             n += 1
         return n
