@@ -71,7 +71,8 @@ class PoolWorker:
                 self.copier.block_bytes, settings.dram_bytes, settings.ssd_bytes,
                 settings.cache_dir or None, policy=settings.policy, engine=engine,
                 namespace=namespace, block_tokens=settings.block_size
-                if settings.block_size_set else 16, log_interval_s=0)
+                if settings.block_size_set else 16, log_interval_s=0,
+                share_without_token=settings.share_without_token)
             attach = getattr(self.copier, "attach_pool", None)
             if attach is not None:
                 # The pool page-locked once, so block images move by DMA (GPU KV).
