@@ -89,10 +89,6 @@ class RemoteTier(Tier):
     def lookup_prefix(self, keys) -> int:
         return self.index.lookup_prefix(keys)
 
-    def publishes(self, key: bytes) -> bool:  # noqa: ARG002 - one answer for every key
-        """Whether a block read from this tier may be published as the cache's own."""
-        return self.verified
-
     def locate(self, keys) -> list:
         """``(length, (owner, addr, length))`` per key another instance holds."""
         return [None if rec is None else (rec[2], rec)

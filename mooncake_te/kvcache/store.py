@@ -924,7 +924,7 @@ class KVCache:
                         c["promotions"] += 1
                     c[f"served_{t.name}"] += 1
                     c[f"served_{t.name}_bytes"] += n
-                    if not getattr(t, "verified", True):
+                    if not t.verified:
                         self._taint(k)
                     if self._index is not None and k not in self._unverified:
                         h = parse_header(self._slot_view(slot))
