@@ -235,3 +235,16 @@ def test_cache_dir_of_another_uid_is_refused(tmp_path):
     os.chown(mine / SLAB, 65534, 65534)
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
         _ssd_cache(mine)
+
+
+def test_share_without_token_from_the_environment(redis_server, monkeypatch):  # noqa: F811
+    """The documented switch: MC_KVCACHE_SHARE_WITHOUT_TOKEN=1 ([kvcache]
+    share_without_token) read from the engine's config."""
+    monkeypatch.setenv("MC_KVCACHE_SHARE_WITHOUT_TOKEN", "1")
+    with mte.TransferEngine(name="kv-env", metadata=redis_server.url, host="127.0.0.1") as e, \
+            cache(e, namespace="t-env") as c:
+        assert c.can_remote and c.sharing_off is None
+    monkeypatch.setenv("MC_KVCACHE_SHARE_WITHOUT_TOKEN", "0")
+    with mte.TransferEngine(name="kv-env", metadata=redis_server.url, host="127.0.0.1") as e, \
+            cache(e, namespace="t-env") as c:
+        assert not c.can_remote
