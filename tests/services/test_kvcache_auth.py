@@ -248,3 +248,34 @@ def test_share_without_token_from_the_environment(redis_server, monkeypatch):  #
     with mte.TransferEngine(name="kv-env", metadata=redis_server.url, host="127.0.0.1") as e, \
             cache(e, namespace="t-env") as c:
         assert not c.can_remote
+
+
+def test_a_signed_record_is_read_only_from_the_engine_it_names(redis_server,  # noqa: F811
+                                                               caplog):
+    """The handshake's identity binding: a valid record names engine A, but the store's
+    descriptor for A is replaced by one pointing at a process without the token. The
+    reader's connection fails the proof (the process cannot prove the token, let alone
+    that it is A): a counted miss, never its bytes."""
+    import dataclasses
+    url = redis_server.url
+    keys = prefix_hashes(np.arange(32), 16)
+    with mte.TransferEngine(name="kv-ia", metadata=url, host="127.0.0.1",
+                            auth_token=TOKEN) as ea, \
+            mte.TransferEngine(name="kv-ib", metadata=url, host="127.0.0.1",
+                               auth_token=TOKEN) as eb, \
+            cache(ea, namespace="t-ident") as a, cache(eb, namespace="t-ident") as b:
+        a.put(keys[:1], [block(0)])
+        assert a.flush_index()
+        fg = Forger(url, keys[0], block(666))
+        try:
+            # The forger's memory at the address the record names: same layout as A's.
+            rec = json.loads(eb.metadata.get(index_key(a, keys[0])))
+            fake = dataclasses.replace(fg.engine.descriptor(), name="kv-ia")
+            fg.engine.metadata.publish(fake)
+            with caplog.at_level("INFO", logger="mooncake_te.kvcache"):
+                got = b.get(keys[:1], remote=True)
+            assert got == [None] and b.stats()["remote_failed"] == 1
+            assert "could not prove the token" in caplog.text
+            assert rec["owner"] == "kv-ia"
+        finally:
+            fg.close()
