@@ -79,11 +79,14 @@ def engine_loopback(block: int) -> dict:
         return {"engine_error": (r.stderr or r.stdout)[-300:]}
 
 
-def remote_get(block: int, nblocks: int = 2048, batch: int = 32) -> dict:
+def remote_get(block: int, nblocks: int = 2048, batch: int = 32, token: "str | None" = "bench",
+               ) -> dict:
     """GB/s of ``KVCache.get(remote=True)`` between two engines on 127.0.0.1: cache B
     reads blocks that cache A holds, straight into B's pool, checking each record.
     The owner index lives in an in-process key-value store, so only the data path is
-    timed (with a real store each lookup is also one round trip to it)."""
+    timed (with a real store each lookup is also one round trip to it). With ``token``
+    the engines authenticate and records are MAC'd (docs/kvcache.md, "Sharing between
+    instances"); ``token=None`` shares without one (``share_without_token``)."""
     import numpy as np
 
     import mooncake_te as mte
@@ -109,9 +112,10 @@ def remote_get(block: int, nblocks: int = 2048, batch: int = 32) -> dict:
     store = DictStore()
     size = nblocks * (block + 4096) + (1 << 20)
     data = np.random.default_rng(1).integers(0, 256, block, dtype=np.uint8)
-    with mte.TransferEngine(host="127.0.0.1") as ea, mte.TransferEngine(host="127.0.0.1") as eb, \
-            KVCache(block, size, engine=ea, index=store, log_interval_s=0, prefault=True) as a, \
-            KVCache(block, size, engine=eb, index=store, log_interval_s=0, prefault=True) as b:
+    kw = dict(index=store, log_interval_s=0, prefault=True, share_without_token=token is None)
+    with mte.TransferEngine(host="127.0.0.1", auth_token=token) as ea, \
+            mte.TransferEngine(host="127.0.0.1", auth_token=token) as eb, \
+            KVCache(block, size, engine=ea, **kw) as a, KVCache(block, size, engine=eb, **kw) as b:
         keys = list(range(nblocks))
         for i in range(0, nblocks, batch):
             a.put(keys[i:i + batch], [data] * len(keys[i:i + batch]))

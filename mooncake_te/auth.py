@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The shared-secret token: validation, and the warning for an engine without one."""
+"""The shared-secret token: validation, keys derived from it for MACs above the core
+(KV index records, P/D parameters), and the warning for an engine without one."""
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 
@@ -41,3 +43,28 @@ def warn_unauthenticated(host: str) -> None:
     log.warning("listening on %s without an auth_token: anyone who can reach this address can "
                 "read and write registered memory; set auth_token (or MC_AUTH_TOKEN) on every "
                 "engine", host)
+
+
+def derive_key(token: "bytes | None", label: str) -> "bytes | None":
+    """A key for one use of the cluster token (``HMAC-SHA256(token, "mte-derive " + label)``,
+    RFC 2104 as a PRF), so a MAC made for one purpose (a KV index record, P/D parameters)
+    is never valid for another and the token itself never keys two protocols. None
+    without a token."""
+    if not token:
+        return None
+    return hmac.digest(token, b"mte-derive " + label.encode(), "sha256")
+
+
+def mac(key: bytes, *parts: bytes) -> str:
+    """HMAC-SHA256 of ``parts``, each length-prefixed (no two part lists give the same
+    input), as hex."""
+    msg = b"".join(len(p).to_bytes(4, "little") + p for p in parts)
+    return hmac.digest(key, msg, "sha256").hex()
+
+
+def mac_ok(key: bytes, expected, *parts: bytes) -> bool:
+    """Whether ``expected`` (a str from the wire, of any type) is :func:`mac` of
+    ``parts``; compared in constant time."""
+    if not isinstance(expected, str) or not expected.isascii():
+        return False
+    return hmac.compare_digest(mac(key, *parts), expected)

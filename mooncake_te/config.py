@@ -91,6 +91,9 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "ssd_cache_gb": (_NUM, 0, None),
         "eviction_policy": (_STR, "lru", ("lru", "lfu")),
         "block_size": (_INT, 16, None),
+        # Share pool blocks through the owner index on engines without an auth_token
+        # (docs/kvcache.md, "Sharing between instances"): off, as nothing authenticates.
+        "share_without_token": (_BOOL, False, None),
     },
     "p2p_store": {
         "metadata_server": (_STR, "p2p", None),
@@ -165,6 +168,7 @@ ENV: dict[str, tuple[str, str, Any]] = {
     "MC_MAX_CQE_PER_CTX": ("transfer_engine", "rdma_cq_entries", int),
     "MC_RDMA_QP_TIMEOUT": ("transfer_engine", "rdma_qp_timeout", int),
     "MC_AUTH_TOKEN": ("transfer_engine", "auth_token", str),
+    "MC_KVCACHE_SHARE_WITHOUT_TOKEN": ("kvcache", "share_without_token", lambda v: _bool(v)),
     "MC_METRICS": ("transfer_engine", "metrics", lambda v: _bool(v)),
     "MC_METRICS_PORT": ("transfer_engine", "metrics_port", int),
     "MC_FORCE_TCP": ("transfer_engine", "protocol", lambda v: "tcp" if _bool(v) else None),

@@ -18,7 +18,7 @@ from numpy.typing import ArrayLike
 
 from . import errors as E
 from . import submit as S
-from .auth import check_token, warn_unauthenticated
+from .auth import check_token, derive_key, warn_unauthenticated
 from .batch import Batch, Notification, Op, TransferRequest, error_for
 from .config import Config
 from .memory import MemoryRegion
@@ -130,6 +130,17 @@ class TransferEngine:
             self._closed = False
             self.close()
             raise
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether this engine has an auth token (every peer it talks to proved it)."""
+        return self._token is not None
+
+    def derive_key(self, label: str) -> "bytes | None":
+        """A key derived from the auth token for ``label`` (one purpose: a component's
+        MACs, such as the KV cache's index records); None without a token. The token
+        itself is never handed out."""
+        return derive_key(self._token, label)
 
     @property
     def protocol(self) -> str:

@@ -399,7 +399,7 @@ def _dir_usage(path: str, limit: int = 100000) -> int:
 
 
 @check("cache_dir", "cache_dir exists, is writable and has room for ssd_cache_gb",
-       ("MTE400", "MTE401", "MTE402"))
+       ("MTE400", "MTE401", "MTE402", "MTE404"))
 def check_cache_dir(ctx):
     kv = ctx.config["kvcache"]
     path = kv["cache_dir"]
@@ -422,6 +422,18 @@ def check_cache_dir(ctx):
     if not os.path.isdir(path):
         yield error("MTE400", f"[kvcache] cache_dir {path!r} is not a directory",
                     "point cache_dir at a directory", path=path)
+        return
+    # Whoever can write the directory can plant records the cache serves as KV: the
+    # engine refuses one of another uid or writable by everyone (kvcache/ssd.py).
+    st = os.stat(path)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o002:
+        why = (f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid()
+               else f"is writable by every user (mode {st.st_mode & 0o7777:o})")
+        yield error("MTE404", f"[kvcache] cache_dir {path!r} {why}; the engine (uid "
+                              f"{os.geteuid()}) refuses it, since another user could plant "
+                              f"blocks it would serve as KV",
+                    f"use a directory the engine's user created (mkdir -m 700), or chown "
+                    f"{os.geteuid()} {path} and chmod o-w {path}", path=path)
         return
     # Try it rather than trust mode bits: ACLs, read-only mounts and root squash all
     # make os.access() lie.
@@ -447,6 +459,33 @@ def check_cache_dir(ctx):
                                   f"({_gb(have)} counting what the cache already holds)",
                         f"lower ssd_cache_gb to at most {int(have / GiB)} or free space",
                         path=path, free_bytes=free, needed_bytes=int(want))
+
+
+@check("kv_sharing", "KV pool sharing between instances is authenticated (auth_token)",
+       ("MTE405", "MTE406"))
+def check_kv_sharing(ctx):
+    stores = [(sec, kind) for sec, kind, _ in _metadata_targets(ctx)
+              if kind.lower() in ("etcd", "redis", "http")]
+    if not stores:
+        yield skip("MTE405", "no metadata store: KV pools are not shared between instances")
+        return
+    cfg = ctx.config
+    if cfg["transfer_engine"]["auth_token"]:
+        yield ok("MTE405", "auth_token is set: owner-index records are MAC'd and blocks are "
+                           "read only from engines that proved the token")
+    elif cfg["kvcache"]["share_without_token"]:
+        yield warning("MTE406", "[kvcache] share_without_token = true: KV pool blocks are "
+                                "shared with no authentication (any process that can write "
+                                "the metadata store can make a cache serve forged KV)",
+                      "set the same auth_token on every engine (MC_AUTH_TOKEN), then drop "
+                      "share_without_token")
+    else:
+        yield warning("MTE405", "no auth_token: KV pools do not share blocks between "
+                                "instances (nothing could authenticate an index record or a "
+                                "block), and vLLM P/D KV is never saved into the pool",
+                      "set the same auth_token on every engine (MC_AUTH_TOKEN); on a network "
+                      "where everything that can reach the metadata store is trusted, "
+                      "[kvcache] share_without_token = true shares without one")
 
 
 @check("memlock", "the locked-memory limit (ulimit -l) covers dram_cache_gb",

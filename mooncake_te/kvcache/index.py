@@ -3,11 +3,26 @@
 
 One record per block, ``mooncake/[<cluster>/]kvcache/<namespace>/<key hex>`` ->
 ``{"owner": segment name, "addr": address of the slot in the owner's pool,
-"length": payload bytes}``, next to the segment descriptors under Mooncake's key layout
-(``metadata/base.py``). A reader resolves the owner's segment, reads header + data of
-the slot in one transfer and checks the header's key and CRC, so a stale record (the
-owner evicted or reused the slot since) costs one wasted read and counts as a miss,
-never returns wrong bytes. That is why records need no lease or lock.
+"length": payload bytes, "crc": the block's CRC-32, "mac": ...}``, next to the segment
+descriptors under Mooncake's key layout (``metadata/base.py``). A reader resolves the
+owner's segment, reads header + data of the slot in one transfer and checks the header's
+key, length and CRC against the record, so a stale record (the owner evicted or reused
+the slot since) costs one wasted read and counts as a miss, never returns wrong bytes.
+That is why records need no lease or lock.
+
+Authentication (issue 35, item 1). A CRC is an integrity check, not an authentication:
+anyone who can write the metadata store can write a record. With an ``auth_token`` on
+the engine, each record carries ``mac``, HMAC-SHA256 over key, owner, address, length and
+CRC with a key derived from the token and the namespace (:func:`mooncake_te.auth.derive_key`);
+a record without a valid one is rejected (a miss, counted in :attr:`OwnerIndex.rejected`).
+The block is then read from the owner over a connection on which the owner proved the
+token *and* its segment name (the handshake's identity binding, docs/security.md), and
+its header CRC must equal the record's: a forged record or block is never served. One
+HMAC per record, computed on the index thread when publishing, so ``put`` does not pay it.
+
+A record that is malformed (an address or length out of range, a missing field) is
+rejected and counted in either mode, never a hit and never an exception for the whole
+``get``.
 
 Writes go through a background thread that coalesces (only the last operation on a key
 is sent) and sends what is queued in one round trip each for puts and deletes
@@ -21,12 +36,21 @@ import json
 import logging
 import threading
 
+from ..auth import mac, mac_ok
 from ..metadata.base import KeyValueBackend, key_prefix
+from .record import HEADER_SIZE
 
 log = logging.getLogger("mooncake_te.kvcache")
 
 _DELETE = object()
 _DROP = object()
+_U64 = 1 << 64
+_MAX_OWNER = 256            # bytes of a segment name in a record
+
+
+def _parts(key: bytes, owner: str, addr: int, length: int, crc: int) -> tuple:
+    return (key, owner.encode(), addr.to_bytes(8, "little"), length.to_bytes(8, "little"),
+            crc.to_bytes(4, "little"))
 
 
 class OwnerIndex:
@@ -40,11 +64,20 @@ class OwnerIndex:
         This engine's segment name.
     namespace : str
         What the keys mean (the model); caches only see blocks of their own namespace.
+    mac_key : bytes, optional
+        Key of the records' MACs (derived from the engine's auth token); None: records
+        are not authenticated (sharing without a token, enabled explicitly).
+    max_length : int, optional
+        Largest payload a record may name (the cache's block size).
     """
 
-    def __init__(self, store: KeyValueBackend, owner: str, namespace: str = "default"):
+    def __init__(self, store: KeyValueBackend, owner: str, namespace: str = "default",
+                 mac_key: "bytes | None" = None, max_length: "int | None" = None):
         self.store = store
         self.owner = owner
+        self.mac_key = mac_key
+        self.max_length = max_length
+        self.rejected = 0           # records refused: malformed, or a MAC that did not check
         self.prefix = f"{key_prefix(getattr(store, 'cluster_id', None))}kvcache/{namespace}/"
         self._pending: dict = {}
         self._cv = threading.Condition()
@@ -57,9 +90,9 @@ class OwnerIndex:
     def _key(self, key: bytes) -> str:
         return self.prefix + key.hex()
 
-    def publish(self, key: bytes, addr: int, length: int) -> None:
+    def publish(self, key: bytes, addr: int, length: int, crc: int) -> None:
         with self._cv:
-            self._pending[key] = (addr, length)
+            self._pending[key] = (addr, length, crc)
             self._cv.notify()
 
     def withdraw(self, key: bytes) -> None:
@@ -74,40 +107,63 @@ class OwnerIndex:
             self._cv.notify()
 
     def lookup(self, key: bytes):
-        """``(owner, addr, length)`` of another engine holding ``key``, or None."""
+        """``(owner, addr, length, crc)`` of another engine holding ``key``, or None."""
         return self.lookup_many([key])[0]
 
     def lookup_many(self, keys) -> list:
         """:meth:`lookup` of every key in one query to the store (one round trip on
         redis, etcd and our HTTP server): a prompt's blocks cost one request, not one
         each."""
+        return [self._record(k, raw) for k, raw in zip(keys, self._raw_many(keys))]
+
+    def _raw_many(self, keys) -> list:
         if not keys:
             return []
         try:
-            raws = self.store.get_many([self._key(k) for k in keys])
+            return self.store.get_many([self._key(k) for k in keys])
         except Exception as e:          # the index is a hint: an outage is a miss
             log.warning("kvcache: owner index lookup failed: %s", e)
             return [None] * len(keys)
-        return [self._record(raw) for raw in raws]
 
     def lookup_prefix(self, keys) -> int:
-        """How many of ``keys``, from the first, other engines hold (one query)."""
+        """How many of ``keys``, from the first, other engines hold (one query; records
+        past the first miss are not checked)."""
         n = 0
-        for rec in self.lookup_many(keys):
-            if rec is None:
+        for k, raw in zip(keys, self._raw_many(keys)):
+            if self._record(k, raw) is None:
                 break
             n += 1
         return n
 
-    def _record(self, raw):
+    def _record(self, key: bytes, raw):
+        """The record of ``key`` checked: ``(owner, addr, length, crc)``, or None for no
+        record, our own, or one that is malformed or not authenticated (counted)."""
         if not raw:
             return None
         try:
             d = json.loads(raw)
-            rec = (str(d["owner"]), int(d["addr"]), int(d["length"]))
-        except (ValueError, KeyError, TypeError):
+            owner, addr, length, crc = d["owner"], d["addr"], d["length"], d.get("crc", 0)
+            if not (isinstance(owner, str) and 0 < len(owner.encode()) <= _MAX_OWNER
+                    and all(type(v) is int for v in (addr, length, crc))
+                    and 0 < addr and 0 <= length and addr + HEADER_SIZE + length <= _U64
+                    and 0 <= crc < (1 << 32)
+                    and (self.max_length is None or length <= self.max_length)):
+                raise ValueError("out of range")
+        except (ValueError, KeyError, TypeError, AttributeError, UnicodeError):
+            self.rejected += 1
             return None
-        return None if rec[0] == self.owner else rec
+        if owner == self.owner:
+            return None
+        if self.mac_key is not None and not mac_ok(self.mac_key, d.get("mac"),
+                                                   *_parts(key, owner, addr, length, crc)):
+            self.rejected += 1
+            if self.rejected in (1, 10, 100) or self.rejected % 1000 == 0:
+                log.warning("kvcache: owner index record for %s (owner %r) has no valid MAC; "
+                            "ignored (%d so far): written by a process without this "
+                            "cluster's auth_token, or by an engine of an older version",
+                            key.hex(), owner, self.rejected)
+            return None
+        return owner, addr, length, crc
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued record reached the store."""
@@ -136,8 +192,7 @@ class OwnerIndex:
     def _send(self, batch: dict) -> None:
         drops = [self._key(k) for k, op in batch.items() if op is _DROP]
         withdraws = [self._key(k) for k, op in batch.items() if op is _DELETE]
-        puts = {self._key(k): json.dumps({"owner": self.owner, "addr": op[0],
-                                          "length": op[1]}).encode()
+        puts = {self._key(k): self._encode(k, *op)
                 for k, op in batch.items() if op is not _DROP and op is not _DELETE}
         if withdraws:
             # Only our own records: another owner may have published since.
@@ -147,6 +202,12 @@ class OwnerIndex:
             self.store.delete_many(drops)
         if puts:
             self.store.put_many(puts)
+
+    def _encode(self, key: bytes, addr: int, length: int, crc: int) -> bytes:
+        d = {"owner": self.owner, "addr": addr, "length": length, "crc": crc}
+        if self.mac_key is not None:
+            d["mac"] = mac(self.mac_key, *_parts(key, self.owner, addr, length, crc))
+        return json.dumps(d).encode()
 
     def _owned(self, raw) -> bool:
         try:

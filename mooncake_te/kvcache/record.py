@@ -32,7 +32,7 @@ import zlib
 import numpy as np
 
 __all__ = ["HEADER_SIZE", "ALIGN", "MAGIC", "slot_size_for", "pack_header",
-           "parse_header", "Header", "crc32_held", "crc32_many", "CRC32_IMPL"]
+           "parse_header", "Header", "crc32_held", "crc32_many", "CRC32_IMPL", "MAX_SEQ"]
 
 MAGIC = b"MKV1"
 VERSION = 1
@@ -41,6 +41,11 @@ HEADER_SIZE = 64
 #: size of the device (open(2), "O_DIRECT"); 4096 covers 512e and 4Kn drives.
 ALIGN = 4096
 _HDR = struct.Struct("<4sHH16sQQI")            # 44 bytes, then the header crc
+#: Largest ``seq`` a valid record has. A cache numbers its writes from the highest
+#: ``seq`` it finds on SSD; 2^62 writes would take a century at 10^9 a second, so a
+#: record above this was not written by us (issue 35: ``seq = 2^64-1`` made every later
+#: ``put`` overflow the header) and is treated as corrupt.
+MAX_SEQ = 1 << 62
 _CRC = struct.Struct("<I")
 
 
@@ -169,6 +174,6 @@ def parse_header(buf) -> "Header | None":
     if zlib.crc32(raw[:_HDR.size]) != _CRC.unpack_from(raw, _HDR.size)[0]:
         return None
     magic, version, flags, key, length, seq, crc = _HDR.unpack_from(raw)
-    if version != VERSION:
+    if version != VERSION or seq > MAX_SEQ:
         return None
     return Header((key, length, seq, crc))

@@ -51,10 +51,32 @@ MAX_SHARERS = 64
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
+def _check_owner(path: str) -> None:
+    """Refuse a ``cache_dir`` another user controls: whoever can write it can plant
+    records this cache serves as KV (or a manifest naming our namespace). Issue 35."""
+    st = os.stat(path)
+    uid = os.geteuid()
+    if st.st_uid != uid:
+        raise ConfigError(
+            f"[kvcache] cache_dir = {path!r} belongs to uid {st.st_uid}, not to this "
+            f"process's uid {uid}: blocks another user can write there would be served as "
+            f"KV; use a directory this user created (mkdir as the engine's user), or chown "
+            f"{uid} {path}")
+    if st.st_mode & 0o002:
+        # Sticky or not: another user could create the slab or manifest before us.
+        raise ConfigError(
+            f"[kvcache] cache_dir = {path!r} is writable by every user (mode "
+            f"{st.st_mode & 0o7777:o}): another user could plant the cache's files; use a "
+            f"directory of its own (for example {os.path.join(path, 'mooncake-kv')}), or "
+            f"chmod o-w {path}")
+
+
 def _writable_dir(path: str) -> None:
-    """Create ``path`` if needed and prove a file can be written there."""
+    """Create ``path`` if needed (mode 0700), check this user owns it, and prove a file
+    can be written there."""
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        _check_owner(path)
         probe = os.path.join(path, f".probe-{os.getpid()}")
         with open(probe, "wb") as f:
             f.write(b"x")
@@ -213,6 +235,14 @@ class SSDTier(Tier):
                 f"{ {k: have.get(k) for k in want} }, not {want}; use another cache_dir, or "
                 f"delete {SLAB} and {MANIFEST} there to start empty")
         if have is None:
+            # No manifest: nothing says what the slab's records mean (they may be another
+            # namespace's, the manifest deleted), so they are not served: start empty.
+            slab = os.path.join(self.dir, SLAB)
+            if os.path.exists(slab) and os.path.getsize(slab):
+                log.warning("kvcache: %s has a %s but no %s; its blocks cannot be told "
+                            "apart from another cache's, so the tier starts empty",
+                            self.dir, SLAB, MANIFEST)
+                os.truncate(slab, 0)
             tmp = path + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(want, f)
@@ -235,6 +265,11 @@ class SSDTier(Tier):
                             "fdatasync after each batch of writes", self.dir)
         if self._fd < 0:
             self._fd = os.open(path, flags, 0o644)
+        uid = os.fstat(self._fd).st_uid
+        if uid != os.geteuid():
+            raise ConfigError(f"[kvcache] {path} belongs to uid {uid}, not to this process's "
+                              f"uid {os.geteuid()}; its records are not trusted: delete it "
+                              f"(or use another cache_dir)")
 
     def _rebuild(self) -> int:
         """Index the valid records already in the slab; returns how many."""

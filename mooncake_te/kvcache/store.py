@@ -75,6 +75,12 @@ class KVCache:
         blocks, on SSD or through the index.
     block_tokens : int
         Tokens per block (``[kvcache] block_size``), for token-weighted hit rates.
+    share_without_token : bool, optional
+        Share blocks with other instances through the owner index although ``engine``
+        has no ``auth_token`` (nothing then authenticates a record or a block; blocks
+        read from peers are served but never re-published). Default: ``[kvcache]
+        share_without_token`` of the engine's config (``MC_KVCACHE_SHARE_WITHOUT_TOKEN``),
+        false: without a token the cache does not share (docs/kvcache.md).
     tiers : dict, optional
         ``{tier name: {option: value}}`` for tiers registered in :mod:`.tiers` beyond the
         built-in ones (each tier's ``open`` reads its entry).
@@ -110,7 +116,7 @@ class KVCache:
                  index=None, namespace: str = "default", block_tokens: int = 16,
                  io_depth: int = 4, o_direct: bool = True, log_interval_s: float = 60.0,
                  prefault: bool = False, prefault_restart: bool = True,
-                 tiers: "dict | None" = None):
+                 tiers: "dict | None" = None, share_without_token: "bool | None" = None):
         self._closed = True
         if not isinstance(block_bytes, int) or block_bytes < 1:
             raise InvalidArgumentError(f"block_bytes must be a positive int, got {block_bytes!r}")
@@ -158,8 +164,13 @@ class KVCache:
         self._seq = 0
         self._reset_round()
         self._pinned: set = set()      # lower-tier keys a get is reading: not to be evicted
+        # Keys of blocks read from a tier that could not authenticate them (sharing
+        # without a token): never published to the owner index as ours.
+        self._unverified: set = set()
+        #: Why sharing with other instances is off, when a tier refused to open for it.
+        self.sharing_off: "str | None" = None
         args = dict(ssd_bytes=ssd_bytes, cache_dir=cache_dir, io_depth=io_depth,
-                    o_direct=o_direct, index=index)
+                    o_direct=o_direct, index=index, share_without_token=share_without_token)
         try:
             if engine is not None:
                 # Peers only read the pool: a remote write could corrupt a slot under us.
@@ -230,6 +241,8 @@ class KVCache:
         return bool(self._far)
 
     def _need_index(self) -> None:
+        if not self._far and self.sharing_off:
+            raise InvalidArgumentError(f"remote=True: {self.sharing_off}")
         if not self._far:
             raise InvalidArgumentError(
                 "remote lookups need the key -> owner index, which lives in a metadata store: "
@@ -820,8 +833,8 @@ class KVCache:
         self._seq += 1
         crc = crc32_held(mv[off + HEADER_SIZE:off + HEADER_SIZE + n])
         mv[off:off + HEADER_SIZE] = pack_header(key, n, self._seq, crc)
-        if self._index is not None:
-            self._index.publish(key, self.base + off, n)
+        self._unverified.discard(key)          # our own bytes from now on
+        self._publish(key, off, n, crc)
 
     def _fill_slots(self) -> None:
         """Step (3) for ``put(fill=)``: one call of the caller's ``fill`` for every slot
@@ -837,8 +850,23 @@ class KVCache:
             off = slot * self.slot_size
             self._seq += 1
             mv[off:off + HEADER_SIZE] = pack_header(key, n, self._seq, crc)
-            if self._index is not None:
-                self._index.publish(key, self.base + off, n)
+            self._unverified.discard(key)
+            self._publish(key, off, n, crc)
+
+    def _publish(self, key: bytes, off: int, n: int, crc: int) -> None:
+        """Tell the owner index the block at pool offset ``off`` is ours (unless it came
+        from a source that could not be authenticated: never re-published)."""
+        if self._index is not None and key not in self._unverified:
+            self._index.publish(key, self.base + off, n, crc)
+
+    def _taint(self, key: bytes) -> None:
+        """Remember that ``key``'s bytes came from an unauthenticated peer. Bounded: past
+        a few times what the tiers hold, keys no tier holds any more are forgotten."""
+        self._unverified.add(key)
+        if len(self._unverified) > 4 * (self.dram_slots + sum(
+                getattr(t, "nslots", 0) for t in self._lower)) + 64:
+            self._unverified = {k for k in self._unverified
+                                if k in self._dram or self._lower_holding(k) is not None}
 
     def _flush_outs(self, outs) -> None:
         """Let a ``get(copy=)`` sink finish what it queued (before the lock is let go:
@@ -896,8 +924,12 @@ class KVCache:
                         c["promotions"] += 1
                     c[f"served_{t.name}"] += 1
                     c[f"served_{t.name}_bytes"] += n
-                    if self._index is not None:
-                        self._index.publish(k, self.base + slot * self.slot_size, n)
+                    if not t.verified:
+                        self._taint(k)
+                    if self._index is not None and k not in self._unverified:
+                        h = parse_header(self._slot_view(slot))
+                        if h is not None:
+                            self._publish(k, slot * self.slot_size, n, h.crc)
                     self._copyouts.append((i, slot, n, t.name, k))
                 else:
                     failed = t.failed_counter or f"{t.name}_failed"

@@ -62,6 +62,10 @@ class Tier:
     disk: bool = False
     #: The counter a failed :meth:`read_into` item bumps.
     failed_counter: str = ""
+    #: Blocks this tier serves were authenticated (or are this cache's own). False: the
+    #: hub serves them but never publishes them to the owner index as its own (the
+    #: remote tier when sharing without a token; issue 35).
+    verified: bool = True
     #: The tier takes the hub's demotions (:meth:`accept`, :meth:`write_from`); the
     #: first local tier that does gets them (without one, an evicted block is dropped).
     demotions: bool = False

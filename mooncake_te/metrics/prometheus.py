@@ -179,6 +179,8 @@ _KV_COUNTERS = (
     ("corrupt_dropped", "Blocks dropped because their checksum did not "
                                            "match"),
     ("remote_failed", "Reads from peers that failed"),
+    ("remote_rejected_records", "Owner-index records refused: malformed, or without a "
+                                "valid MAC (issue 35)"),
 )
 
 

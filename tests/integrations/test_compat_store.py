@@ -240,10 +240,13 @@ s.close()
 
 
 @pytest.mark.parametrize("which", ["redis", "http"])
-def test_objects_shared_between_processes(which, redis_server, http_metadata_server, tmp_path):
+def test_objects_shared_between_processes(which, redis_server, http_metadata_server, tmp_path,
+                                         monkeypatch):
     """Process B puts; this process finds (is_exist, get_size, replica desc naming B's
     segment) and reads the objects one-sided from B's DRAM tier; removing them here
-    hides them from B's index too."""
+    hides them from B's index too. Both have the cluster token: without one, objects are
+    not shared (docs/kvcache.md, "Sharing between instances")."""
+    monkeypatch.setenv("MC_AUTH_TOKEN", "compat-store-test")
     url = redis_server.url if which == "redis" else http_metadata_server.url
     shim = str(tmp_path / "shim")
     r = subprocess.run([sys.executable, "-m", "mooncake_te", "compat", "install", "--target",

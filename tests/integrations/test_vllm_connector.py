@@ -316,7 +316,8 @@ def test_scheduler_protocol_producer_to_consumer():
     assert delay is True
     assert params["remote_block_ids"] == [7, 8, 9] and params["remote_num_tokens"] == 75
     assert params["remote_lease_deadline"] == 1060.0
-    assert prod.take_work().leases == ["p1"] and prod.take_work().leases == []
+    key = params["remote_lease_key"]                          # binds the lease (leases.py)
+    assert prod.take_work().leases == [("p1", key)] and prod.take_work().leases == []
     # An aborted prefill frees at once.
     assert prod.request_finished(Req("p2", 75, {"do_remote_decode": True},
                                      status="FINISHED_ABORTED"), [1, 2, 3]) == (False, None)
@@ -344,11 +345,11 @@ def test_scheduler_protocol_producer_to_consumer():
     # Full local hit: nothing to read, but the producer is told to free.
     d2 = Req("d2", 75, dict(params))
     cons.update_state_after_alloc(d2, Blocks([1, 2, 3], cached=3), 0)
-    assert cons.take_work().releases == [("10.0.0.1:14579", "p1")]
+    assert cons.take_work().releases == [("10.0.0.1:14579", "p1", key)]
     # Aborted before allocation: release too.
     d3 = Req("d3", 75, dict(params))
     assert cons.request_finished(d3, []) == (False, None)
-    assert cons.take_work().releases == [("10.0.0.1:14579", "p1")]
+    assert cons.take_work().releases == [("10.0.0.1:14579", "p1", key)]
 
 
 def _doctor(tmp_path, kv, **top):

@@ -38,6 +38,7 @@ STEP_TIMEOUT = 240
 MAX_TOKENS = 8
 BS = 32
 SSD_GB = 0.02
+TOKEN = "pool-e2e-token"
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -145,8 +146,9 @@ def scenario(vllm_python, tiny_model, http_metadata_server, tmp_path_factory):  
     md = http_metadata_server.url
     pool = {"dram_cache_gb": 0.006, "ssd_cache_gb": SSD_GB, "cache_dir": cache_dir,
             "block_size": BS, "log_interval_s": 0.5}
-    extra_a = json.dumps({"metadata_server": md, "kvcache": pool})
-    extra_b = json.dumps({"metadata_server": md,
+    # Pools share blocks only between engines with the cluster token (issue 35).
+    extra_a = json.dumps({"metadata_server": md, "kvcache": pool, "auth_token": TOKEN})
+    extra_b = json.dumps({"metadata_server": md, "auth_token": TOKEN,
                           "kvcache": {"dram_cache_gb": 0.006, "log_interval_s": 0.5}})
     run = Run(vllm_python, tiny_model, d)
     out = {"dir": d, "prompts": prompts, "cache_dir": cache_dir, "run": run}
@@ -266,7 +268,8 @@ def pd_pool(vllm_python, tiny_model, http_metadata_server, tmp_path_factory):  #
     plan = {"max_tokens": MAX_TOKENS, "phases": [{"name": "pool", "prompts": prompts}]}
     with open(os.path.join(d, "plan.json"), "w") as f:
         json.dump(plan, f)
-    extra = json.dumps({"metadata_server": http_metadata_server.url,
+    # With the token the producer MACs the P/D parameters and the pools share (issue 35).
+    extra = json.dumps({"metadata_server": http_metadata_server.url, "auth_token": TOKEN,
                         "kvcache": {"dram_cache_gb": 0.006, "block_size": BS}})
     procs = {}
 

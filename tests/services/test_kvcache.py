@@ -611,8 +611,11 @@ def test_real_tiered_cache_serves_right_bytes(tmp_path, policy):
 # --- remote get between two engines ------------------------------------------------------
 def test_remote_get_between_two_engines(redis_server):  # noqa: F811
     url = redis_server.url
-    with mte.TransferEngine(name="kv-a", metadata=url, host="127.0.0.1") as ea, \
-            mte.TransferEngine(name="kv-b", metadata=url, host="127.0.0.1") as eb, \
+    # Sharing needs the cluster token (or share_without_token: test_kvcache_auth.py).
+    with mte.TransferEngine(name="kv-a", metadata=url, host="127.0.0.1",
+                            auth_token="kv-test") as ea, \
+            mte.TransferEngine(name="kv-b", metadata=url, host="127.0.0.1",
+                               auth_token="kv-test") as eb, \
             cache(dram=4, engine=ea, namespace="t-remote") as a, \
             cache(dram=4, engine=eb, namespace="t-remote") as b:
         keys = prefix_hashes(np.arange(64), 16)
@@ -625,10 +628,11 @@ def test_remote_get_between_two_engines(redis_server):  # noqa: F811
         assert s["served_remote"] == 3 and s["hit_blocks_remote"] == 4
         assert b.tier(keys[0]) == "dram"                  # kept locally, zero-copy into the pool
         # A stale index record (A reused the slot) is a miss, never wrong bytes.
+        crc = b._index.lookup(keys[3])[3]
         a.put(range(100, 104), [block(i) for i in range(100, 104)])
         assert keys[3] not in a
         b._index.flush()
-        rec = (a.engine.name, a.base, BB)                 # what a stale record would say
+        rec = (a.engine.name, a.base, BB, crc)            # what a stale record would say
         b._index.lookup_many = lambda ks: [rec] * len(ks)
         assert b.get([keys[3]], remote=True) == [None]
         assert b.stats()["remote_failed"] == 1
@@ -640,8 +644,8 @@ def test_remote_prefix_costs_one_index_query(redis_server):  # noqa: F811
     url = redis_server.url
     with mte.TransferEngine(name="kv-q1", metadata=url, host="127.0.0.1") as ea, \
             mte.TransferEngine(name="kv-q2", metadata=url, host="127.0.0.1") as eb, \
-            cache(dram=8, engine=ea, namespace="t-query") as a, \
-            cache(dram=8, engine=eb, namespace="t-query") as b:
+            cache(dram=8, engine=ea, namespace="t-query", share_without_token=True) as a, \
+            cache(dram=8, engine=eb, namespace="t-query", share_without_token=True) as b:
         keys = prefix_hashes(np.arange(128), 16)
         a.put(keys[:6], [block(i) for i in range(6)])
         assert a.flush_index()

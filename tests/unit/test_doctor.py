@@ -764,3 +764,26 @@ def test_device_checks_skip_for_tcp(trees, tmp_path):
     cfg = toml(tmp_path, "[transfer_engine]\nprotocol = 'tcp'\ndevice_names = ['mlx5_bond0']\n")
     (f,) = run(trees, "onebox", config=cfg, only=["rdma_devices"])
     assert f.severity == Severity.SKIP and "not used" in f.message
+
+
+def test_mte404_cache_dir_of_another_user(trees, tmp_path):
+    """Issue 35: a cache_dir another user can write is reported (the engine refuses it)."""
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o1777)
+    (f,) = problems(run(trees, config=cache_toml(tmp_path, d), only=["cache_dir"]), "MTE404")
+    assert "writable by every user" in f.message and "chmod o-w" in f.fix
+
+
+def test_mte405_kv_sharing_needs_a_token(trees, tmp_path):
+    """Issue 35, item 1: without a token the pool does not share, and the doctor says why."""
+    store = '[metadata]\nserver_type = "redis"\nserver_address = "127.0.0.1:6379"\n'
+    (f,) = problems(run(trees, config=toml(tmp_path, store, "a.toml"),
+                        only=["kv_sharing"]), "MTE405")
+    assert "no auth_token" in f.message and "share_without_token" in f.fix
+    (f,) = problems(run(trees, config=toml(tmp_path, store + "[kvcache]\nshare_without_token"
+                                                          " = true\n", "b.toml"),
+                        only=["kv_sharing"]), "MTE406")
+    assert problems(run(trees, config=toml(tmp_path, store + '[transfer_engine]\nauth_token = '
+                                                          '"t"\n', "c.toml"),
+                        only=["kv_sharing"])) == []

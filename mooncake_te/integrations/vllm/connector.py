@@ -32,6 +32,7 @@ except ImportError:                             # vLLM 0.26: get_finished + fail
 from vllm.logger import init_logger
 
 from ... import __version__
+from ...auth import derive_key
 from ...engine import default_host
 from . import handshake
 from .scheduler import SchedulerSide, Work
@@ -87,7 +88,9 @@ class MooncakeTEConnector(KVConnectorBase_V1):
                 block_size=self.block_size, is_producer=self.is_producer,
                 is_consumer=self.is_consumer, engine_name=f"{self.host}:{self.port}",
                 host=self.host, port=self.port, lease_s=self.settings.lease_s,
-                pool=lookup, pool_root=root)
+                pool=lookup, pool_root=root,
+                # P/D parameters are MAC'd with this (docs/vllm.md, "Trust").
+                params_key=derive_key(self.settings.token, "vllm-pd-params"))
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):

@@ -10,13 +10,32 @@ Protocol (pull: the consumer READs from the producer), as in vLLM's NIXL connect
 - The decode request carries them (``do_remote_prefill``). :meth:`get_num_new_matched_tokens`
   reports the prompt as loadable asynchronously; :meth:`update_state_after_alloc` pairs
   the local blocks with the producer's; the worker reads them and tells the producer.
+
+Trust (issue 35, item 2). ``kv_transfer_params`` arrive with the API request, so any
+client of the decode instance can write them. With an auth token, the producer MACs
+them (``remote_mac``: HMAC-SHA256 with a key derived from the token over the engine,
+request id, block ids, token count, lease deadline and key, and a hash of the prompt), and
+the decode side refuses parameters without a valid MAC: it never connects to an engine a
+client named, and never loads one prompt's KV for another. Without a token nothing can be
+checked: loads run as before, but KV loaded from a producer is never saved into the
+pool. ``remote_lease_key`` (random, per request) is what the read-done message must
+carry to release the lease (issue 35, item 3): only whoever was given the parameters can
+free the producer's blocks early.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ...auth import mac, mac_ok
 from ...kvcache.keys import ROOT
+
+log = logging.getLogger("mooncake_te.integrations.vllm")
 
 # Request states vLLM frees normally; only a prefill that ran to its (1-token) length
 # hands its blocks to a consumer. An aborted one frees them at once.
@@ -33,6 +52,7 @@ class LoadSpec:
     remote_engine: str
     remote_request_id: str
     lease_deadline: "float | None" = None    # producer's wall clock (time.time())
+    lease_key: "str | None" = None           # proves to the producer we were given it
 
 
 @dataclass
@@ -40,8 +60,9 @@ class Work:
     """Scheduler -> worker, once per step (vLLM's ``KVConnectorMetadata`` carries it)."""
 
     loads: list = field(default_factory=list)        # [LoadSpec]
-    releases: list = field(default_factory=list)     # [(remote_engine, remote_request_id)]
-    leases: list = field(default_factory=list)       # [request_id] on the producer
+    # [(remote_engine, remote_request_id, lease key)]
+    releases: list = field(default_factory=list)
+    leases: list = field(default_factory=list)       # [(request_id, lease key)] on the producer
     pool_loads: list = field(default_factory=list)   # [pool.PoolLoadSpec]
     saves: list = field(default_factory=list)        # [pool.SaveSpec]
     # Prompt blocks that become full in this step's forward pass ([pool.SaveSpec]): a
@@ -60,6 +81,24 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def prompt_digest(token_ids, n: int) -> bytes:
+    """sha256 of the first ``n`` prompt tokens (as little-endian int64): binds P/D
+    parameters to the prompt they were computed for."""
+    a = np.asarray(list(token_ids or ())[:n], dtype="<i8")
+    return hashlib.sha256(a.tobytes()).digest()
+
+
+def _params_parts(p: dict, prompt: bytes) -> tuple:
+    """What ``remote_mac`` covers, from the parameters (any malformed field raises)."""
+    ids = p["remote_block_ids"]
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise TypeError("remote_block_ids")
+    return (str(p["remote_engine"]).encode(), str(p["remote_request_id"]).encode(),
+            np.asarray(ids, dtype="<i8").tobytes(), str(int(p["remote_num_tokens"])).encode(),
+            repr(float(p["remote_lease_deadline"])).encode(),
+            str(p["remote_lease_key"]).encode(), prompt)
+
+
 class SchedulerSide:
     """vLLM-independent logic; ``request`` objects are vLLM ``Request``\\ s (duck-typed:
     ``request_id``, ``prompt_token_ids``, ``all_token_ids``, ``num_computed_tokens``,
@@ -72,7 +111,8 @@ class SchedulerSide:
 
     def __init__(self, *, block_size: int, is_producer: bool, is_consumer: bool,
                  engine_name: str, host: str, port: int, lease_s: float = 120.0,
-                 clock=time.time, pool=None, pool_root: "bytes | None" = None):
+                 clock=time.time, pool=None, pool_root: "bytes | None" = None,
+                 params_key: "bytes | None" = None):
         self.block_size = int(block_size)
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -90,6 +130,60 @@ class SchedulerSide:
         # request id -> [prompt token ids, block ids, prompt blocks already handed out]
         self._layered: dict = {}
         self.layerwise = pool is not None
+        # P/D parameters (issue 35, item 2): the MAC key (derived from the auth token;
+        # None without one), requests whose KV came from a producer that could not be
+        # verified (never saved into the pool), and the refusals.
+        self.params_key = params_key
+        self._unverified: set = set()
+        self._accepted: set = set()     # request ids whose parameters were checked (live)
+        self.refused_params = 0
+        self._warned_unverified = False
+
+    # -- P/D parameters -------------------------------------------------------------------
+    def _sign(self, p: dict, request) -> dict:
+        if self.params_key is not None:
+            prompt = prompt_digest(request.prompt_token_ids, p["remote_num_tokens"])
+            p["remote_mac"] = mac(self.params_key, *_params_parts(p, prompt))
+        return p
+
+    def _accept_params(self, request) -> bool:
+        """Check a decode request's ``kv_transfer_params`` once, before anything is
+        loaded or any engine they name is contacted. Refused: the request computes its
+        prompt here (``do_remote_prefill`` cleared, nothing released at the named engine)."""
+        p = request.kv_transfer_params
+        rid = request.request_id
+        if rid in self._accepted:
+            return True
+        if self.params_key is None:
+            # Nothing to check with: load, but keep the KV out of the pool.
+            self._unverified.add(rid)
+            if not self._warned_unverified:
+                self._warned_unverified = True
+                log.warning("mooncake_te connector: no auth_token, so kv_transfer_params "
+                            "(which any API client can set) cannot be checked: KV loaded "
+                            "from a producer is used for its request but never saved into "
+                            "the pool; set auth_token on every instance (docs/vllm.md, "
+                            "'Trust')")
+            self._accepted.add(rid)
+            return True
+        try:
+            n = int(p["remote_num_tokens"])
+            prompt = prompt_digest(request.prompt_token_ids, n)
+            ok = mac_ok(self.params_key, p.get("remote_mac"), *_params_parts(p, prompt))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            self.refused_params += 1
+            p["do_remote_prefill"] = False
+            if self.refused_params in (1, 10, 100) or self.refused_params % 1000 == 0:
+                log.warning("mooncake_te connector: request %s: kv_transfer_params without "
+                            "a valid remote_mac (not made by a producer with this "
+                            "deployment's auth_token, or for another prompt); its prompt is "
+                            "computed here (%d refused so far)", request.request_id,
+                            self.refused_params)
+            return False
+        self._accepted.add(rid)
+        return True
 
     # -- pool -----------------------------------------------------------------------------
     def _prompt_keys(self, request) -> list:
@@ -129,6 +223,8 @@ class SchedulerSide:
         bs = self.block_size
         start: dict = {}
         for nr in getattr(out, "scheduled_new_reqs", None) or ():
+            if nr.req_id in self._unverified:
+                continue                         # KV from an unverified producer
             toks = list(nr.prompt_token_ids or ())
             ids = list(nr.block_ids[0]) if nr.block_ids else []
             self._layered[nr.req_id] = [toks, ids, int(nr.num_computed_tokens) // bs]
@@ -169,7 +265,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         hit = self._pool_hit(request, num_computed_tokens)
         p = request.kv_transfer_params
-        if self.is_consumer and p and p.get("do_remote_prefill"):
+        if self.is_consumer and p and p.get("do_remote_prefill") and \
+                self._accept_params(request):
             # The pool's blocks first, the producer's for the rest (update_state_after_alloc).
             n = min(len(request.prompt_token_ids or ()),
                     int(p.get("remote_num_tokens", 1 << 62))) - num_computed_tokens
@@ -183,7 +280,8 @@ class SchedulerSide:
         rid = request.request_id
         looked = self._looked.pop(rid, None)
         p = request.kv_transfer_params
-        remote_prefill = bool(self.is_consumer and p and p.get("do_remote_prefill"))
+        remote_prefill = bool(self.is_consumer and p and p.get("do_remote_prefill")
+                              and self._accept_params(request))
         all_ids: list = []
         fresh: list = []
         if num_external_tokens > 0:
@@ -208,11 +306,12 @@ class SchedulerSide:
             return
         p["do_remote_prefill"] = False          # load once, even if called again
         engine, rid_remote = p.get("remote_engine"), p.get("remote_request_id")
+        lease_key = p.get("remote_lease_key")
         if not engine or rid_remote is None:
             return
         if num_external_tokens <= 0 or pool_n >= len(fresh):
             # Everything local or in the pool, but the producer holds a lease.
-            self._work.releases.append((engine, rid_remote))
+            self._work.releases.append((engine, rid_remote, lease_key))
             return
         # Fewer remote blocks than local ones (a different prompt reached the two
         # instances) must not leave blocks unfilled but counted as computed: the worker's
@@ -220,7 +319,8 @@ class SchedulerSide:
         remote = list(p.get("remote_block_ids") or ())[skip + pool_n:skip + len(fresh)]
         deadline = p.get("remote_lease_deadline")
         self._work.loads.append(LoadSpec(rid, fresh[pool_n:], remote, engine, rid_remote,
-                                         float(deadline) if deadline is not None else None))
+                                         float(deadline) if deadline is not None else None,
+                                         str(lease_key) if lease_key is not None else None))
 
     # -- producer and pool --------------------------------------------------------------
     def request_finished(self, request, block_ids):
@@ -229,15 +329,26 @@ class SchedulerSide:
         self._looked.pop(request.request_id, None)
         self._keys.pop(request.request_id, None)
         self._layered.pop(request.request_id, None)
-        save = self._pool_save(request, ids_all)
+        accepted = request.request_id in self._accepted
+        self._accepted.discard(request.request_id)
+        if request.request_id in self._unverified:
+            # Its KV came from a producer nobody could verify: not into the pool.
+            self._unverified.discard(request.request_id)
+            save = False
+        else:
+            save = self._pool_save(request, ids_all)
         p = request.kv_transfer_params
         if not p:
             return save, None
         if p.get("do_remote_prefill") and p.get("remote_engine"):
             # A consumer request aborted before its blocks were allocated: the producer
-            # still holds a lease; let it go.
+            # still holds a lease; let it go (only an engine whose parameters checked out).
+            if accepted or self._accept_params(request):
+                self._accepted.discard(request.request_id)
+                self._unverified.discard(request.request_id)
+                self._work.releases.append((p["remote_engine"], p.get("remote_request_id"),
+                                            p.get("remote_lease_key")))
             p["do_remote_prefill"] = False
-            self._work.releases.append((p["remote_engine"], p.get("remote_request_id")))
             return save, None
         if not (self.is_producer and p.get("do_remote_decode")):
             return save, None
@@ -246,14 +357,17 @@ class SchedulerSide:
         ids = ids_all[:cdiv(n_prompt, self.block_size)]
         if status not in _HANDOFF_STATES or not ids:
             return save, None
-        self._work.leases.append(request.request_id)
-        return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_engine": self.engine_name,
-                      "remote_request_id": request.request_id,
-                      "remote_block_ids": ids, "remote_num_tokens": n_prompt,
-                      # The worker's lease starts a step later, so this is conservative.
-                      "remote_lease_deadline": self._clock() + self.lease_s,
-                      "remote_host": self.host, "remote_port": self.port}
+        lease_key = secrets.token_hex(16)
+        self._work.leases.append((request.request_id, lease_key))
+        return True, self._sign({
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_engine": self.engine_name,
+            "remote_request_id": request.request_id,
+            "remote_block_ids": [int(i) for i in ids], "remote_num_tokens": n_prompt,
+            # The worker's lease starts a step later, so this is conservative.
+            "remote_lease_deadline": float(self._clock() + self.lease_s),
+            "remote_lease_key": lease_key,
+            "remote_host": self.host, "remote_port": self.port}, request)
 
     def _pool_save(self, request, block_ids: list) -> bool:
         """Queue the request's computed full blocks for the pool; True if the worker now

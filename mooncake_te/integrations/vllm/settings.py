@@ -77,6 +77,13 @@ class ConnectorSettings:
     pool_lookup_address: str = ""              # set by the connector (engine id, rank)
 
     @property
+    def token(self) -> "bytes | None":
+        """The auth token the worker's engine uses (``auth_token`` here, else
+        ``[transfer_engine] auth_token`` / ``MC_AUTH_TOKEN``), None without one."""
+        from ...auth import check_token
+        return check_token(self.auth_token or self.config["transfer_engine"]["auth_token"])
+
+    @property
     def timeout_s(self) -> float:
         return self.transfer_timeout_s or self.config.timeout_s
 

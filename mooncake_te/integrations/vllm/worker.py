@@ -33,7 +33,8 @@ from .scheduler import LoadSpec, Work
 
 log = logging.getLogger("mooncake_te.integrations.vllm")
 
-READ_DONE = b"mte-vllm/read-done "       # + request id: the producer may free its blocks
+# + request id, space, lease key: the producer may free its blocks (leases.py)
+READ_DONE = b"mte-vllm/read-done "
 LEASE_MARGIN_S = 1.0
 
 
@@ -92,6 +93,7 @@ class WorkerSide:
                       "loads": 0, "load_failures": 0, "blocks_read": 0, "bytes_read": 0,
                       "descriptors_before": 0, "descriptors_after": 0, "transfer_s": 0.0,
                       "leases_released_by_reader": 0, "leases_expired": 0,
+                      "read_done_refused": 0,
                       "requests": [], "errors": []}
 
     # -- registration -------------------------------------------------------------------
@@ -172,8 +174,9 @@ class WorkerSide:
     def start(self, work: Work) -> None:
         """Take this step's work from the scheduler (called from start_load_kv)."""
         self._idle = bool(getattr(work, "idle", False))
-        for req_id in work.leases:
-            self.leases.add(req_id)
+        for item in work.leases:
+            req_id, key = (item, None) if isinstance(item, str) else item
+            self.leases.add(req_id, key)
             self._holds[req_id] = self._holds.get(req_id, 0) + 1
         for spec in getattr(work, "saves", ()):
             if self.pool is not None and self.pool.save(spec):
@@ -193,8 +196,8 @@ class WorkerSide:
         self._submit_ready()
         for spec in work.loads:
             self._begin_load(spec)
-        for engine, rid in work.releases:
-            self._jobs.put(("release", (engine, rid)))
+        for item in work.releases:
+            self._jobs.put(("release", tuple(item) + (None,) * (3 - len(item))))
         lk = self._lookups
         for asked, vllm_hit, tiers in getattr(work, "lookups", ()):
             lk["lookup_blocks"] = lk.get("lookup_blocks", 0) + asked
@@ -252,10 +255,12 @@ class WorkerSide:
         if self.engine is not None and self.is_producer:
             for n in self.engine.notifications(timeout=wait_notes):
                 if n.message.startswith(READ_DONE):
-                    self.leases.read_done(n.message[len(READ_DONE):].decode())
+                    rid, key = _parse_read_done(n.message)
+                    self.leases.read_done(rid, key)
         released = list(self.leases.collect())
         self.stats["leases_released_by_reader"] = self.leases.released_by_reader
         self.stats["leases_expired"] = self.leases.expired
+        self.stats["read_done_refused"] = self.leases.refused
         if self.pool is not None:
             saved, loaded = self.pool.collect()
             released += saved
@@ -337,7 +342,7 @@ class WorkerSide:
                        bytes=int(lens.sum()), plan_s=time.perf_counter() - t0)
             batch = self.engine.submit_arrays(
                 READ, name, local, remote, lens,
-                notify=READ_DONE + spec.remote_request_id.encode(),
+                notify=_read_done(spec.remote_request_id, spec.lease_key),
                 timeout=self.settings.timeout_s)
         except (MooncakeError, ValueError, KeyError, OSError, _Refused) as e:
             self._load_failed(spec, name, rec, e)
@@ -388,7 +393,7 @@ class WorkerSide:
         self._record(rec)
         # Best effort: let a live producer free its blocks now rather than at lease end
         # (on the loader thread: the producer may be unreachable).
-        self._jobs.put(("release", (name, spec.remote_request_id)))
+        self._jobs.put(("release", (name, spec.remote_request_id, spec.lease_key)))
         self._part_done(spec.request_id, False)
 
     # -- loader thread ------------------------------------------------------------------
@@ -464,11 +469,12 @@ class WorkerSide:
                  dt * 1e3, doc.get("hash"))
         return peer
 
-    def _notify(self, engine: str, remote_request_id) -> None:
+    def _notify(self, engine: str, remote_request_id, lease_key=None) -> None:
         if engine is None or remote_request_id is None:
             return
         try:
-            self.engine.send_notification(engine, READ_DONE + str(remote_request_id).encode(),
+            self.engine.send_notification(engine, _read_done(str(remote_request_id),
+                                                             lease_key),
                                           timeout=self.settings.handshake_timeout_s)
         except MooncakeError as e:
             log.info("mooncake_te connector: could not tell %s to free request %s: %s",
@@ -510,6 +516,21 @@ def rank_pool_settings(pool, tp_rank: int, tp_size: int):
                                                 f"tp{int(tp_rank)}-of-{int(tp_size)}"))
     mine.check(mine.block_size)            # cache_dir's checks, on the subdirectory
     return mine
+
+
+def _read_done(request_id: str, lease_key: "str | None") -> bytes:
+    msg = READ_DONE + request_id.encode()
+    return msg + b" " + lease_key.encode() if lease_key else msg
+
+
+def _parse_read_done(message: bytes) -> tuple:
+    """``(request id, lease key or None)`` of a read-done message (ids may hold spaces;
+    keys are hex)."""
+    body = message[len(READ_DONE):].decode("utf-8", "replace")
+    rid, sep, key = body.rpartition(" ")
+    if sep and key and all(c in "0123456789abcdef" for c in key):
+        return rid, key
+    return body, None
 
 
 class _Refused(Exception):

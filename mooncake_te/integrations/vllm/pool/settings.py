@@ -29,6 +29,7 @@ class PoolSettings:
     save_queue_bytes: int = 256 << 20
     gpu_staging_bytes: int = 64 << 20      # GPU KV caches: the copier's staging buffer
     remote: bool = True
+    share_without_token: bool = False      # [kvcache] share_without_token (docs/kvcache.md)
     persist_on_exit: bool = True
     log_interval_s: float = 10.0
     source: str = "<defaults>"
@@ -64,7 +65,7 @@ class PoolSettings:
 
 _EXTRA_KEYS = ("cache_dir", "dram_cache_gb", "ssd_cache_gb", "eviction_policy", "block_size",
                "save_queue_mb", "gpu_staging_mb", "remote", "persist_on_exit",
-               "log_interval_s")
+               "log_interval_s", "share_without_token")
 
 
 def pool_settings(config, config_path: "str | None", extra: "dict | None") -> PoolSettings:
@@ -98,6 +99,7 @@ def pool_settings(config, config_path: "str | None", extra: "dict | None") -> Po
     s.block_size = int(k["block_size"])
     s.block_size_set = "block_size" in explicit
     s.source = src
+    s.share_without_token = bool(k.get("share_without_token", False))
     if "save_queue_mb" in extra:
         v = extra["save_queue_mb"]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
@@ -111,7 +113,7 @@ def pool_settings(config, config_path: "str | None", extra: "dict | None") -> Po
                               f"expected MiB from 1 to 4096 (GPU memory the pool's copier "
                               f"stages block images in, for a KV cache on the GPU)")
         s.gpu_staging_bytes = int(v * (1 << 20))
-    for key in ("remote", "persist_on_exit"):
+    for key in ("remote", "persist_on_exit", "share_without_token"):
         if key in extra:
             if not isinstance(extra[key], bool):
                 raise ConfigError(f"kv_connector_extra_config.kvcache.{key} = {extra[key]!r}:"

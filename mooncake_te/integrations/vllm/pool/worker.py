@@ -72,6 +72,7 @@ class PoolWorker:
                 settings.cache_dir or None, policy=settings.policy, engine=engine,
                 namespace=namespace, block_tokens=settings.block_size
                 if settings.block_size_set else 16, log_interval_s=0,
+                share_without_token=settings.share_without_token,
                 # Two vLLM instances on a host may be given one cache_dir: the second
                 # takes a subdirectory of its own instead of failing (issue 35, item 9).
                 tiers={"ssd": {"share": True}})
