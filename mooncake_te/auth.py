@@ -41,3 +41,4 @@ def warn_unauthenticated(host: str) -> None:
     log.warning("listening on %s without an auth_token: anyone who can reach this address can "
                 "read and write registered memory; set auth_token (or MC_AUTH_TOKEN) on every "
                 "engine", host)
+
