@@ -16,6 +16,7 @@ from mooncake_te.errors import AuthenticationError
 from mooncake_te.metadata import framing
 from mooncake_te.p2p_store import P2PStore
 from mooncake_te.p2p_store.control import FRAME, ControlClient
+from servers import redis_server  # noqa: F401
 
 TOKEN = b"p2p-cluster-secret"
 
@@ -253,3 +254,29 @@ def test_with_a_token_an_unsealed_manifest_is_refused(seed_store):
     forged.checksums = [c ^ 1 for c in forged.checksums]
     with pytest.raises(AuthenticationError):
         forged.check_sealed(TOKEN)
+
+
+def test_with_a_token_holder_entries_written_without_it_are_ignored(redis_server):
+    """Anyone who can write to redis could add holders to an object's list; with a token,
+    an entry counts only with its tag."""
+    url = f"{redis_server.url}?ttl=2"
+    eng = mte.TransferEngine(host="127.0.0.1", metadata=url, auth_token=TOKEN)
+    store = P2PStore(eng)
+    try:
+        store.register("tagged", np.ones(1 << 16, np.uint8))
+        d = store.directory
+        oid = store._objects["tagged"].manifest.object_id
+        key = d._hkey("tagged")
+        raw = json.loads(d.backend.get(key))
+        raw["holders"] += [_holder(i) for i in range(5)]          # no tags
+        raw["holders"].append(dict(_holder(9), mac="0" * 32))       # a wrong tag
+        d.backend.put(key, json.dumps(raw).encode())
+        assert [h.name for h in d.holders("tagged", oid)] == [store.name]
+        for i in range(300):                     # the list stays bounded
+            d.add_holder(store._objects["tagged"].manifest,
+                         type(store.ref).from_json(_holder(100 + i)))
+        assert len(json.loads(d.backend.get(key))["holders"]) <= 256
+        assert store.name in {h.name for h in d.holders("tagged", oid)}
+    finally:
+        store.close()
+        eng.close()
