@@ -190,8 +190,12 @@ def test_stale_socket_file_is_replaced_and_a_live_one_is_not():
     srv = _LookupServer(addr, _answer)
     with pytest.raises(OSError, match="already served by pid"):
         _LookupServer(addr, _answer)
-    srv._srv.close()            # dies without unlinking its file
-    srv._listener.close()
+    srv.close()
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(addr)             # a server that died: its file stays, nobody listens
+    dead.listen(1)
+    dead.close()
+    assert os.path.exists(addr)
     srv2 = _LookupServer(addr, _answer)
     try:
         assert PoolLookup(addr).lookup([KEY]) == (1, 0)
