@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from .. import errors as E
+from ..auth import is_loopback
 from ..batch import Op
 from ..engine import TransferEngine as _Engine
 from ..metadata import framing, split_host_port
@@ -376,8 +377,12 @@ class TransferEngine:
         else:
             # Mooncake's "new RPC mapping": the RPC address is MC_TCP_BIND_ADDRESS or the
             # first LAN address and the port is random, whatever local_hostname says;
-            # the engine's defaults are exactly that.
+            # the engine's defaults are exactly that. Except for a loopback
+            # local_hostname (issue #35): whoever writes 127.0.0.1 means this host only,
+            # and listening on the LAN would open the ports to every host there.
             kwargs = dict(metadata=conn, name=local_hostname, port=0)
+            if host and is_loopback(host) and not os.environ.get("MC_TCP_BIND_ADDRESS"):
+                kwargs["host"] = host
         if protocol not in ("", "tcp", "rdma"):
             log.warning("protocol %r: this engine serves tcp (and rdma where available); "
                         "letting it pick", protocol)

@@ -11,6 +11,25 @@ yalantinglibs coro_rpc), so both ends must be mooncake_te. It is a plain TCP pro
 one connection per message, ``u64 header length | JSON header | payload`` and a one-byte
 reply (0 delivered, 1 refused), every wait bounded by ``timeout_seconds``.
 
+The server is a control-plane listener and is guarded like the others (issue #35 item 5):
+
+- it binds ``127.0.0.1`` unless told another address (``create_rpc_server`` too, where
+  Mooncake binds ``0.0.0.0``); an address that is not loopback without a token is
+  warned about;
+- with an auth token (``auth_token=``, else ``MC_AUTH_TOKEN`` / ``config.toml``'s
+  ``[transfer_engine] auth_token``) a connection starts with the engine's HMAC
+  challenge-response (:func:`~mooncake_te.metadata.framing.client_auth`, labels of its
+  own); a peer without the token is refused before its message is read;
+- the accept loop is the shared :class:`~mooncake_te.metadata.listener.Listener`
+  (survives EMFILE; at most ``MAX_CONNECTIONS`` connections, ``MAX_PER_PEER`` from one
+  address, so at most that many threads);
+- a message is at most ``max_message_bytes`` (default ``MAX_MESSAGE``), checked before any
+  of it is read, and the messages being received together at most ``MAX_INFLIGHT`` bytes;
+- a message must arrive whole within ``timeout_seconds`` plus one second per
+  ``_MIN_RATE`` bytes (a peer trickling bytes is cut off);
+- the ``source`` the callbacks get is the connection's peer address, not what the
+  message claims.
+
 What the callbacks get, as in Mooncake: the data callback a dict ``{"source": str,
 "data": bytes}``; the tensor callback a :class:`ReceivedTensor` (``shape``, ``dtype`` as a
 name such as ``"float32"``, the bytes).
@@ -19,20 +38,33 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 
 from .. import errors as E
+from ..auth import check_token, is_loopback
+from ..metadata import framing
 from ..metadata.framing import _recv_exact
+from ..metadata.listener import Listener
 
 log = logging.getLogger("mooncake_te.compat")
 
 _HDR = struct.Struct("<Q")
-_MAX_HEADER = 1 << 20
-_MAX_PAYLOAD = 1 << 34
+_MAX_HEADER = 64 << 10
+#: the largest message a server takes by default (``initialize(max_message_bytes=)``)
+MAX_MESSAGE = 1 << 30
+#: bytes of messages being received at once, all connections together
+MAX_INFLIGHT = 2 << 30
+MAX_CONNECTIONS = 64        # connections (and threads) served at once
+MAX_PER_PEER = 16           # of them from one peer address
+_MIN_RATE = 8 << 20         # B/s a message must at least arrive at, after timeout_seconds
+#: HMAC labels of this port's authentication (framing.client_auth/server_auth)
+LABELS = (b"mte-compat-rpc-server", b"mte-compat-rpc-client")
 # The dtypes Mooncake's tensor header can name (handleIncomingData's switch).
 _DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8",
            "bool")
@@ -84,7 +116,19 @@ def _split(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():
         raise E.InvalidArgumentError(f"address {address!r} is not host:port")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _config_token() -> bytes | None:
+    """``MC_AUTH_TOKEN``, else ``config.toml``'s ``[transfer_engine] auth_token``."""
+    env = os.environ.get("MC_AUTH_TOKEN")
+    if env:
+        return check_token(env)
+    try:
+        from ..config import Config
+        return check_token(Config.load(None).get("transfer_engine", "auth_token"))
+    except E.MooncakeError:
+        return None
 
 
 def _tensor_bytes(tensor) -> tuple[bytes, list, str]:
@@ -124,18 +168,36 @@ class RpcInterface:
         self._listen = ""
         self._timeout = 30.0
         self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._data_cb = None
         self._tensor_cb = None
         self._initialized = False
+        self._token: bytes | None = None
+        self._listener: Listener | None = None
+        self._max_message = MAX_MESSAGE
+        self._inflight = 0
+        self._inflight_lock = threading.Lock()
+        self.refused = 0            # messages refused: authentication, size, deadline
 
     # -- set-up -------------------------------------------------------------------------
     def initialize(self, listen_address: str = "", thread_count: int = 0,
-                   timeout_seconds: int = 30, pool_size: int = 100) -> bool:
-        """Set up a client (``listen_address`` empty) or a server. True on success."""
+                   timeout_seconds: int = 30, pool_size: int = 100, *,
+                   auth_token=None, max_message_bytes: int = MAX_MESSAGE) -> bool:
+        """Set up a client (``listen_address`` empty) or a server. True on success.
+
+        ``auth_token`` (not in Mooncake; default ``MC_AUTH_TOKEN`` or ``config.toml``):
+        both ends must have the same one. ``max_message_bytes`` (not in Mooncake): the
+        largest message a server accepts. A ``listen_address`` with no host (``":8090"``)
+        binds ``127.0.0.1``."""
         self._timeout = float(timeout_seconds) if timeout_seconds > 0 else 30.0
         self._listen = listen_address
+        try:
+            self._token = check_token(auth_token) if auth_token is not None \
+                else _config_token()
+        except E.MooncakeError as e:
+            log.error("RpcInterface.initialize: %s", e)
+            return False
+        self._max_message = int(max_message_bytes)
         if listen_address:
             try:
                 host, port = _split(listen_address)
@@ -148,6 +210,10 @@ class RpcInterface:
                           listen_address, e)
                 return False
             self._sock = s
+            if not self._token and not is_loopback(host):
+                log.warning("RpcInterface listens on %s without an auth token: anyone who "
+                            "can reach it can call your receive callbacks; set auth_token= "
+                            "(or MC_AUTH_TOKEN) on both ends", listen_address)
         self._initialized = True
         return True
 
@@ -178,11 +244,16 @@ class RpcInterface:
         if self._sock is None:
             log.error("RpcInterface: start_server needs initialize(listen_address) first")
             return False
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name="mte-rpc-interface",
-                                            daemon=True)
-            self._thread.start()
+        if self._listener is None:
+            self._listener = Listener(self._sock, f"mte-rpc-interface-{self.port}",
+                                      self._handle, MAX_CONNECTIONS, MAX_PER_PEER).start()
         return True
+
+    @property
+    def shed(self) -> int:
+        """Connections closed unserved (limits, descriptors or threads exhausted; not in
+        Mooncake)."""
+        return self._listener.shed if self._listener is not None else 0
 
     def stop_server(self) -> None:
         self._stop.set()
@@ -193,9 +264,9 @@ class RpcInterface:
             except OSError:
                 pass
             s.close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5)
-        self._thread = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def set_data_receive_callback(self, callback) -> None:
         self._data_cb = callback
@@ -203,31 +274,71 @@ class RpcInterface:
     def set_tensor_receive_callback(self, callback) -> None:
         self._tensor_cb = callback
 
-    def _serve(self) -> None:
-        sock = self._sock
-        while not self._stop.is_set() and sock is not None:
+    def _reserve(self, size: int) -> bool:
+        with self._inflight_lock:
+            if self._inflight + size > MAX_INFLIGHT:
+                return False
+            self._inflight += size
+            return True
+
+    def _release(self, size: int) -> None:
+        with self._inflight_lock:
+            self._inflight -= size
+
+    def _refuse(self, conn: socket.socket, peer: str, why: str) -> None:
+        self.refused += 1
+        log.warning("RpcInterface: refused a message from %s: %s", peer, why)
+        try:
+            conn.sendall(b"\x01")
+        except OSError:
+            pass
+
+    def _handle(self, conn: socket.socket, peer: str = "") -> None:
+        with conn:
             try:
-                conn, peer = sock.accept()
+                addr = conn.getpeername()
+                source = f"[{addr[0]}]:{addr[1]}" if ":" in addr[0] else f"{addr[0]}:{addr[1]}"
             except OSError:
                 return
-            threading.Thread(target=self._handle, args=(conn, peer), daemon=True).start()
-
-    def _handle(self, conn: socket.socket, peer) -> None:
-        with conn:
+            deadline = time.monotonic() + self._timeout
             conn.settimeout(self._timeout)
             try:
-                (hlen,) = _HDR.unpack(_recv_exact(conn, _HDR.size))
+                if self._token is not None:
+                    length, kind = framing.recv_header(conn, deadline)
+                    payload = b"" if kind != framing.AUTH else framing.recv_payload(
+                        conn, length, framing.PRE_AUTH_MAX_FRAME, deadline)
+                    why = framing.server_auth(conn, self._token, kind, payload, deadline,
+                                              LABELS)
+                    if why is not None:
+                        self.refused += 1
+                        log.warning("RpcInterface: refused %s: %s", source, why)
+                        return
+                (hlen,) = _HDR.unpack(_recv_exact(conn, _HDR.size, deadline))
                 if hlen > _MAX_HEADER:
-                    raise ValueError(f"header of {hlen} bytes")
-                head = json.loads(_recv_exact(conn, hlen))
+                    return self._refuse(conn, source, f"a header of {hlen} bytes")
+                head = json.loads(_recv_exact(conn, hlen, deadline))
                 size = int(head["size"])
-                if not 0 <= size <= _MAX_PAYLOAD:
-                    raise ValueError(f"payload of {size} bytes")
-                data = _recv_exact(conn, size)
-            except (OSError, ValueError, KeyError, TypeError, ConnectionError) as e:
-                log.warning("RpcInterface: bad message from %s: %s", peer, e)
+            except (OSError, ValueError, KeyError, TypeError, ConnectionError,
+                    E.MooncakeError) as e:
+                self.refused += 1
+                log.warning("RpcInterface: bad message from %s: %s", source, e)
                 return
-            source = str(head.get("source") or f"{peer[0]}:{peer[1]}")
+            # Checked before a byte of the payload is read: an announced 16 GiB costs
+            # nothing.
+            if not 0 <= size <= self._max_message:
+                return self._refuse(conn, source, f"a message of {size} bytes (at most "
+                                                  f"{self._max_message}: max_message_bytes)")
+            if not self._reserve(size):
+                return self._refuse(conn, source, f"a message of {size} bytes while "
+                                                  f"{self._inflight} are being received")
+            try:
+                data = _recv_exact(conn, size, deadline + size / _MIN_RATE)
+            except (OSError, ConnectionError) as e:
+                self.refused += 1
+                log.warning("RpcInterface: message from %s not received: %s", source, e)
+                return
+            finally:
+                self._release(size)
             ok = True
             try:
                 if head.get("kind") == "tensor":
@@ -258,6 +369,9 @@ class RpcInterface:
             head = dict(head, size=len(payload))
             raw = json.dumps(head).encode()
             with socket.create_connection((host, port), timeout=self._timeout) as s:
+                if self._token is not None:
+                    framing.client_auth(s, self._token, f"RpcInterface {target_address}",
+                                        LABELS)
                 s.sendall(_HDR.pack(len(raw)) + raw)
                 s.sendall(payload)
                 status = _recv_exact(s, 1)
@@ -301,12 +415,14 @@ def create_rpc_client(local_rank: int = 0, world_size: int = 1) -> RpcInterface:
 
 
 def create_rpc_server(local_rank: int = 0, world_size: int = 1) -> RpcInterface:
-    """A server initialized on ``0.0.0.0:8080``, as Mooncake's ``createRpcServer``;
-    start it with :meth:`RpcInterface.start_server_async`. Raises when the port is
-    taken (Mooncake's returns an uninitialized object)."""
+    """A server initialized on ``127.0.0.1:8080`` (Mooncake's ``createRpcServer`` binds
+    ``0.0.0.0:8080``: to serve other hosts, use ``RpcInterface().initialize_server(
+    "0.0.0.0:8080")`` with an auth token); start it with
+    :meth:`RpcInterface.start_server_async`. Raises when the port is taken (Mooncake's
+    returns an uninitialized object)."""
     s = RpcInterface()
-    if not s.initialize("0.0.0.0:8080", 0, 30, 10):
-        raise E.InvalidArgumentError("create_rpc_server: cannot listen on 0.0.0.0:8080 "
+    if not s.initialize("127.0.0.1:8080", 0, 30, 10):
+        raise E.InvalidArgumentError("create_rpc_server: cannot listen on 127.0.0.1:8080 "
                                      "(in use?); use RpcInterface().initialize_server("
                                      "'host:port') with another port")
     return s

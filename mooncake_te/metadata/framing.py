@@ -121,6 +121,15 @@ def proof(token: bytes, label: bytes, n1: bytes, n2: bytes) -> bytes:
 RPC_LABELS = (b"mte-rpc-server", b"mte-rpc-client")
 
 
+def metrics_credential(token: bytes | str) -> str:
+    """The bearer credential a scraper sends to a ``/metrics`` guarded by ``token``
+    (``Authorization: Bearer <this>``; the engine's and the metadata server's): an HMAC
+    of a fixed label with the token, so a scraper's configuration never holds the token
+    itself (issue #35)."""
+    key = token.encode() if isinstance(token, str) else bytes(token)
+    return hmac.new(key, b"mte-metrics-scrape", hashlib.sha256).hexdigest()
+
+
 def client_auth(sock: socket.socket, token: bytes, where: str,
                 labels: tuple[bytes, bytes] = RPC_LABELS) -> None:
     """Prove the token to the server and check that the server knows it too. ``labels``

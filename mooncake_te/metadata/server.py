@@ -37,7 +37,9 @@ engines can use it unchanged. Beyond Mooncake:
   says ``?auth=off``). The token never crosses the wire. Mooncake's C++ engines do not
   sign: leave authentication off where they share the server.
 * ``GET /health`` (JSON: status, key count, bytes used, uptime, persistence file; open
-  without authentication) and ``GET /metadata/keys[?prefix=...]`` (JSON list of keys).
+  without authentication for liveness probes, but with a token only ``status`` and
+  ``auth`` unless the request carries the metrics credential); ``GET /metrics`` needs,
+  with a token, ``Authorization: Bearer <framing.metrics_credential(token)>`` and ``GET /metadata/keys[?prefix=...]`` (JSON list of keys).
 * ``POST /metadata/batch``, several keys in one round trip (at most ``MAX_BATCH``):
   ``{"get": [key, ...]}`` answers ``{"values": [base64 value or null, ...]}``, at most
   ``max_batch_reply`` bytes of values (413 beyond, naming the limit: ask for fewer keys
@@ -489,7 +491,22 @@ class MetadataServer:
             return await self._authenticate(request, handler)
         return authenticate
 
+    def _scraper(self, request) -> bool:
+        """The request carries the metrics credential (``Authorization: Bearer``)."""
+        from .framing import metrics_credential
+        got = request.headers.get("Authorization", "")
+        return self.token is not None and hmac.compare_digest(
+            got.encode(), f"Bearer {metrics_credential(self.token)}".encode())
+
     async def _authenticate(self, request, handler):
+        if self.token is not None and request.path == "/metrics" and \
+                not self._scraper(request):
+            # Issue #35: key counts, request rates and peers' traffic are not for anyone
+            # who reaches the port; a scraper sends the credential derived from the token.
+            self.auth_failures += 1
+            return self._reply("this metadata server has an auth_token: scrape /metrics with "
+                               "Authorization: Bearer <metrics credential> (see "
+                               "docs/observability.md)", 401)
         if self.token is None or not request.path.startswith("/metadata"):
             return await handler(request)
         raw = request.headers.get(AUTH_HEADER, "")
@@ -697,6 +714,9 @@ class MetadataServer:
         return self._reply("", body=body)
 
     async def _handle_health(self, request):
+        if self.token is not None and not self._scraper(request):
+            # Open for liveness probes, but with a token it tells no more than that.
+            return self._reply("", body=json.dumps({"status": "ok", "auth": True}).encode())
         return self._reply("", body=json.dumps({
             "status": "ok", "keys": len(self.store.keys()), "bytes": self.store.used,
             "quota": self.store.quota, "auth": self.token is not None,

@@ -73,7 +73,8 @@ def attach(eng, te: dict) -> None:
     port = int(te.get("metrics_port", 0) or 0)
     if port:
         try:
-            eng._metrics_server = prometheus.serve(port, "127.0.0.1")
+            eng._metrics_server = prometheus.serve(port, "127.0.0.1",
+                                                   getattr(eng, "_token", None))
         except MooncakeError as e:
             # Metrics must not stop an engine from moving bytes; a busy port is common
             # when processes inherit MC_METRICS_PORT (bench targets, vLLM workers).

@@ -347,21 +347,25 @@ class MetricsServer:
         return f"<MetricsServer {self.url}>"
 
 
-def serve(port: int, host: str = "127.0.0.1") -> MetricsServer:
+def serve(port: int, host: str = "127.0.0.1", token: bytes | None = None) -> MetricsServer:
     """Serve /metrics on ``host:port`` (port 0 picks a free one; loopback by default:
-    anyone who can reach it learns peer names and traffic)."""
-    reg = registry()
-    from prometheus_client import start_http_server
+    anyone who can reach it learns peer names and traffic). With ``token`` (the engine's
+    ``auth_token``) a scrape must send ``Authorization: Bearer <credential>``
+    (:func:`~mooncake_te.metadata.framing.metrics_credential`). The listener is the
+    shared control-plane accept loop (metrics/http.py), not prometheus_client's
+    thread-per-connection server."""
+    registry()
+    from .http import HttpMetricsServer
     with _servers_lock:
         entry = _servers.get((host, port)) if port else None
         if entry is None:
             try:
-                server, thread = start_http_server(port, addr=host, registry=reg)
+                server = HttpMetricsServer(host, port, exposition, token)
             except OSError as e:
                 raise E.MooncakeError(f"cannot serve /metrics on {host}:{port}: "
                                       f"{e.strerror or e}; pick another metrics_port "
                                       f"(MC_METRICS_PORT) or 0 for none") from None
             port = server.server_address[1]
-            entry = _servers[(host, port)] = [server, thread, 0]
+            entry = _servers[(host, port)] = [server, None, 0]
         entry[2] += 1
     return MetricsServer(host, port)

@@ -7,6 +7,7 @@ rich tables (the live view).
 """
 from __future__ import annotations
 
+import os
 import time
 import urllib.error
 import urllib.request
@@ -20,9 +21,19 @@ P = "mooncake_te_"
 def scrape(url: str, timeout: float = 5.0) -> dict:
     """``{metric family name: [(labels dict, sample name, value)]}`` of one scrape."""
     from prometheus_client.parser import text_string_to_metric_families
+    from ..metadata.framing import metrics_credential
+    req = urllib.request.Request(url)
+    token = os.environ.get("MC_AUTH_TOKEN")
+    if token:                          # an engine with a token wants the scrape credential
+        req.add_header("Authorization", f"Bearer {metrics_credential(token)}")
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             text = r.read().decode()
+    except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise E.MooncakeError(f"{url} wants the metrics credential: the engine has an "
+                                  f"auth_token; set MC_AUTH_TOKEN to it") from None
+        raise E.MooncakeError(f"cannot read {url}: HTTP {e.code}") from None
     except (urllib.error.URLError, OSError) as e:
         raise E.MooncakeError(f"cannot read {url}: {getattr(e, 'reason', e)}; is an engine "
                               f"running with metrics_port (MC_METRICS_PORT) set to that "

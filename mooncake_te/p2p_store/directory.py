@@ -23,6 +23,7 @@ from what it holds and what it has been told.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import random
@@ -36,6 +37,9 @@ from .errors import ObjectExistsError
 from .manifest import HolderRef, Manifest
 
 log = logging.getLogger("mooncake_te.p2p_store")
+
+#: entries of an object's holder list in a metadata store
+MAX_HOLDERS = 256
 
 
 class Directory(ABC):
@@ -156,8 +160,11 @@ class StoreDirectory(Directory):
             log.warning("replacing object %r: its publisher %s no longer runs",
                         manifest.name, old.origin.address)
         self.backend.put(self._mkey(manifest.name), manifest.encode())
+        origin = manifest.origin.to_json()
+        if self.token:
+            origin["mac"] = manifest.origin.mac(self.token, manifest.object_id)
         self.backend.put(self._hkey(manifest.name), json.dumps(
-            {"object_id": manifest.object_id, "holders": [manifest.origin.to_json()]}).encode())
+            {"object_id": manifest.object_id, "holders": [origin]}).encode())
         self._update(self._ikey(), lambda d: _with_name(d, manifest.name, True), {"names": []})
 
     def withdraw(self, manifest: Manifest) -> None:
@@ -174,14 +181,20 @@ class StoreDirectory(Directory):
 
     def holders(self, name: str, object_id: str) -> list[HolderRef]:
         d = self._get_json(self._hkey(name), {})
-        if d.get("object_id") != object_id:
+        if not isinstance(d, dict) or d.get("object_id") != object_id:
             return []
         out = []
-        for h in d.get("holders", ()):
+        for h in list(d.get("holders", ()))[-MAX_HOLDERS:]:
             try:
-                out.append(HolderRef.from_json(h))
-            except (KeyError, TypeError):
+                ref = HolderRef.from_json(h)
+            except (KeyError, TypeError, ValueError):
                 continue
+            # With a token, an entry counts only with its tag (issue #35 item 8): anyone
+            # who can write to the metadata store cannot announce holders.
+            if self.token and not hmac.compare_digest(str(h.get("mac", "")),
+                                                      ref.mac(self.token, object_id)):
+                continue
+            out.append(ref)
         return out
 
     def _change_holders(self, manifest: Manifest, ref: HolderRef, add: bool) -> None:
@@ -190,10 +203,17 @@ class StoreDirectory(Directory):
                 if not add:
                     return d
                 d = {"object_id": manifest.object_id, "holders": []}
-            hs = [h for h in d.get("holders", ()) if h.get("address") != ref.address
-                  or h.get("instance") != ref.instance]
+            hs = [h for h in d.get("holders", ()) if isinstance(h, dict) and (
+                h.get("address") != ref.address or h.get("instance") != ref.instance)]
             if add:
-                hs.append(ref.to_json())
+                entry = ref.to_json()
+                if self.token:
+                    entry["mac"] = ref.mac(self.token, manifest.object_id)
+                hs.append(entry)
+            # Bounded: the oldest entries go first (live holders re-add themselves each
+            # refresh period); the publisher's own entry stays first.
+            if len(hs) > MAX_HOLDERS:
+                hs = hs[:1] + hs[len(hs) - MAX_HOLDERS + 1:]
             return {"object_id": manifest.object_id, "holders": hs}
         self._update(self._hkey(manifest.name), change, {})
 
@@ -284,8 +304,11 @@ class SeedDirectory(Directory):
     def holders(self, name: str, object_id: str) -> list[HolderRef]:
         out = {}
         for reply in self._ask({"op": "holders", "name": name, "object_id": object_id}):
-            for h in reply.get("holders", ()) if reply.get("ok") else ():
-                ref = HolderRef.from_json(h)
+            for h in list(reply.get("holders", ()) if reply.get("ok") else ())[:MAX_HOLDERS]:
+                try:
+                    ref = HolderRef.from_json(h)
+                except (KeyError, TypeError, ValueError):
+                    continue
                 out[ref.key] = ref
         return list(out.values())
 

@@ -31,7 +31,7 @@ from ..batch import READ
 from ..errors import MetadataError, MooncakeError
 from .control import ControlClient
 from .errors import NoHolderError, ObjectUnregisteredError
-from .manifest import HolderRef, Manifest, crc_of, transfer_plan
+from .manifest import HolderRef, Manifest, transfer_plan
 
 log = logging.getLogger("mooncake_te.p2p_store")
 
@@ -198,8 +198,11 @@ class Fetch:
                                            "object_id": self.m.object_id})
                 except MetadataError:
                     continue
-                for h in reply.get("holders", ()) if reply.get("ok") else ():
-                    ref = HolderRef.from_json(h)
+                for h in list(reply.get("holders", ()) if reply.get("ok") else ())[:256]:
+                    try:
+                        ref = HolderRef.from_json(h)
+                    except (KeyError, TypeError, ValueError):
+                        continue            # a malformed or oversized entry
                     refs.setdefault(ref.key, ref)
         return list(refs.values())
 
@@ -365,7 +368,8 @@ class Fetch:
             self._report(peer, c, result, length)
             self._peer_failed(peer, f"read failed: {e}")
             return
-        if crc_of(self.pieces, off, length) != m.checksums[c]:
+        # With a token, the chunk's keyed tag too: a CRC a lying holder can match.
+        if not m.chunk_ok(self.pieces, c, self.store.directory.token):
             result = "corrupt"
         self._report(peer, c, result, length)
         if result == "corrupt":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import sys
 import threading
@@ -22,7 +23,7 @@ from .control import ControlClient, ControlServer
 from .directory import Directory, SeedDirectory, StoreDirectory
 from .errors import ObjectExistsError, ObjectNotFoundError
 from .fetch import Fetch, pack_bits
-from .manifest import (DEFAULT_CHUNK_SIZE, MIN_CHUNK_SIZE, HolderRef, Manifest, crc_of)
+from .manifest import DEFAULT_CHUNK_SIZE, MAX_FIELD, MIN_CHUNK_SIZE, HolderRef, Manifest
 
 log = logging.getLogger("mooncake_te.p2p_store")
 
@@ -69,6 +70,29 @@ class _Local:
     def held(self) -> str:
         return self.role if self.complete else "partial"
 
+
+
+#: holders an object's store remembers from announcements and gossip (issue #35 item 8:
+#: fake announcements grew the list past a frame, and every getter failed)
+MAX_KNOWN = 128
+#: getters counted by name in the upload statistics; the rest under OTHERS
+MAX_STATS_PEERS = 256
+OTHERS = "(others)"
+
+
+def _remember(known: dict, ref: HolderRef) -> None:
+    """Add ``ref`` to ``known``; when full, it takes the place of a random entry (a flood
+    of fake holders cannot pin the list, and real ones keep coming back by gossip)."""
+    if ref.key not in known and len(known) >= MAX_KNOWN:
+        known.pop(random.choice(list(known)))
+    known[ref.key] = ref
+
+
+def _count_to(counts: dict, by: str) -> None:
+    """One more chunk uploaded to ``by``, at most MAX_STATS_PEERS names."""
+    if by not in counts and len(counts) >= MAX_STATS_PEERS:
+        by = OTHERS
+    counts[by] = counts.get(by, 0) + 1
 
 
 def _inside(regions, obj):
@@ -355,7 +379,8 @@ class P2PStore:
                                         f"unregister it first")
         pieces, owned = self._pieces(buffers, f"register({name!r})", serve=True)
         try:
-            manifest = Manifest.build(name, pieces, cs, self.ref, progress)
+            manifest = Manifest.build(name, pieces, cs, self.ref, progress,
+                                      token=self.directory.token)
             local = _Local(manifest, pieces, "origin", owned, complete=True)
             with self._lock:
                 if name in self._objects:
@@ -451,6 +476,9 @@ class P2PStore:
         _check_name(name)
         decentral = self.decentralized if decentralized is None else bool(decentralized)
         manifest = self.directory.manifest(name)
+        if manifest is not None:
+            # With a token: only a manifest sealed with it (issue #35 item 8).
+            manifest.check_sealed(self.directory.token)
         if manifest is None:
             where = self.directory.describe()
             try:
@@ -619,8 +647,15 @@ class P2PStore:
                 return m
             finally:
                 c.close()
-            return Manifest.from_json(reply["manifest"]) if reply.get("ok") else None
-        return self.directory.manifest(m.name)
+            cur = Manifest.from_json(reply["manifest"]) if reply.get("ok") else None
+        else:
+            cur = self.directory.manifest(m.name)
+        if cur is not None and self.directory.token:
+            try:
+                cur.check_sealed(self.directory.token)
+            except MooncakeError:
+                return m                # a forged replacement is no withdrawal
+        return cur
 
     def _quietly(self, fn, *args) -> None:
         try:
@@ -665,7 +700,7 @@ class P2PStore:
             ref = HolderRef.from_json(req["holder"])
             with self._lock:
                 if op == "announce":
-                    local.known[ref.key] = ref
+                    _remember(local.known, ref)
                 else:
                     local.known.pop(ref.key, None)
             return {"ok": True}
@@ -688,7 +723,7 @@ class P2PStore:
         if "from" in req and self.decentralized:
             ref = HolderRef.from_json(req["from"])
             with self._lock:
-                local.known[ref.key] = ref
+                _remember(local.known, ref)
         with self._lock:
             local.active += 1
             grants = session.setdefault("grants", {})
@@ -698,8 +733,10 @@ class P2PStore:
     def _done(self, local: _Local, req: dict, session: dict) -> dict:
         c = int(req.get("chunk", -1))
         result = req.get("result")
-        n = int(req.get("bytes", 0))
-        by = str(req.get("by", "?"))
+        # A report counts at most the chunk's own size (a peer's number is not trusted).
+        size = local.manifest.chunk_range(c)[1] if 0 <= c < local.manifest.chunks else 0
+        n = max(0, min(int(req.get("bytes", 0)), size))
+        by = str(req.get("by", "?"))[:MAX_FIELD]
         with self._lock:
             grants = session.get("grants", {})
             if grants.get(local, 0) > 0:
@@ -708,10 +745,10 @@ class P2PStore:
             if result == "ok":
                 local.uploaded += n
                 local.chunks_uploaded += 1
-                local.uploads_to[by] = local.uploads_to.get(by, 0) + 1
+                _count_to(local.uploads_to, by)
                 self._stats["bytes_uploaded"] += n
                 self._stats["chunks_uploaded"] += 1
-                self._chunks_to[by] = self._chunks_to.get(by, 0) + 1
+                _count_to(self._chunks_to, by)
         if result == "corrupt" and 0 <= c < local.manifest.chunks:
             self._check_own_chunk(local, c)
         return {"ok": True}
@@ -719,8 +756,7 @@ class P2PStore:
     def _check_own_chunk(self, local: _Local, c: int) -> None:
         """A getter says our chunk ``c`` is corrupt: check, and stop serving it if so."""
         m = local.manifest
-        off, length = m.chunk_range(c)
-        if crc_of(local.pieces, off, length) == m.checksums[c]:
+        if m.chunk_ok(local.pieces, c, self.directory.token):
             return      # it was damaged on the way, or the getter is wrong
         self._drop_chunk(local, c)
         # Memory that changed under one chunk (a buffer reused too early) has likely
@@ -741,8 +777,7 @@ class P2PStore:
         local.scrub = False
         m = local.manifest
         for c in np.flatnonzero(local.bits):
-            off, length = m.chunk_range(int(c))
-            if crc_of(local.pieces, off, length) != m.checksums[c]:
+            if not m.chunk_ok(local.pieces, int(c), self.directory.token):
                 self._drop_chunk(local, int(c))
 
     def _release(self, session: dict) -> None:

@@ -38,6 +38,7 @@ typedef struct conn {
     int64_t stall_since;        /* when the current message started waiting on the wire */
     int mid_message;
     int ready;                  /* the hello (and authentication) is done */
+    int evicted;                /* shut down by preauth_admit (under mu) */
     int64_t accepted_ns;        /* the hello must be done by accepted_ns + auth_ms */
     int64_t idle_since;         /* between requests: when the last one was answered */
     int64_t partial_since;      /* between requests: when a header began to arrive */
@@ -413,7 +414,10 @@ static void conn_serve(conn_t *c)
     c->io = io;
     if (!io->buf || !s.o.buf || conn_handshake(&s))
         goto out;
+    /* Under mu: the accept loop counts the connections not yet ready (preauth_admit). */
+    pthread_mutex_lock(&c->tcp->mu);
     c->ready = 1;
+    pthread_mutex_unlock(&c->tcp->mu);
     c->idle_since = mte_now_ns();
     int served = 0;              /* requests since we last waited for the wire */
     uint64_t last_len = 0;
@@ -496,6 +500,59 @@ static int conns_from(mte_tcp_t *t, const uint8_t key[16])
     return n;
 }
 
+/* Issue #35: connections that have not finished their hello (and authentication) may
+ * hold at most a quarter of max_conns, and at most MTE_TCP_PREAUTH_PER_PEER from one
+ * peer address; before, six addresses that never authenticated filled the whole cap
+ * (max_per_peer each) and no peer with the token could connect until auth_ms passed.
+ * When that quarter is full, a newcomer from an address with fewer connections
+ * waiting than another address has takes the place of the oldest waiting connection of
+ * the address with the most (that one is shut down): a flood from a few addresses cannot
+ * keep out a peer that connects now and then. Under mu; 0: admit, -1: refuse. */
+#define MTE_TCP_PREAUTH_PER_PEER 64
+
+static int preauth_from(mte_tcp_t *t, const uint8_t key[16])
+{
+    int n = 0;
+    for (conn_t *c = t->conns; c; c = c->next)
+        n += !c->ready && !c->evicted && memcmp(c->peer_key, key, 16) == 0;
+    return n;
+}
+
+static int preauth_admit(mte_tcp_t *t, const uint8_t key[16])
+{
+    int cap = atomic_load(&t->max_conns) / 4;
+    if (cap < 1)
+        cap = 1;
+    int total = 0;
+    for (conn_t *c = t->conns; c; c = c->next)
+        total += !c->ready && !c->evicted;
+    int mine = preauth_from(t, key);
+    if (mine >= MTE_TCP_PREAUTH_PER_PEER)
+        return -1;
+    if (total < cap)
+        return 0;
+    conn_t *victim = NULL;
+    int most = mine;
+    /* The list is newest first: ">=" keeps the oldest of the address with the most. */
+    for (conn_t *c = t->conns; c; c = c->next) {
+        if (c->ready || c->evicted)
+            continue;
+        int n = preauth_from(t, c->peer_key);
+        if (n > mine && n >= most) {
+            most = n;
+            victim = c;
+        }
+    }
+    if (!victim)
+        return -1;
+    /* Its thread sees the end of the stream and closes it (the fd is closed under mu,
+     * so it is still ours to shut down here). */
+    shutdown(victim->fd, SHUT_RDWR);
+    victim->evicted = 1;           /* not counted again while its thread winds down */
+    atomic_fetch_add(&t->conns_refused, 1);
+    return 0;
+}
+
 static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
 {
     for (;;) {
@@ -553,7 +610,8 @@ static void *accept_loop(mte_tcp_t *t, int lfd, int is_unix)
             break;
         }
         if (t->nconns >= atomic_load(&t->max_conns) ||
-            conns_from(t, c->peer_key) >= atomic_load(&t->max_per_peer)) {
+            conns_from(t, c->peer_key) >= atomic_load(&t->max_per_peer) ||
+            preauth_admit(t, c->peer_key)) {
             /* Over the limits: closed at once (the peer sees the connection end), so one
              * peer cannot take the descriptors and threads that others need. */
             pthread_mutex_unlock(&t->mu);

@@ -44,7 +44,9 @@ mte_tcp_t *mte_tcp_new(mte_regions_t *regions, const char *bind_host, int port,
 int mte_tcp_port(const mte_tcp_t *t);
 /* What one peer can make the data port hold (issue #20 item 6; docs/security.md). A
  * connection over max_conns in total, or over max_per_peer from one peer address (TCP:
- * its IP; same host: its pid), is closed at accept. The hello and its authentication must
+ * its IP; same host: its pid), is closed at accept; connections that have not finished
+ * their hello hold at most max_conns / 4 (64 from one peer; a newcomer from a quieter
+ * peer replaces the oldest of the busiest, issue #35). The hello and its authentication must
  * finish within auth_ms of the accept; a request header that started arriving must be
  * whole within the server's stall_ms; a connection with no request for idle_ms is closed
  * (0: never; the client's lanes reconnect by themselves). Defaults: 1024, 128, 10 s,

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from peers import sigstop
+from servers import http_metadata_server  # noqa: F401
 from mooncake_te.compat import (P2PHANDSHAKE, Read, TransferEngine, TransferNotify,
                                 TransferOpcode, Write)
 from mooncake_te.compat import engine as compat_engine
@@ -488,6 +489,22 @@ def test_initialize_variants(monkeypatch):
     assert c.initialize("127.0.0.1", "bogus://127.0.0.1:1", "tcp", "") == -1
     assert c.initialize("127.0.0.1", P2PHANDSHAKE, "xgmi", "") == -1
     assert c.get_engine() is None
+
+
+def test_loopback_local_hostname_listens_on_loopback_only(monkeypatch, http_metadata_server):
+    """Issue #35: with a metadata store, Mooncake's RPC mapping puts the engine on the
+    first LAN address whatever local_hostname says; a loopback local_hostname must keep
+    every port of the engine on loopback."""
+    monkeypatch.delenv("MC_TCP_BIND_ADDRESS", raising=False)
+    te = TransferEngine()
+    try:
+        assert te.initialize("127.0.0.1", http_metadata_server.url, "tcp", "") == 0
+        d = te.get_engine().descriptor()
+        assert d.host == "127.0.0.1", d
+        rpc = te.get_engine()._rpc._sock.getsockname()[0]
+        assert rpc == "127.0.0.1"
+    finally:
+        te.close()
 
 
 def _numa_locations() -> list:

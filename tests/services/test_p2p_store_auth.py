@@ -16,6 +16,7 @@ from mooncake_te.errors import AuthenticationError
 from mooncake_te.metadata import framing
 from mooncake_te.p2p_store import P2PStore
 from mooncake_te.p2p_store.control import FRAME, ControlClient
+from servers import redis_server  # noqa: F401
 
 TOKEN = b"p2p-cluster-secret"
 
@@ -97,3 +98,185 @@ def test_control_port_sheds_a_flood_and_keeps_serving(seed_store):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
+
+
+# --- issue #35 item 8: bounded holder lists and statistics, authenticated chunks ----------
+@pytest.fixture
+def open_store():
+    """A store without a token (the attacks below need none)."""
+    eng = mte.TransferEngine(host="127.0.0.1")
+    store = P2PStore(eng, metadata="p2p")
+    yield eng, store
+    store.close()
+    eng.close()
+
+
+def _holder(i: int, name_len: int = 16) -> dict:
+    return {"name": f"fake{i}".ljust(name_len, "x"), "address": f"127.0.0.9:{1000 + i}",
+            "segment": f"fake{i}", "instance": f"{i:012x}"}
+
+
+def test_fake_holder_announcements_cannot_break_getters(open_store):
+    eng, store = open_store
+    data = np.random.default_rng(5).integers(0, 256, 1 << 16, dtype=np.uint8)
+    m = store.register("obj", data)
+    oid = store._objects["obj"].manifest.object_id
+    attacker = ControlClient(store.address, 5.0, None)
+    for i in range(12):                  # 12 names of 100 KB: a holder list past 1 MiB
+        try:
+            attacker.call({"op": "announce", "name": "obj", "object_id": oid,
+                           "holder": _holder(i, 100_000)})
+        except Exception:
+            pass
+    for i in range(300):                 # and many ordinary-looking ones
+        attacker.call({"op": "announce", "name": "obj", "object_id": oid,
+                       "holder": _holder(1000 + i)})
+    attacker.close()
+    assert len(store._objects["obj"].known) <= 128                  # store.MAX_KNOWN
+    with mte.TransferEngine(host="127.0.0.1") as eng2:
+        getter = P2PStore(eng2, metadata="p2p", seeds=[store.address])
+        try:
+            assert bytes(getter.get("obj")) == data.tobytes()
+        finally:
+            getter.close()
+    del m
+
+
+def test_done_statistics_are_bounded(open_store):
+    eng, store = open_store
+    store.register("obj", np.zeros(1 << 16, np.uint8))
+    oid = store._objects["obj"].manifest.object_id
+    c = ControlClient(store.address, 5.0, None)
+    for i in range(600):
+        c.send({"op": "done", "name": "obj", "object_id": oid, "chunk": 0, "result": "ok",
+                "bytes": 1 << 40, "by": f"getter-{i}-" + "y" * 200})
+    assert c.call({"op": "hello"})["ok"]          # the sends before it were handled
+    c.close()
+    assert len(store._chunks_to) <= 256 + 1                # store.MAX_STATS_PEERS, others
+    assert len(store._objects["obj"].uploads_to) <= 256 + 1
+    assert all(len(k) <= 300 for k in store._chunks_to)
+    assert store.stats()["bytes_uploaded"] <= 600 * (1 << 16)     # no 2^40 per report
+
+
+def _crc32_forge(chunk: bytes, change: bytes) -> bytes:
+    """``chunk`` with ``change`` written at its start and bytes 4..8 chosen so that its
+    CRC-32 is unchanged (CRC is linear over GF(2): a lying holder can do this)."""
+    import zlib
+    n = len(chunk)
+    zero = zlib.crc32(bytes(n))
+
+    def lin(delta: bytes) -> int:        # the linear part of crc32 of a difference
+        return zlib.crc32(delta) ^ zero
+    head = bytes(a ^ b for a, b in zip(chunk[:4], change)) + bytes(n - 4)
+    target = lin(head)                   # what bytes 4..8 must cancel
+    cols = []
+    for bit in range(32):
+        d = bytearray(n)
+        d[4 + bit // 8] = 1 << (bit % 8)
+        cols.append(lin(bytes(d)))
+    # Solve sum(x_bit * cols[bit]) == target over GF(2).
+    rows = [(cols[b], 1 << b) for b in range(32)]
+    basis: dict = {}
+    for v, combo in rows:
+        for hb in range(31, -1, -1):
+            if not v >> hb & 1:
+                continue
+            if hb in basis:
+                v ^= basis[hb][0]
+                combo ^= basis[hb][1]
+            else:
+                basis[hb] = (v, combo)
+                break
+    x, t = 0, target
+    for hb in range(31, -1, -1):
+        if t >> hb & 1:
+            t ^= basis[hb][0]
+            x ^= basis[hb][1]
+    assert t == 0
+    fix = bytes((x >> (8 * i)) & 0xFF for i in range(4))
+    delta = head[:4] + fix + bytes(n - 8)
+    out = bytes(a ^ b for a, b in zip(chunk, delta))
+    assert zlib.crc32(out) == zlib.crc32(chunk) and out[:4] == change
+    return out
+
+
+def test_with_a_token_a_lying_replica_cannot_pass_a_forged_chunk():
+    """A replica's copy changed so that its CRC still matches: with the token, the getter
+    checks each chunk's keyed tag and refuses it (before, it returned the forged bytes)."""
+    data = np.random.default_rng(9).integers(0, 256, 1 << 16, dtype=np.uint8)
+    e1 = mte.TransferEngine(host="127.0.0.1", auth_token=TOKEN)
+    e2 = mte.TransferEngine(host="127.0.0.1", auth_token=TOKEN)
+    e3 = mte.TransferEngine(host="127.0.0.1", auth_token=TOKEN)
+    origin = P2PStore(e1, metadata="p2p", chunk_size=16 << 10)
+    replica = P2PStore(e2, metadata="p2p", seeds=[origin.address])
+    getter = None
+    try:
+        origin.register("obj", data)
+        copy = replica.get("obj")
+        assert bytes(copy) == data.tobytes()
+        origin.close()                     # the replica is now the only holder
+        chunk = bytes(copy[:16 << 10])
+        copy[:16 << 10] = np.frombuffer(_crc32_forge(chunk, b"EVIL"), np.uint8)
+        getter = P2PStore(e3, metadata="p2p", seeds=[replica.address])
+        try:
+            got = getter.get("obj", timeout=20)
+        except mte.errors.MooncakeError:
+            got = None                     # refused: no honest holder of chunk 0 left
+        assert got is None or bytes(got) == data.tobytes(), "forged chunk accepted"
+        assert getter.stats()["corrupt_chunks"] >= 1
+    finally:
+        if getter is not None:
+            getter.close()
+        replica.close()
+        origin.close()
+        for e in (e1, e2, e3):
+            e.close()
+
+
+def test_with_a_token_an_unsealed_manifest_is_refused(seed_store):
+    """A manifest from a store without the token (or written into the metadata store by
+    anyone) is not used by a store that has one."""
+    eng, store = seed_store
+    with mte.TransferEngine(host="127.0.0.1") as e0:
+        plain = P2PStore(e0, metadata="p2p")
+        try:
+            plain.register("obj", np.zeros(1 << 16, np.uint8))
+            manifest = plain._objects["obj"].manifest
+            assert not manifest.seal
+            with pytest.raises(AuthenticationError, match="not sealed"):
+                manifest.check_sealed(TOKEN)
+        finally:
+            plain.close()
+    store.register("obj2", np.ones(1 << 16, np.uint8))
+    sealed = store._objects["obj2"].manifest
+    assert sealed.check_sealed(TOKEN) is sealed
+    forged = type(sealed).from_json(dict(sealed.to_json(), size=sealed.size))
+    forged.checksums = [c ^ 1 for c in forged.checksums]
+    with pytest.raises(AuthenticationError):
+        forged.check_sealed(TOKEN)
+
+
+def test_with_a_token_holder_entries_written_without_it_are_ignored(redis_server):
+    """Anyone who can write to redis could add holders to an object's list; with a token,
+    an entry counts only with its tag."""
+    url = f"{redis_server.url}?ttl=2"
+    eng = mte.TransferEngine(host="127.0.0.1", metadata=url, auth_token=TOKEN)
+    store = P2PStore(eng)
+    try:
+        store.register("tagged", np.ones(1 << 16, np.uint8))
+        d = store.directory
+        oid = store._objects["tagged"].manifest.object_id
+        key = d._hkey("tagged")
+        raw = json.loads(d.backend.get(key))
+        raw["holders"] += [_holder(i) for i in range(5)]          # no tags
+        raw["holders"].append(dict(_holder(9), mac="0" * 32))       # a wrong tag
+        d.backend.put(key, json.dumps(raw).encode())
+        assert [h.name for h in d.holders("tagged", oid)] == [store.name]
+        for i in range(300):                     # the list stays bounded
+            d.add_holder(store._objects["tagged"].manifest,
+                         type(store.ref).from_json(_holder(100 + i)))
+        assert len(json.loads(d.backend.get(key))["holders"]) <= 256
+        assert store.name in {h.name for h in d.holders("tagged", oid)}
+    finally:
+        store.close()
+        eng.close()

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import time
@@ -153,3 +154,63 @@ def test_top_says_what_is_wrong_when_nothing_listens():
     out = subprocess.run([sys.executable, "-m", "mooncake_te", "top", "--once",
                           "127.0.0.1:1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "metrics_port" in out.stderr
+
+
+# --- issue #35: /metrics behind the token, and bounded -----------------------------------
+def _status(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_metadata_server_metrics_need_the_credential_when_auth_is_on(tmp_path):
+    pytest.importorskip("aiohttp")
+    from mooncake_te.metadata.framing import metrics_credential
+    from mooncake_te.metadata.server import MetadataServer
+    with MetadataServer("127.0.0.1", 0, str(tmp_path / "md.json"), token="sesame") as srv:
+        base = srv.url.replace("/metadata", "")
+        assert _status(base + "/metrics")[0] == 401
+        assert _status(base + "/metrics", {"Authorization": "Bearer sesame"})[0] == 401
+        ok = {"Authorization": f"Bearer {metrics_credential(b'sesame')}"}
+        code, body = _status(base + "/metrics", ok)
+        assert code == 200 and b"mooncake_te_metadata_keys" in body
+        # /health stays open for liveness probes, and says no more than that.
+        code, body = _status(base + "/health")
+        assert code == 200 and json.loads(body) == {"status": "ok", "auth": True}
+        assert "persist" in json.loads(_status(base + "/health", ok)[1])
+
+
+def test_engine_metrics_need_the_credential_when_auth_is_on():
+    from mooncake_te.metadata.framing import metrics_credential
+    from mooncake_te.metrics import prometheus
+    h = prometheus.serve(0, "127.0.0.1", b"sesame")
+    try:
+        assert _status(h.url)[0] == 401
+        code, body = _status(h.url, {"Authorization": f"Bearer {metrics_credential('sesame')}"})
+        assert code == 200
+    finally:
+        h.release()
+
+
+def test_engine_metrics_listener_takes_no_thread_per_connection():
+    import socket
+    import threading
+    from mooncake_te.metrics import prometheus
+    h = prometheus.serve(0, "127.0.0.1")
+    flood = []
+    try:
+        before = threading.active_count()
+        for _ in range(60):                     # connections that never send a request
+            flood.append(socket.create_connection(("127.0.0.1", h.port),
+                                                  source_address=("127.0.0.2", 0)))
+        time.sleep(0.5)
+        assert threading.active_count() - before <= 16
+        code, body = _status(h.url)             # another address is still served
+        assert code == 200
+    finally:
+        for f in flood:
+            f.close()
+        h.release()

@@ -98,6 +98,35 @@ def test_one_address_cannot_take_every_connection():
         target.close()
 
 
+def test_addresses_that_never_authenticate_cannot_fill_the_cap():
+    """Issue #35: six source addresses, each at max_per_peer and none authenticating,
+    filled the whole connection cap, and a peer with the token could not connect until
+    the auth deadline passed. Waiting connections now hold at most a quarter of the
+    cap, and a newcomer takes the place of the flood's oldest."""
+    target = _engine(data_max_per_peer=32, data_max_connections=64, data_auth_timeout_s=60,
+                     auth_token="sesame")
+    ini = mte.TransferEngine(host="127.0.0.1", protocol="tcp", auth_token="sesame")
+    flood = []
+    try:
+        dst = np.zeros(N, np.uint8)
+        r = target.register(dst)
+        port = _data_port(target)
+        for i in range(6):
+            flood += [_connect(port, f"127.0.0.{10 + i}") for _ in range(32)]
+        time.sleep(0.5)
+        c = _tcp(target).counters()
+        assert c["connections"] <= 16 + 1, c
+        src = np.arange(N, dtype=np.uint64).astype(np.uint8)
+        s = ini.register(src)
+        ini.write(target.name, s.address, r.address, N, timeout=5)
+        assert (dst == src).all()
+    finally:
+        for f in flood:
+            f.close()
+        ini.close()
+        target.close()
+
+
 def test_silent_connection_is_closed_after_the_auth_deadline():
     target = _engine(data_auth_timeout_s=0.5)
     try:

@@ -2,9 +2,9 @@
 """Scheduler -> worker lookups: how long a prefix the worker's pool holds, by tier.
 
 The scheduler (:class:`PoolLookup`) asks the worker's server (:class:`_LookupServer`,
-answering with :meth:`~.worker.PoolWorker.lookup`) over an ``AF_UNIX`` socket in the
-abstract namespace (:func:`lookup_address`), so it works whether vLLM runs the worker in
-the scheduler's process or another. Wire format, little-endian:
+answering with :meth:`~.worker.PoolWorker.lookup`) over an ``AF_UNIX`` socket
+(:func:`lookup_address`), so it works whether vLLM runs the worker in the scheduler's
+process or another. Wire format, little-endian:
 
     request  u32 number of keys, u8 flags (1: also ask the tiers that are not local),
              then the keys (16 bytes each)
@@ -14,22 +14,39 @@ the scheduler's process or another. Wire format, little-endian:
 The reply names its tiers, so the two sides need not agree on a registry: a tier
 registered in the worker (:mod:`mooncake_te.kvcache.tiers`) reaches the scheduler's
 counts, the hit-rate line and the metrics as data.
+
+The socket is a control-plane listener (issue #35 item 4): it lives in a directory only
+our uid can enter (:func:`~mooncake_te.metadata.listener.private_path`; a fixed abstract
+name could be taken by anyone first), the server serves only our uid and the client talks
+only to a server of our uid (``SO_PEERCRED``); the accept loop is the shared
+:class:`~mooncake_te.metadata.listener.Listener` (survives EMFILE, at most
+``MAX_CONNECTIONS``); a request announces at most ``MAX_KEYS`` keys (checked before
+anything is read for them), must arrive whole within ``FRAME_TIMEOUT`` once started, and
+a connection idle for ``IDLE_TIMEOUT`` is closed (the client reconnects).
 """
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
-import threading
+import time
 
 from ....kvcache.keys import KEY_BYTES
 from ....kvcache.tiers import names as tier_names
 from ....metadata.framing import _recv_exact
+from ....metadata.listener import Listener, connect_private, listen_private, private_path
 
 log = logging.getLogger("mooncake_te.integrations.vllm")
 
 _REQ = struct.Struct("<IB")           # number of keys, flags (1: also ask peers)
 _REP = struct.Struct("<BB")           # number of tiers, bytes of their names
+#: keys in one lookup (a prompt of 4 Mi tokens at 16 tokens a block); a longer prefix is
+#: looked up by its first MAX_KEYS blocks
+MAX_KEYS = 1 << 18
+MAX_CONNECTIONS = 16        # lookup connections served at once (one per scheduler)
+FRAME_TIMEOUT = 5.0         # s from a request's first byte to its last
+IDLE_TIMEOUT = 300.0        # s without a request before the connection is closed
 
 
 class TierCounts(tuple):
@@ -92,8 +109,10 @@ class TierCounts(tuple):
 
 
 def lookup_address(engine_id: str, tp_rank: int = 0) -> str:
-    """The abstract ``AF_UNIX`` name the worker of ``engine_id`` answers lookups on."""
-    return f"\0mooncake_te/vllm-pool/{engine_id}/{int(tp_rank)}"
+    """The ``AF_UNIX`` path the worker of ``engine_id`` answers lookups on: in a
+    directory only our uid can enter (``$MC_RUNTIME_DIR``, ``$XDG_RUNTIME_DIR`` or
+    ``<tmp>/mooncake_te-<uid>``; see :func:`~mooncake_te.metadata.listener.private_dir`)."""
+    return private_path(f"vllm-pool-{engine_id}-{int(tp_rank)}")
 
 
 class PoolLookup:
@@ -110,14 +129,13 @@ class PoolLookup:
     def lookup(self, keys, remote: bool = True) -> TierCounts:
         if not keys:
             return TierCounts.zero()
+        keys = keys[:MAX_KEYS]              # the server refuses more: a prefix of them
         msg = _REQ.pack(len(keys), 1 if remote else 0) + b"".join(keys)
         for attempt in (0, 1):
             try:
                 if self._sock is None:
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    s.settimeout(self.timeout_s)
-                    s.connect(self.address)
-                    self._sock = s
+                    # A server of another uid (a squatter) is refused, never asked.
+                    self._sock = connect_private(self.address, self.timeout_s)
                 self._sock.sendall(msg)
                 return TierCounts.read(self._sock)
             except OSError as e:
@@ -140,34 +158,48 @@ class PoolLookup:
 
 class _LookupServer:
     """Answers :class:`PoolLookup` with ``answer(keys, remote)`` (a :class:`TierCounts`
-    or a dict ``{tier: blocks}``), one thread per connection."""
+    or a dict ``{tier: blocks}``), on the shared control-plane accept loop."""
 
     def __init__(self, address: str, answer):
         self._answer = answer
-        self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._srv.bind(address)
-        self._srv.listen(8)
+        self.address = address
+        self._srv = listen_private(address)
         self._closed = False
-        threading.Thread(target=self._accept, name="mte-vllm-lookup", daemon=True).start()
+        self.refused = 0                    # requests refused (too many keys, stalled)
+        self._listener = Listener(self._srv, "mte-vllm-lookup", self._serve,
+                                  MAX_CONNECTIONS, MAX_CONNECTIONS).start()
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self._srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name="mte-vllm-lookup-conn").start()
+    @property
+    def listener(self) -> Listener:
+        return self._listener
 
-    def _serve(self, conn) -> None:
+    def _read(self, conn):
+        """The next request's (keys, flags); None when the peer closed, was idle for
+        IDLE_TIMEOUT, stalled mid-request or announced too many keys."""
+        try:
+            conn.settimeout(IDLE_TIMEOUT)
+            first = conn.recv(1)
+            if not first:
+                return None
+            deadline = time.monotonic() + FRAME_TIMEOUT
+            n, flags = _REQ.unpack(first + _recv_exact(conn, _REQ.size - 1, deadline))
+            if n > MAX_KEYS:
+                self.refused += 1
+                log.warning("mooncake_te connector: a pool lookup of %d keys refused (at "
+                            "most %d)", n, MAX_KEYS)
+                return None
+            raw = _recv_exact(conn, n * KEY_BYTES, deadline)
+        except (OSError, ConnectionError):
+            return None
+        return [raw[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)], flags
+
+    def _serve(self, conn, peer=None) -> None:
         with conn:
             while not self._closed:
-                try:
-                    n, flags = _REQ.unpack(_recv_exact(conn, _REQ.size))
-                    raw = _recv_exact(conn, n * KEY_BYTES)
-                except (OSError, ConnectionError):
+                req = self._read(conn)
+                if req is None:
                     return
-                keys = [raw[i * KEY_BYTES:(i + 1) * KEY_BYTES] for i in range(n)]
+                keys, flags = req
                 try:
                     rep = self._answer(keys, bool(flags & 1))
                 except Exception as e:          # answer a miss rather than hang the scheduler
@@ -179,11 +211,17 @@ class _LookupServer:
                     return
 
     def close(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         try:
             self._srv.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._srv.close()
-
-
+        self._listener.close()
+        if not self.address.startswith("\0"):
+            try:
+                os.unlink(self.address)
+            except OSError:
+                pass
