@@ -36,12 +36,14 @@ import logging
 import os
 import re
 import socket
+import struct
 import threading
 
 import numpy as np
 
 from .. import errors as E
 from ..kvcache.keys import as_key
+from ..kvcache.record import HEADER_SIZE
 
 log = logging.getLogger("mooncake_te.compat.store")
 
@@ -54,15 +56,26 @@ OBJECT_NOT_FOUND = -704
 TRANSFER_FAIL = -800
 
 _MIB = 1 << 20
-#: largest object by default; a KV pool slot holds one object (MC_STORE_MAX_OBJECT_SIZE)
-DEFAULT_MAX_OBJECT = 4 * _MIB
+#: Payload bytes of one pool slot (a chunk of an object; MC_STORE_CHUNK_SIZE): an object
+#: of any size up to the segment spans as many slots as it needs.
+DEFAULT_CHUNK = (64 << 10) - 64
+#: Bytes at the start of an object's first chunk: magic, total length, version nonce.
+_OBJ = struct.Struct("<4sQI")
+_OBJ_MAGIC = b"MCS1"
 
 
-def default_max_object(segment_size: int) -> int:
-    """4 MiB, or less so that the segment holds at least 16 objects (a slot is the
-    object plus a 64-byte header, rounded up to 4 KiB)."""
-    slot = max(4096, min(DEFAULT_MAX_OBJECT + 4096, segment_size // 16) // 4096 * 4096)
+def default_chunk(segment_size: int) -> int:
+    """Chunk (slot payload) bytes: 64 KiB slots, or smaller so that the segment holds at
+    least 16 (a slot is the chunk plus a 64-byte header, rounded up to 4 KiB)."""
+    slot = max(4096, min(DEFAULT_CHUNK + 64, segment_size // 16) // 4096 * 4096)
     return slot - 64
+
+
+def n_chunks(total: int, chunk: int) -> int:
+    """Slots an object of ``total`` bytes takes (its first chunk also holds a 16-byte
+    object header)."""
+    first = chunk - _OBJ.size
+    return 1 + max(0, -(-(total - first) // chunk))
 
 
 def _parse_size(value) -> int:
@@ -190,6 +203,7 @@ class MooncakeDistributedStore:
         self._remote = False
         self._lock = threading.Lock()
         self._buffers: dict[int, object] = {}
+        self._heads: set = set()         # first-chunk keys of objects this process stored
         self._warned_preferred = False
 
     # --- set-up --------------------------------------------------------------------------
@@ -270,9 +284,13 @@ class MooncakeDistributedStore:
                             "store only sees its own objects (give metadata_server, or "
                             "master_server_address, as etcd://, redis:// or http:// URL to "
                             "share objects between processes)", metadata)
-        max_obj = _parse_size(extra.pop("max_object_size", None)
-                              or os.environ.get("MC_STORE_MAX_OBJECT_SIZE")
-                              or default_max_object(segment_size))
+        chunk = _parse_size(extra.pop("chunk_size", None) or extra.pop("max_object_size", None)
+                            or os.environ.get("MC_STORE_CHUNK_SIZE")
+                            or os.environ.get("MC_STORE_MAX_OBJECT_SIZE")
+                            or default_chunk(segment_size))
+        if chunk <= _OBJ.size:
+            raise E.InvalidArgumentError(f"chunk_size {chunk} is too small; give at least "
+                                         f"4096 bytes (MC_STORE_CHUNK_SIZE)")
         ssd_bytes = 0
         if ssd:
             if not ssd_path:
@@ -282,14 +300,16 @@ class MooncakeDistributedStore:
                                     or 4 * segment_size)
         for k in extra:
             log.info("setup: %s=%r accepted and not used by this store", k, extra[k])
-        self._cache = KVCache(block_bytes=max_obj, dram_bytes=segment_size,
+        self._cache = KVCache(block_bytes=chunk, dram_bytes=segment_size,
                               ssd_bytes=ssd_bytes, cache_dir=ssd_path or None,
                               engine=eng, index=index, namespace=f"store/{tenant}",
                               log_interval_s=0)
         self._remote = self._cache._index is not None
-        self.max_object_size = max_obj
+        self.chunk_size = chunk
+        #: the largest object: every slot of the segment
+        self.max_object_size = self._cache.dram_slots * chunk - _OBJ.size
         log.info("store segment %s: %d slots of %d bytes, ssd %d bytes, index %s",
-                 eng.name, self._cache.dram_slots, max_obj, ssd_bytes,
+                 eng.name, self._cache.dram_slots, chunk, ssd_bytes,
                  "shared" if self._remote else "local only")
 
     def _c(self):
@@ -370,48 +390,170 @@ class MooncakeDistributedStore:
                         "are stored in this process's pool (Mooncake's fallback when the "
                         "preferred segment cannot take them)", seg, self._eng.name)
 
-    def _put_many(self, keys, datas, config=None) -> list:
-        """Store ``datas[i]`` (bytes-like) under ``keys[i]``; a code per key."""
+    def _put_many(self, keys, datas, config=None, replace: bool = False) -> list:
+        """Store ``datas[i]`` (bytes-like) under ``keys[i]``; a code per key.
+
+        An object is laid out over pool slots: chunk 0 (under the key itself) holds a
+        16-byte object header (magic, total length, a random version nonce) and the first
+        bytes; chunks 1.. hold the rest under keys derived from the key, the nonce and the
+        chunk number, so a chunk of another version of the object is never mixed in.
+        Chunk 0 is placed first, so it is the first of them the LRU evicts: a partly
+        evicted object has lost its first chunk and is not found, never half read.
+        Returns once every index record is in the metadata store (read-after-write for
+        every client)."""
         cache = self._c()
         self._check_config(config)
+        chunk = cache.block_bytes
         out = [OK] * len(keys)
-        ks, blocks, where = [], [], []
+        ks: list = []
+        blocks: list = []
+        where: list = []
+        if replace:
+            self._remove_objects([k for k in keys])
         for i, (k, d) in enumerate(zip(keys, datas)):
-            n = memoryview(d).nbytes
-            if n == 0 or n > cache.block_bytes:
-                log.error("put %r: %d bytes; objects are 1 to %d bytes (max_object_size / "
-                          "MC_STORE_MAX_OBJECT_SIZE)", k, n, cache.block_bytes)
-                out[i] = INVALID_PARAMS if n == 0 else NO_AVAILABLE_HANDLE
+            mv = memoryview(d)
+            if mv.ndim != 1 or mv.format != "B":
+                mv = mv.cast("B")
+            n = mv.nbytes
+            if n == 0:
+                log.error("put %r: an object has at least 1 byte", k)
+                out[i] = INVALID_PARAMS
                 continue
-            ks.append(_key(k))
-            blocks.append(d)
+            nch = n_chunks(n, chunk)
+            if nch > cache.dram_slots:
+                log.error("put %r: %d bytes do not fit this segment (at most %d bytes: "
+                          "global_segment_size %d bytes in slots of %d)", k, n,
+                          cache.dram_slots * chunk - _OBJ.size,
+                          cache.dram_slots * cache.slot_size, cache.slot_size)
+                out[i] = NO_AVAILABLE_HANDLE
+                continue
+            head = _key(k)
+            if not replace and cache.size_of(head) is not None:
+                continue                            # held here: left as it is
+            nonce = int.from_bytes(os.urandom(4), "little")
+            first = chunk - _OBJ.size
+            ks.append(head)
+            blocks.append(_OBJ.pack(_OBJ_MAGIC, n, nonce) + bytes(mv[:first]))
+            for j, ck in enumerate(_chunk_keys(k, nonce, nch), start=1):
+                ks.append(ck)
+                lo = first + (j - 1) * chunk
+                blocks.append(mv[lo:lo + chunk])
             where.append(i)
+            self._heads.add(head)
         if ks:
             try:
                 cache.put(ks, blocks)
+                if not cache.flush_index():
+                    log.warning("put: the index records of %d objects did not reach the "
+                                "metadata store within 10 s", len(where))
             except E.MooncakeError as e:
-                log.error("put of %d objects: %s", len(ks), e)
+                log.error("put of %d objects: %s", len(where), e)
                 for i in where:
                     out[i] = INTERNAL_ERROR
         return out
 
+    def _heads_of(self, keys, peek: bool = False) -> list:
+        """Each object's ``(total bytes, nonce, first chunk array)``, or None. With
+        ``peek``, a first chunk in this process's DRAM tier is read in place, without
+        touching it (the chunk array is then None): a first chunk must never become more
+        recent than the object's other chunks, or the LRU would evict those first."""
+        cache = self._c()
+        out: list = [None] * len(keys)
+        todo = list(range(len(keys)))
+        if peek:
+            todo = []
+            with cache._lock:
+                for i, k in enumerate(keys):
+                    ent = cache._dram.get(_key(k))
+                    if ent is None:
+                        todo.append(i)
+                        continue
+                    off = ent[0] * cache.slot_size + HEADER_SIZE
+                    h = _parse_obj(cache._np[off:off + _OBJ.size])
+                    out[i] = None if h is None else (h[0], h[1], None)
+        if todo:
+            got = cache.get([_key(keys[i]) for i in todo], remote=self._remote)
+            for i, g in zip(todo, got):
+                h = _parse_obj(g)
+                out[i] = None if h is None else (h[0], h[1], g)
+        return out
+
     def _get_many(self, keys, sizes=None) -> list:
         """Each object as a numpy array, or an int code (negative) when it is missing or
-        larger than ``sizes[i]``."""
+        larger than ``sizes[i]``. Two rounds: the first chunks, then every other chunk of
+        every object at once."""
         cache = self._c()
-        ks = [_key(k) for k in keys]
-        got = cache.get(ks, remote=self._remote)
-        out = []
-        for i, g in enumerate(got):
-            if g is None:
+        chunk = cache.block_bytes
+        heads = self._heads_of(keys)
+        out: list = []
+        rest_keys: list = []
+        rest_to: list = []            # (index in out, offset)
+        for i, h in enumerate(heads):
+            if h is None:
                 out.append(OBJECT_NOT_FOUND)
-            elif sizes is not None and g.nbytes > sizes[i]:
-                log.error("get %r: the object is %d bytes, the buffer %d", keys[i],
-                          g.nbytes, sizes[i])
+                continue
+            total, nonce, g = h
+            if sizes is not None and total > sizes[i]:
+                log.error("get %r: the object is %d bytes, the buffer %d", keys[i], total,
+                          sizes[i])
                 out.append(INVALID_PARAMS)
-            else:
-                out.append(g)
+                continue
+            first = chunk - _OBJ.size
+            buf = np.empty(total, np.uint8)
+            n0 = min(total, first)
+            buf[:n0] = g[_OBJ.size:_OBJ.size + n0]
+            out.append(buf)
+            for j, ck in enumerate(_chunk_keys(keys[i], nonce, n_chunks(total, chunk)),
+                                   start=1):
+                rest_keys.append(ck)
+                rest_to.append((i, first + (j - 1) * chunk))
+        if rest_keys:
+            def land(j, view):
+                i, off = rest_to[j]
+                dst = out[i]
+                if isinstance(dst, np.ndarray):
+                    dst[off:off + view.nbytes] = view
+            got = cache.get(rest_keys, remote=self._remote, copy=land)
+            broken = []
+            for (i, _), g in zip(rest_to, got):
+                if g is None and not isinstance(out[i], int):
+                    log.warning("get %r: a chunk of the object was evicted; it is gone",
+                                keys[i])
+                    out[i] = OBJECT_NOT_FOUND
+                    broken.append(keys[i])
+            if broken:
+                self._remove_objects(broken)     # what is left of them finds no reader
         return out
+
+    def _remove_objects(self, keys) -> list:
+        """Remove each object (every chunk, here and from the index); True where one
+        was found."""
+        cache = self._c()
+        heads = self._heads_of(keys, peek=True)
+        found = []
+        drop: list = []
+        for k, h in zip(keys, heads):
+            head = _key(k)
+            drop.append(head)
+            self._heads.discard(head)
+            if h is not None:
+                drop += _chunk_keys(k, h[1], n_chunks(h[0], cache.block_bytes))
+            found.append(h is not None)
+        cache.remove(drop)
+        cache.flush_index()
+        return found
+
+    def _object_size(self, key) -> "int | None":
+        """The object's size, from its first chunk (read only when its length does not
+        tell: a first chunk shorter than a slot is the whole object)."""
+        cache = self._c()
+        n0 = cache.size_of(_key(key), remote=self._remote)
+        if n0 is None:
+            return None
+        if n0 < cache.block_bytes:
+            return n0 - _OBJ.size
+        h = self._heads_of([key], peek=True)[0]
+        return None if h is None else h[0]
 
     # --- the everyday API ---------------------------------------------------------------
     def put(self, key: str, value, config: ReplicateConfig | None = None) -> int:
@@ -523,7 +665,7 @@ class MooncakeDistributedStore:
     def get_size(self, key: str) -> int:
         """The object's size in bytes, or -704 when it does not exist."""
         def go():
-            n = self._c().size_of(_key(key), remote=self._remote)
+            n = self._object_size(key)
             return OBJECT_NOT_FOUND if n is None else n
         return self._guard(go, INTERNAL_ERROR)
 
@@ -534,15 +676,7 @@ class MooncakeDistributedStore:
 
     def batch_remove(self, keys, force: bool = False) -> list:
         def go():
-            cache = self._c()
-            out = []
-            for k in keys:
-                kk = _key(k)
-                known = cache.size_of(kk, remote=self._remote) is not None
-                cache.remove([kk])
-                out.append(OK if known else OBJECT_NOT_FOUND)
-            cache.flush_index()
-            return out
+            return [OK if f else OBJECT_NOT_FOUND for f in self._remove_objects(list(keys))]
         return self._guard(go, [INTERNAL_ERROR] * len(keys))
 
     def remove_all(self, force: bool = False) -> int:
@@ -550,7 +684,10 @@ class MooncakeDistributedStore:
         the number removed, or -1. ``force`` is accepted (no leases to skip here)."""
         def go():
             cache = self._c()
-            n = cache.remove(cache.keys())
+            held = cache.keys()
+            n = sum(1 for k in held if k in self._heads)
+            cache.remove(held)
+            self._heads.clear()
             cache.flush_index()
             return n
         return self._guard(go, -1)
@@ -568,16 +705,19 @@ class MooncakeDistributedStore:
                 tier = cache.tier(kk)
                 if tier == "dram":
                     slot, n = cache._dram[kk]
-                    reps.append(ReplicaDescriptor("memory", self._eng.name,
-                                                  cache.base + slot * cache.slot_size, n))
+                    off = slot * cache.slot_size
+                    h = _parse_obj(cache._np[off + HEADER_SIZE:off + HEADER_SIZE + _OBJ.size])
+                    reps.append(ReplicaDescriptor("memory", self._eng.name, cache.base + off,
+                                                  h[0] if h else n))
                 elif tier == "ssd":
                     from ..kvcache.ssd import SLAB
-                    reps.append(ReplicaDescriptor("local_disk", size=cache.ssd.index[kk][1],
+                    reps.append(ReplicaDescriptor("local_disk", size=self._object_size(k),
                                                   path=os.path.join(cache.ssd.dir, SLAB)))
                 elif self._remote:
                     rec = cache._index.lookup(kk)
                     if rec is not None:
-                        reps.append(ReplicaDescriptor("memory", rec[0], rec[1], rec[2]))
+                        reps.append(ReplicaDescriptor("memory", rec[0], rec[1],
+                                                      self._object_size(k) or rec[2]))
                 out[k] = reps
             return out
         return self._guard(go, {})
@@ -603,6 +743,22 @@ def _key(key) -> bytes:
     if not isinstance(key, str) or not key:
         raise E.InvalidArgumentError(f"a store key is a non-empty str, got {key!r}")
     return as_key(key.encode())
+
+
+def _chunk_keys(key, nonce: int, nch: int) -> list:
+    """Pool keys of chunks 1 .. nch-1 of version ``nonce`` of object ``key``."""
+    if isinstance(key, str):
+        key = key.encode("utf-8", "surrogateescape")
+    base = b"\0chunk\0" + bytes(key) + nonce.to_bytes(4, "little")
+    return [as_key(base + j.to_bytes(4, "little")) for j in range(1, nch)]
+
+
+def _parse_obj(first) -> "tuple[int, int] | None":
+    """``(total bytes, nonce)`` from an object's first chunk, or None."""
+    if first is None or len(first) < _OBJ.size:
+        return None
+    magic, total, nonce = _OBJ.unpack_from(bytes(first[:_OBJ.size]))
+    return (total, nonce) if magic == _OBJ_MAGIC else None
 
 
 def _same_len(keys, ptrs, sizes) -> None:

@@ -63,7 +63,7 @@ def test_everyday_api(redis_server):
         assert s.remove("b") == 0 and s.is_exist("b") == 0
         assert s.remove("b") == OBJECT_NOT_FOUND
         assert s.batch_remove(["c", "nope"]) == [0, OBJECT_NOT_FOUND]
-        assert s.put("big", b"x" * (300 << 10)) == NO_AVAILABLE_HANDLE   # > max_object_size
+        assert s.put("huge", b"x" * (9 * MIB)) == NO_AVAILABLE_HANDLE   # > the segment
         assert s.put("empty", b"") == INVALID_PARAMS
         assert s.remove_all(force=True) == 1        # "a"
         assert s.is_exist("a") == 0
