@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import errors as E
 from ..kvcache.keys import as_key
-from ..kvcache.record import HEADER_SIZE
+from ..kvcache.record import HEADER_SIZE, slot_size_for
 
 log = logging.getLogger("mooncake_te.compat.store")
 
@@ -59,8 +59,9 @@ _MIB = 1 << 20
 #: Payload bytes of one pool slot (a chunk of an object; MC_STORE_CHUNK_SIZE): an object
 #: of any size up to the segment spans as many slots as it needs.
 DEFAULT_CHUNK = (64 << 10) - 64
-#: Bytes at the start of an object's first chunk: magic, total length, version nonce.
-_OBJ = struct.Struct("<4sQI")
+#: Bytes at the start of an object's first chunk: magic, the writer's chunk size, total
+#: length, version nonce (readers lay the object out by the writer's chunk size).
+_OBJ = struct.Struct("<4sIQI")
 _OBJ_MAGIC = b"MCS1"
 
 
@@ -204,6 +205,13 @@ class MooncakeDistributedStore:
         self._lock = threading.Lock()
         self._buffers: dict[int, object] = {}
         self._heads: set = set()         # first-chunk keys of objects this process stored
+        self._service = None             # our StoreService (a store with a segment)
+        self._directory = None           # the tenant's {segment: service} record
+        self._dir_stop = threading.Event()
+        self._dir_thread = None
+        self._segmentless = False        # global_segment_size = 0: objects live elsewhere
+        self._local_buffer = 16 * _MIB
+        self._rr = 0
         self._warned_preferred = False
 
     # --- set-up --------------------------------------------------------------------------
@@ -235,6 +243,7 @@ class MooncakeDistributedStore:
                 return -1
             return self.setup(local_hostname, metadata_server, **cfg)
         try:
+            self._local_buffer = _parse_size(local_buffer_size)
             self._setup(str(local_hostname), str(metadata_server),
                         _parse_size(global_segment_size), protocol or "tcp",
                         rdma_devices or "", str(master_server_addr or ""), engine,
@@ -287,7 +296,7 @@ class MooncakeDistributedStore:
         chunk = _parse_size(extra.pop("chunk_size", None) or extra.pop("max_object_size", None)
                             or os.environ.get("MC_STORE_CHUNK_SIZE")
                             or os.environ.get("MC_STORE_MAX_OBJECT_SIZE")
-                            or default_chunk(segment_size))
+                            or default_chunk(segment_size or 1 << 40))
         if chunk <= _OBJ.size:
             raise E.InvalidArgumentError(f"chunk_size {chunk} is too small; give at least "
                                          f"4096 bytes (MC_STORE_CHUNK_SIZE)")
@@ -300,17 +309,100 @@ class MooncakeDistributedStore:
                                     or 4 * segment_size)
         for k in extra:
             log.info("setup: %s=%r accepted and not used by this store", k, extra[k])
-        self._cache = KVCache(block_bytes=chunk, dram_bytes=segment_size,
+        if segment_size < 0:
+            raise E.InvalidArgumentError(f"global_segment_size {segment_size} is negative")
+        self._segmentless = segment_size == 0
+        pool = segment_size
+        if self._segmentless:
+            # No share of the pool: objects are put in other processes' segments through
+            # their store services; reads land in a private staging pool (the size of the
+            # local buffer, at least 64 slots) and are not kept.
+            if index is None and not isinstance(getattr(eng, "metadata", None),
+                                                KeyValueBackend):
+                raise E.InvalidArgumentError(
+                    "global_segment_size = 0 needs a metadata store (etcd://, redis:// or "
+                    "http:// metadata_server, or master_server_address as such a URL) to "
+                    "find the processes that hold the objects")
+            if ssd_bytes:
+                raise E.InvalidArgumentError("enable_ssd_offload needs a segment "
+                                             "(global_segment_size > 0)")
+            pool = max(self._local_buffer, 64 * slot_size_for(chunk))
+        self._cache = KVCache(block_bytes=chunk, dram_bytes=pool,
                               ssd_bytes=ssd_bytes, cache_dir=ssd_path or None,
                               engine=eng, index=index, namespace=f"store/{tenant}",
                               log_interval_s=0)
+        self._cache.publish_reads = False
         self._remote = self._cache._index is not None
         self.chunk_size = chunk
         #: the largest object: every slot of the segment
         self.max_object_size = self._cache.dram_slots * chunk - _OBJ.size
-        log.info("store segment %s: %d slots of %d bytes, ssd %d bytes, index %s",
+        if self._remote:
+            from .store_service import Directory, StoreService
+            self._directory = Directory(self._cache._index.store, tenant)
+            if not self._segmentless:
+                self._service = StoreService(_host_of(hostname), self._serve_call)
+                self._directory.add(eng.name, self._service.addr)
+                self._dir_thread = threading.Thread(target=self._keep_listed,
+                                                    name="store-directory", daemon=True)
+                self._dir_thread.start()
+        log.info("store segment %s: %d slots of %d bytes, ssd %d bytes, index %s%s",
                  eng.name, self._cache.dram_slots, chunk, ssd_bytes,
-                 "shared" if self._remote else "local only")
+                 "shared" if self._remote else "local only",
+                 " (no segment: objects go to other processes)" if self._segmentless else "")
+
+    def _keep_listed(self) -> None:
+        """Put this store's directory entry back if a concurrent update dropped it."""
+        from .store_service import DIRECTORY_CHECK_S
+        while not self._dir_stop.wait(DIRECTORY_CHECK_S):
+            svc, d, eng = self._service, self._directory, self._eng
+            if svc is None or d is None or eng is None:
+                return
+            try:
+                if d.services().get(eng.name) != svc.addr:
+                    d.add(eng.name, svc.addr)
+            except Exception as e:            # the metadata store is down: next time
+                log.info("store directory: %s", e)
+
+    def _peers(self) -> dict:
+        """``{segment: service address}`` of the other stores of this tenant."""
+        if self._directory is None:
+            return {}
+        me = self._eng.name if self._eng is not None and not self._segmentless else None
+        return {k: v for k, v in self._directory.services().items() if k != me}
+
+    def _call_peers(self, head: dict, payload=b"", targets=None) -> list:
+        """Call every other store (or ``targets``, ``{segment: addr}``); ``(segment,
+        reply head)`` of each that answered."""
+        from .store_service import call
+        out = []
+        for seg, addr in (self._peers() if targets is None else targets).items():
+            try:
+                out.append((seg, call(addr, head, payload)[0]))
+            except E.MooncakeError as e:
+                log.warning("%s", e)
+        return out
+
+    def _serve_call(self, head: dict, payload: bytes):
+        """Another store's call (:mod:`.store_service`)."""
+        op = head.get("op")
+        if op == "ping":
+            self._c()
+            return {"ok": 1}, b""
+        if op == "put":
+            keys, sizes = list(head["keys"]), [int(n) for n in head["sizes"]]
+            if sum(sizes) != len(payload):
+                raise E.InvalidArgumentError("sizes do not add up to the payload")
+            mv, views, off = memoryview(payload), [], 0
+            for n in sizes:
+                views.append(mv[off:off + n])
+                off += n
+            return {"codes": self._put_many(keys, views, replace=bool(head.get("replace")),
+                                            forward=False)}, b""
+        if op == "remove":
+            return {"found": self._remove_objects(list(head["keys"]), forward=False)}, b""
+        if op == "remove_all":
+            return {"n": self._remove_all_here()}, b""
+        raise E.InvalidArgumentError(f"unknown store call {op!r}")
 
     def _c(self):
         if self._cache is None:
@@ -321,6 +413,15 @@ class MooncakeDistributedStore:
     def close(self) -> int:
         """Withdraw this process's objects from the index, release the pool and the
         engine this store started. 0. Idempotent."""
+        self._dir_stop.set()
+        svc, self._service = self._service, None
+        if svc is not None:
+            try:
+                if self._directory is not None and self._eng is not None:
+                    self._directory.remove(self._eng.name)
+            except Exception as e:
+                log.warning("close: the store directory: %s", e)
+            svc.close()
         cache, self._cache = self._cache, None
         if cache is not None:
             try:
@@ -390,7 +491,8 @@ class MooncakeDistributedStore:
                         "are stored in this process's pool (Mooncake's fallback when the "
                         "preferred segment cannot take them)", seg, self._eng.name)
 
-    def _put_many(self, keys, datas, config=None, replace: bool = False) -> list:
+    def _put_many(self, keys, datas, config=None, replace: bool = False,
+                  forward: bool = True) -> list:
         """Store ``datas[i]`` (bytes-like) under ``keys[i]``; a code per key.
 
         An object is laid out over pool slots: chunk 0 (under the key itself) holds a
@@ -400,16 +502,28 @@ class MooncakeDistributedStore:
         Chunk 0 is placed first, so it is the first of them the LRU evicts: a partly
         evicted object has lost its first chunk and is not found, never half read.
         Returns once every index record is in the metadata store (read-after-write for
-        every client)."""
+        every client). A store without a segment sends the objects to another store's
+        segment; ``replica_num`` > 1 sends copies to as many other stores (``forward``
+        False: a call from another store, stored here only)."""
         cache = self._c()
         self._check_config(config)
+        if replace:
+            self._remove_objects(list(keys), forward=forward)
+        if self._segmentless and forward:
+            return self._put_elsewhere(keys, datas, config, replace)
         chunk = cache.block_bytes
-        out = [OK] * len(keys)
+        out: list = [OK] * len(keys)
         ks: list = []
         blocks: list = []
         where: list = []
         if replace:
-            self._remove_objects([k for k in keys])
+            pass
+        elif self._remote and forward:
+            # A key another process holds exists: left as it is (one index query).
+            held = cache._index.lookup_many([_key(k) for k in keys])
+            for i, rec in enumerate(held):
+                if rec is not None:
+                    out[i] = None           # marked: skip below
         for i, (k, d) in enumerate(zip(keys, datas)):
             mv = memoryview(d)
             if mv.ndim != 1 or mv.format != "B":
@@ -428,12 +542,13 @@ class MooncakeDistributedStore:
                 out[i] = NO_AVAILABLE_HANDLE
                 continue
             head = _key(k)
-            if not replace and cache.size_of(head) is not None:
-                continue                            # held here: left as it is
+            if out[i] is None or (not replace and cache.size_of(head) is not None):
+                out[i] = OK                         # held: left as it is
+                continue
             nonce = int.from_bytes(os.urandom(4), "little")
             first = chunk - _OBJ.size
             ks.append(head)
-            blocks.append(_OBJ.pack(_OBJ_MAGIC, n, nonce) + bytes(mv[:first]))
+            blocks.append(_OBJ.pack(_OBJ_MAGIC, chunk, n, nonce) + bytes(mv[:first]))
             for j, ck in enumerate(_chunk_keys(k, nonce, nch), start=1):
                 ks.append(ck)
                 lo = first + (j - 1) * chunk
@@ -450,10 +565,82 @@ class MooncakeDistributedStore:
                 log.error("put of %d objects: %s", len(where), e)
                 for i in where:
                     out[i] = INTERNAL_ERROR
+        nrep = int(getattr(config, "replica_num", 1) or 1) if config is not None else 1
+        if forward and nrep > 1 and where:
+            self._replicate([keys[i] for i in where if out[i] == OK],
+                            [datas[i] for i in where if out[i] == OK], nrep - 1, config,
+                            replace)
         return out
 
+    def _targets(self, n: int, config=None) -> dict:
+        """``n`` other stores to place objects in: the preferred segments first, then
+        the others in turn."""
+        peers = self._peers()
+        names = sorted(peers)
+        if names:
+            r = self._rr % len(names)
+            self._rr += 1
+            names = names[r:] + names[:r]
+        pref = []
+        if config is not None:
+            pref = [p for p in ([getattr(config, "preferred_segment", "")] +
+                                list(getattr(config, "preferred_segments", []) or []))
+                    if p in peers]
+        order = list(dict.fromkeys(pref + names))
+        return {seg: peers[seg] for seg in order[:n]}
+
+    def _send_objects(self, targets: dict, keys, datas, replace: bool) -> dict:
+        """Send the objects to each target store; ``{segment: [code per key]}``."""
+        views = [memoryview(d).cast("B") if memoryview(d).ndim != 1 or
+                 memoryview(d).format != "B" else memoryview(d) for d in datas]
+        payload = b"".join(views)
+        head = {"op": "put", "keys": [str(k) if not isinstance(k, bytes) else
+                                      k.decode("utf-8", "surrogateescape") for k in keys],
+                "sizes": [v.nbytes for v in views], "replace": replace}
+        return {seg: rh.get("codes", [INTERNAL_ERROR] * len(keys))
+                for seg, rh in self._call_peers(head, payload, targets)}
+
+    def _put_elsewhere(self, keys, datas, config, replace) -> list:
+        """A store without a segment: the objects go to other stores' segments."""
+        out = [OK] * len(keys)
+        ok_i = []
+        for i, d in enumerate(datas):
+            n = memoryview(d).nbytes
+            if n == 0:
+                out[i] = INVALID_PARAMS
+            else:
+                ok_i.append(i)
+        if not ok_i:
+            return out
+        nrep = max(1, int(getattr(config, "replica_num", 1) or 1)) if config else 1
+        targets = self._targets(nrep, config)
+        if not targets:
+            log.error("put: this store has no segment (global_segment_size = 0) and no "
+                      "other store of tenant is running to hold objects")
+            for i in ok_i:
+                out[i] = NO_AVAILABLE_HANDLE
+            return out
+        got = self._send_objects(targets, [keys[i] for i in ok_i], [datas[i] for i in ok_i],
+                                 replace)
+        for j, i in enumerate(ok_i):
+            codes = [c[j] for c in got.values()]
+            out[i] = OK if OK in codes else (codes[0] if codes else TRANSFER_FAIL)
+        return out
+
+    def _replicate(self, keys, datas, n: int, config, replace) -> None:
+        """Copies in ``n`` other stores' segments (``replica_num`` - 1). Their index
+        records are written after ours, so the index names the last copy made; the
+        first holder leaving does not lose the object."""
+        targets = self._targets(n, config)
+        if len(targets) < n:
+            log.warning("replica_num %d: only %d other stores to hold copies", n + 1,
+                        len(targets))
+        if targets and keys:
+            self._send_objects(targets, keys, datas, replace)
+
     def _heads_of(self, keys, peek: bool = False) -> list:
-        """Each object's ``(total bytes, nonce, first chunk array)``, or None. With
+        """Each object's ``(total bytes, nonce, first chunk array, chunk size)``, or
+        None. With
         ``peek``, a first chunk in this process's DRAM tier is read in place, without
         touching it (the chunk array is then None): a first chunk must never become more
         recent than the object's other chunks, or the LRU would evict those first."""
@@ -470,20 +657,32 @@ class MooncakeDistributedStore:
                         continue
                     off = ent[0] * cache.slot_size + HEADER_SIZE
                     h = _parse_obj(cache._np[off:off + _OBJ.size])
-                    out[i] = None if h is None else (h[0], h[1], None)
+                    out[i] = None if h is None else (h[0], h[1], None, h[2])
         if todo:
-            got = cache.get([_key(keys[i]) for i in todo], remote=self._remote)
+            got = self._fetch([_key(keys[i]) for i in todo])
             for i, g in zip(todo, got):
                 h = _parse_obj(g)
-                out[i] = None if h is None else (h[0], h[1], g)
+                out[i] = None if h is None else (h[0], h[1], g, h[2])
         return out
+
+    def _fetch(self, pool_keys, copy=None) -> list:
+        """``KVCache.get`` with the index; what came from another process is not kept
+        (its holder stays the one the index names, and a later version of the object
+        is never shadowed by a stale copy here)."""
+        cache = self._c()
+        where: list = []
+        got = cache.get(pool_keys, remote=self._remote, copy=copy, where=where)
+        fetched = [k for k, w in zip(pool_keys, where) if w is not None and w != "dram"
+                   and w != "ssd"]
+        if fetched:
+            cache.remove(fetched, index=False)
+        return got
 
     def _get_many(self, keys, sizes=None) -> list:
         """Each object as a numpy array, or an int code (negative) when it is missing or
         larger than ``sizes[i]``. Two rounds: the first chunks, then every other chunk of
         every object at once."""
         cache = self._c()
-        chunk = cache.block_bytes
         heads = self._heads_of(keys)
         out: list = []
         rest_keys: list = []
@@ -492,7 +691,7 @@ class MooncakeDistributedStore:
             if h is None:
                 out.append(OBJECT_NOT_FOUND)
                 continue
-            total, nonce, g = h
+            total, nonce, g, chunk = h
             if sizes is not None and total > sizes[i]:
                 log.error("get %r: the object is %d bytes, the buffer %d", keys[i], total,
                           sizes[i])
@@ -513,7 +712,7 @@ class MooncakeDistributedStore:
                 dst = out[i]
                 if isinstance(dst, np.ndarray):
                     dst[off:off + view.nbytes] = view
-            got = cache.get(rest_keys, remote=self._remote, copy=land)
+            got = self._fetch(rest_keys, copy=land)
             broken = []
             for (i, _), g in zip(rest_to, got):
                 if g is None and not isinstance(out[i], int):
@@ -525,9 +724,9 @@ class MooncakeDistributedStore:
                 self._remove_objects(broken)     # what is left of them finds no reader
         return out
 
-    def _remove_objects(self, keys) -> list:
-        """Remove each object (every chunk, here and from the index); True where one
-        was found."""
+    def _remove_objects(self, keys, forward: bool = True) -> list:
+        """Remove each object (every chunk, here and from the index; with ``forward``,
+        every other store's copies too); True where one was found."""
         cache = self._c()
         heads = self._heads_of(keys, peek=True)
         found = []
@@ -537,36 +736,92 @@ class MooncakeDistributedStore:
             drop.append(head)
             self._heads.discard(head)
             if h is not None:
-                drop += _chunk_keys(k, h[1], n_chunks(h[0], cache.block_bytes))
+                drop += _chunk_keys(k, h[1], n_chunks(h[0], h[3]))
             found.append(h is not None)
         cache.remove(drop)
         cache.flush_index()
+        if forward and self._directory is not None:
+            for _, rh in self._call_peers({"op": "remove", "keys": [str(k) for k in keys]}):
+                found = [a or bool(b) for a, b in zip(found, rh.get("found", []))]
         return found
+
+    def _remove_all_here(self) -> int:
+        cache = self._c()
+        held = cache.keys()
+        n = sum(1 for k in held if k in self._heads)
+        cache.remove(held)
+        self._heads.clear()
+        cache.flush_index()
+        return n
 
     def _object_size(self, key) -> "int | None":
         """The object's size, from its first chunk (read only when its length does not
-        tell: a first chunk shorter than a slot is the whole object)."""
+        tell: a first chunk shorter than the smallest slot is the whole object)."""
         cache = self._c()
-        n0 = cache.size_of(_key(key), remote=self._remote)
+        mine = cache.size_of(_key(key))
+        if mine is not None and mine < cache.block_bytes:
+            return mine - _OBJ.size          # written here, in one of our slots
+        n0 = mine if mine is not None else cache.size_of(_key(key), remote=self._remote)
         if n0 is None:
             return None
-        if n0 < cache.block_bytes:
+        if n0 < 4096 - HEADER_SIZE:
             return n0 - _OBJ.size
         h = self._heads_of([key], peek=True)[0]
         return None if h is None else h[0]
 
     # --- the everyday API ---------------------------------------------------------------
+    def _staged(self, keys, values) -> list:
+        """Mooncake's ``put``/``put_batch``/``upsert`` copy the value into the client's
+        local buffer (``local_buffer_size``) first; a value that does not fit it fails
+        there (-600), with ``local_buffer_size = 0`` every one. A code per key (0: fits)."""
+        out = []
+        for k, v in zip(keys, values):
+            n = memoryview(v).nbytes
+            if n > self._local_buffer:
+                log.error("put %r: %d bytes do not fit the local buffer (local_buffer_size "
+                          "%d); give setup a larger local_buffer_size, or register the "
+                          "memory and use put_from", k, n, self._local_buffer)
+                out.append(INVALID_PARAMS)
+            else:
+                out.append(OK)
+        return out
+
+    def _put_staged(self, keys, values, config, replace=False) -> list:
+        out = self._staged(keys, values)
+        ok = [i for i, c in enumerate(out) if c == OK]
+        if ok:
+            for i, c in zip(ok, self._put_many([keys[i] for i in ok], [values[i] for i in ok],
+                                               config, replace=replace)):
+                out[i] = c
+        return out
+
     def put(self, key: str, value, config: ReplicateConfig | None = None) -> int:
         """Store ``value`` (bytes-like) under ``key``. 0, or a negative code; a key that
         exists is left as it is and 0 returned (Mooncake's put semantics)."""
-        return self._guard(lambda: self._put_many([key], [value], config)[0], INTERNAL_ERROR)
+        return self._guard(lambda: self._put_staged([key], [value], config)[0],
+                           INTERNAL_ERROR)
 
     def put_batch(self, keys, values, config: ReplicateConfig | None = None) -> int:
         """Store several objects; 0 when every one was stored, else the first error."""
         def go():
             if len(keys) != len(values):
                 raise E.InvalidArgumentError(f"{len(keys)} keys but {len(values)} values")
-            bad = [c for c in self._put_many(list(keys), list(values), config) if c]
+            bad = [c for c in self._put_staged(list(keys), list(values), config) if c]
+            return bad[0] if bad else OK
+        return self._guard(go, INVALID_PARAMS)
+
+    def upsert(self, key: str, value, config: ReplicateConfig | None = None) -> int:
+        """Store ``value`` under ``key``, replacing an object that exists (every copy,
+        in every store). 0 or a negative code."""
+        return self._guard(lambda: self._put_staged([key], [value], config, True)[0],
+                           INTERNAL_ERROR)
+
+    def upsert_batch(self, keys, values, config: ReplicateConfig | None = None) -> int:
+        """:meth:`upsert` of several objects; 0, else the first error."""
+        def go():
+            if len(keys) != len(values):
+                raise E.InvalidArgumentError(f"{len(keys)} keys but {len(values)} values")
+            bad = [c for c in self._put_staged(list(keys), list(values), config, True) if c]
             return bad[0] if bad else OK
         return self._guard(go, INVALID_PARAMS)
 
@@ -670,8 +925,9 @@ class MooncakeDistributedStore:
         return self._guard(go, INTERNAL_ERROR)
 
     def remove(self, key: str, force: bool = False) -> int:
-        """Remove the object: this process's copies and the index record, so no process
-        finds it through the index any more. 0, or -704 when nobody held it."""
+        """Remove the object everywhere: this process's copies, the index records, and
+        every other store's copies (through their services). 0, or -704 when nobody
+        held it."""
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys, force: bool = False) -> list:
@@ -680,15 +936,13 @@ class MooncakeDistributedStore:
         return self._guard(go, [INTERNAL_ERROR] * len(keys))
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every object this process holds (both tiers, and their index records);
-        the number removed, or -1. ``force`` is accepted (no leases to skip here)."""
+        """Remove every object of the cluster (this tenant's): this process's, and every
+        other store's through its service; the number removed, or -1. ``force`` is
+        accepted (no leases to skip here)."""
         def go():
-            cache = self._c()
-            held = cache.keys()
-            n = sum(1 for k in held if k in self._heads)
-            cache.remove(held)
-            self._heads.clear()
-            cache.flush_index()
+            n = self._remove_all_here()
+            if self._directory is not None:
+                n += sum(int(rh.get("n", 0)) for _, rh in self._call_peers({"op": "remove_all"}))
             return n
         return self._guard(go, -1)
 
@@ -745,6 +999,15 @@ def _key(key) -> bytes:
     return as_key(key.encode())
 
 
+def _host_of(name: str) -> str:
+    """The host of ``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 address."""
+    if name.startswith("["):
+        return name[1:name.index("]")]
+    if name.count(":") == 1:
+        return name.split(":")[0] or "127.0.0.1"
+    return name or "127.0.0.1"
+
+
 def _chunk_keys(key, nonce: int, nch: int) -> list:
     """Pool keys of chunks 1 .. nch-1 of version ``nonce`` of object ``key``."""
     if isinstance(key, str):
@@ -753,12 +1016,12 @@ def _chunk_keys(key, nonce: int, nch: int) -> list:
     return [as_key(base + j.to_bytes(4, "little")) for j in range(1, nch)]
 
 
-def _parse_obj(first) -> "tuple[int, int] | None":
-    """``(total bytes, nonce)`` from an object's first chunk, or None."""
+def _parse_obj(first) -> "tuple[int, int, int] | None":
+    """``(total bytes, nonce, chunk size)`` from an object's first chunk, or None."""
     if first is None or len(first) < _OBJ.size:
         return None
-    magic, total, nonce = _OBJ.unpack_from(bytes(first[:_OBJ.size]))
-    return (total, nonce) if magic == _OBJ_MAGIC else None
+    magic, chunk, total, nonce = _OBJ.unpack_from(bytes(first[:_OBJ.size]))
+    return (total, nonce, chunk) if magic == _OBJ_MAGIC and chunk > _OBJ.size else None
 
 
 def _same_len(keys, ptrs, sizes) -> None:

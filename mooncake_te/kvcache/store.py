@@ -103,6 +103,9 @@ class KVCache:
     """
 
     _fill_fn = None                     # put(fill=)'s callback during that put
+    #: Publish a block read from a peer as held here too (the KV pool's sharing); the
+    #: object store keeps index records on the processes an object was put in.
+    publish_reads = True
     _where = None                       # get(where=)'s list during that get
 
     def __init__(self, block_bytes: int, dram_bytes: int, ssd_bytes: int = 0,
@@ -896,7 +899,7 @@ class KVCache:
                         c["promotions"] += 1
                     c[f"served_{t.name}"] += 1
                     c[f"served_{t.name}_bytes"] += n
-                    if self._index is not None:
+                    if self._index is not None and (t.local or self.publish_reads):
                         self._index.publish(k, self.base + slot * self.slot_size, n)
                     self._copyouts.append((i, slot, n, t.name, k))
                 else:

@@ -29,10 +29,10 @@ def index_url(request):
     yield from (srv.url for srv in _serve(cls))
 
 
-def _store(url="P2PHANDSHAKE", segment=64 * MIB, **kw):
+def _store(url="P2PHANDSHAKE", segment=64 * MIB, local=128 * MIB, **kw):
     s = MooncakeDistributedStore()
     assert s.setup(dict(local_hostname="127.0.0.1", metadata_server=url,
-                        global_segment_size=segment, local_buffer_size=16 * MIB,
+                        global_segment_size=segment, local_buffer_size=local,
                         protocol="tcp", master_server_address="127.0.0.1:50051", **kw)) == 0
     return s
 
