@@ -32,6 +32,7 @@ semantics differ.
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import re
@@ -90,6 +91,47 @@ def _parse_size(value) -> int:
     return int(float(m.group(1)) * mult)
 
 
+class ReplicaStatus(enum.IntEnum):
+    """A replica's state, as Mooncake's ``ReplicaStatus``; every replica this store
+    reports is ``COMPLETE`` (a put returns once its bytes and index record are in)."""
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+class SoftPinAction(enum.IntEnum):
+    """What a soft pin asks (``ReplicateConfig.soft_pin_action``). Accepted; this store
+    has no leases or pins: objects are evicted least recently used first."""
+    NONE = 0
+    PIN = 1
+    UNPIN = 2
+
+
+class ObjectDataType(enum.IntEnum):
+    """What an object holds (vLLM's EC connector tags embeddings with it). Accepted
+    and not stored: every object is bytes here."""
+    UNKNOWN = 0
+    KV_CACHE = 1
+    TENSOR = 2
+    EMBEDDING = 3
+
+
+class BufferHandle(np.ndarray):
+    """An object's bytes as ``get_buffer``/``batch_get_buffer`` return them: a numpy
+    ``uint8`` array (so ``memoryview(h)``, ``np.asarray(h)`` are zero-copy views) with
+    Mooncake's ``ptr()`` and ``size()``. The memory is this handle's: valid while it
+    lives (Mooncake's handle points into the client's registered buffer)."""
+
+    def ptr(self) -> int:
+        return int(self.ctypes.data)
+
+    def size(self) -> int:           # type: ignore[override]
+        return int(self.nbytes)
+
+
 class ReplicateConfig:
     """Mooncake's ``ReplicateConfig``: how a put places its replicas.
 
@@ -111,6 +153,8 @@ class ReplicateConfig:
         self.preferred_segments: list = []
         self.prefer_alloc_in_same_node = False
         self.group_ids: list = []
+        self.soft_pin_action = SoftPinAction.NONE
+        self.soft_pin_ttl_ms = 0
 
     def __repr__(self) -> str:
         return (f"ReplicateConfig(replica_num={self.replica_num}, preferred_segment="
@@ -177,10 +221,26 @@ class ReplicaDescriptor:
         return f"<ReplicaDescriptor {self._kind} {self.status}>"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Where Mooncake's store client picks the port it adds to a bare local_hostname.
+PORT_RANGE = (12300, 14300)
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` in :data:`PORT_RANGE`, tried in random order."""
+    import random
+    ports = list(range(PORT_RANGE[0], PORT_RANGE[1] + 1))
+    random.shuffle(ports)
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in ports[:200]:
+        with socket.socket(fam) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise E.InvalidArgumentError(f"no free port on {host} in {PORT_RANGE[0]}-"
+                                 f"{PORT_RANGE[1]} (Mooncake's range for store clients); "
+                                 f"give local_hostname as host:port")
 
 
 class MooncakeDistributedStore:
@@ -204,7 +264,7 @@ class MooncakeDistributedStore:
         self._remote = False
         self._lock = threading.Lock()
         self._buffers: dict[int, object] = {}
-        self._heads: set = set()         # first-chunk keys of objects this process stored
+        self._heads: dict = {}           # first-chunk key -> name, objects stored here
         self._service = None             # our StoreService (a store with a segment)
         self._directory = None           # the tenant's {segment: service} record
         self._dir_stop = threading.Event()
@@ -267,7 +327,7 @@ class MooncakeDistributedStore:
             if metadata.strip().upper() != "P2PHANDSHAKE" and ":" not in hostname.strip("[]"):
                 # A store segment needs a name unique in the cluster; Mooncake's client
                 # adds a port to a bare host the same way.
-                hostname = f"{hostname}:{_free_port()}"
+                hostname = f"{hostname}:{_free_port(_host_of(hostname))}"
             if te.initialize(hostname, metadata, protocol, devices) != 0:
                 raise E.MetadataError(f"the transfer engine did not start with "
                                       f"local_hostname={hostname!r}, metadata_server="
@@ -402,6 +462,8 @@ class MooncakeDistributedStore:
             return {"found": self._remove_objects(list(head["keys"]), forward=False)}, b""
         if op == "remove_all":
             return {"n": self._remove_all_here()}, b""
+        if op == "remove_regex":
+            return {"n": self._remove_regex_here(str(head["pattern"]))}, b""
         raise E.InvalidArgumentError(f"unknown store call {op!r}")
 
     def _c(self):
@@ -554,7 +616,7 @@ class MooncakeDistributedStore:
                 lo = first + (j - 1) * chunk
                 blocks.append(mv[lo:lo + chunk])
             where.append(i)
-            self._heads.add(head)
+            self._heads[head] = k
         if ks:
             try:
                 cache.put(ks, blocks)
@@ -734,7 +796,7 @@ class MooncakeDistributedStore:
         for k, h in zip(keys, heads):
             head = _key(k)
             drop.append(head)
-            self._heads.discard(head)
+            self._heads.pop(head, None)
             if h is not None:
                 drop += _chunk_keys(k, h[1], n_chunks(h[0], h[3]))
             found.append(h is not None)
@@ -744,6 +806,12 @@ class MooncakeDistributedStore:
             for _, rh in self._call_peers({"op": "remove", "keys": [str(k) for k in keys]}):
                 found = [a or bool(b) for a, b in zip(found, rh.get("found", []))]
         return found
+
+    def _remove_regex_here(self, pattern: str) -> int:
+        rx = re.compile(pattern)
+        names = [n for n in list(self._heads.values())
+                 if rx.search(n if isinstance(n, str) else n.decode("utf-8", "replace"))]
+        return sum(self._remove_objects(names, forward=False)) if names else 0
 
     def _remove_all_here(self) -> int:
         cache = self._c()
@@ -881,7 +949,8 @@ class MooncakeDistributedStore:
         return self._guard(go, [INVALID_PARAMS] * len(keys))
 
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
-                                     prefer_same_node: bool = False) -> list:
+                                     prefer_same_node: bool = False,
+                                     prefer_alloc_in_same_node: bool = False) -> list:
         """Scatter object ``i`` over ``all_buffer_ptrs[i]`` (``all_sizes[i][j]`` bytes
         each, in order). Bytes read per key, or a negative code (-704 missing)."""
         def go():
@@ -904,6 +973,76 @@ class MooncakeDistributedStore:
                 out.append(g.nbytes)
             return out
         return self._guard(go, [INVALID_PARAMS] * len(keys))
+
+    # --- Mooncake's newer calls -----------------------------------------------------------
+    def put_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
+        """Store the concatenation of ``parts`` (bytes-like) under ``key`` (LMCache
+        stores a chunk's metadata and its KV bytes this way). 0 or a negative code."""
+        def go():
+            views = [memoryview(p).cast("B") if memoryview(p).ndim != 1 or
+                     memoryview(p).format != "B" else memoryview(p) for p in parts]
+            if not views:
+                raise E.InvalidArgumentError("put_parts needs at least one part")
+            total = sum(v.nbytes for v in views)
+            buf = np.empty(total, np.uint8)
+            off = 0
+            for v in views:
+                buf[off:off + v.nbytes] = np.frombuffer(v, np.uint8)
+                off += v.nbytes
+            return self._put_staged([key], [buf], config)[0]
+        return self._guard(go, INTERNAL_ERROR)
+
+    def get_buffer(self, key: str):
+        """The object as a :class:`BufferHandle` (``ptr()``, ``size()``, the buffer
+        protocol), or None when it does not exist."""
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys) -> list:
+        """:meth:`get_buffer` of several keys, one round of index queries and reads."""
+        def go():
+            return [None if isinstance(g, int) else g.view(BufferHandle)
+                    for g in self._get_many(list(keys))]
+        return self._guard(go, [None] * len(keys))
+
+    def health_check(self) -> int:
+        """0 when the store is set up and every other store in the directory answers;
+        -1 when not set up, the number of stores that did not answer otherwise (as a
+        negative code, -800)."""
+        if self._cache is None:
+            return INTERNAL_ERROR
+        peers = self._peers()
+        answered = self._call_peers({"op": "ping"}, targets=peers)
+        return OK if len(answered) == len(peers) else TRANSFER_FAIL
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        """Remove every object, in every store of the tenant, whose key matches the
+        regular expression ``pattern`` (``re.search``); how many, or -1."""
+        def go():
+            re.compile(pattern)
+            n = self._remove_regex_here(pattern)
+            if self._directory is not None:
+                n += sum(int(rh.get("n", 0)) for _, rh in
+                         self._call_peers({"op": "remove_regex", "pattern": pattern}))
+            return n
+        try:
+            return go()
+        except re.error as e:
+            log.error("remove_by_regex: %r is not a regular expression: %s", pattern, e)
+            return INVALID_PARAMS
+        except E.MooncakeError as e:
+            log.error("%s", e)
+            return INTERNAL_ERROR
+
+    def setup_dummy(self, mem_pool_size=0, local_buffer_size=0, server_address: str = "",
+                    **kw) -> int:
+        """Refused (-1): Mooncake's dummy client borrows a real client's memory through
+        shared memory and that client's RPC server; here a client without memory is
+        ``setup(..., global_segment_size=0, ...)``, which reads and writes through
+        other processes' segments (docs/compat.md)."""
+        log.error("setup_dummy is not supported: use setup(local_hostname, metadata_server, "
+                  "global_segment_size=0, local_buffer_size=...) for a client that keeps "
+                  "no objects itself (it reads and writes through other stores)")
+        return INTERNAL_ERROR
 
     # --- existence, size, removal -------------------------------------------------------
     def is_exist(self, key: str) -> int:
