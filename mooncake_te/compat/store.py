@@ -301,6 +301,10 @@ class MooncakeDistributedStore:
             except KeyError as e:
                 log.error("setup: the config dict needs %s", e)
                 return -1
+            for mooncake_name, ours in (("master_server_address", "master_server_addr"),
+                                        ("device_name", "rdma_devices")):
+                if mooncake_name in cfg:
+                    cfg.setdefault(ours, cfg.pop(mooncake_name))
             return self.setup(local_hostname, metadata_server, **cfg)
         try:
             self._local_buffer = _parse_size(local_buffer_size)

@@ -127,3 +127,46 @@ def test_upsert_regex_health_and_keywords(index_url):
         b.close()
     d = MooncakeDistributedStore()
     assert d.setup_dummy(64 * MIB, 16 * MIB, "127.0.0.1:50052") != 0
+
+
+def test_shim_submodules(tmp_path, monkeypatch):
+    """``mooncake.mooncake_config`` through the opt-in shim reads Mooncake's JSON config;
+    ``mooncake.allocator`` refuses with the reason."""
+    import json
+    import subprocess
+    import sys
+    from servers import ROOT
+    shim = str(tmp_path / "shim")
+    r = subprocess.run([sys.executable, "-m", "mooncake_te", "compat", "install", "--target",
+                        shim], capture_output=True, text=True, env=dict(os.environ,
+                                                                        PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    cfg = tmp_path / "mooncake.json"
+    cfg.write_text(json.dumps({"local_hostname": "127.0.0.1", "metadata_server":
+                               "P2PHANDSHAKE", "master_server_address": "127.0.0.1:50051",
+                               "global_segment_size": "64MB", "local_buffer_size": 0,
+                               "protocol": "tcp", "device_name": ""}))
+    code = r"""
+import os
+from mooncake.mooncake_config import MooncakeConfig
+from mooncake.store import MooncakeDistributedStore, ReplicaStatus, SoftPinAction, ObjectDataType
+c = MooncakeConfig.load_from_env()
+assert c.global_segment_size == 64 << 20 and c.local_buffer_size == 0
+s = MooncakeDistributedStore()
+assert s.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
+               c.local_buffer_size, c.protocol, c.device_name,
+               c.master_server_address) == 0
+assert s.put("k", b"v") != 0              # local_buffer_size 0, as in Mooncake
+s.close()
+try:
+    import mooncake.allocator
+except ImportError as e:
+    assert "NVLink" in str(e), e
+else:
+    raise SystemExit("mooncake.allocator imported")
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([shim, ROOT]),
+                                MOONCAKE_CONFIG_PATH=str(cfg)), timeout=60)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
