@@ -931,8 +931,20 @@ class MooncakeDistributedStore:
         return self.batch_get_into_multi_buffers(keys, [[p] for p in buffer_ptrs],
                                                  [[s] for s in sizes])
 
+    def upsert_from(self, key: str, buffer_ptr: int, size: int,
+                    config: ReplicateConfig | None = None) -> int:
+        """:meth:`put_from` that replaces an object that exists (every copy)."""
+        return self.batch_upsert_from([key], [buffer_ptr], [size], config)[0]
+
+    def batch_upsert_from(self, keys, buffer_ptrs, sizes,
+                          config: ReplicateConfig | None = None) -> list:
+        """:meth:`upsert_from` of several keys; a code per key."""
+        return self.batch_put_from_multi_buffers(keys, [[p] for p in buffer_ptrs],
+                                                 [[s] for s in sizes], config, _replace=True)
+
     def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
-                                     config: ReplicateConfig | None = None) -> list:
+                                     config: ReplicateConfig | None = None,
+                                     _replace: bool = False) -> list:
         """Object ``i`` is the concatenation of ``all_sizes[i][j]`` bytes at
         ``all_buffer_ptrs[i][j]`` (one piece per layer, as vLLM lays it out). A code per
         key: 0 stored (or existed already), negative on error."""
@@ -949,7 +961,7 @@ class MooncakeDistributedStore:
                     ctypes.memmove(buf.ctypes.data + off, int(p), int(n))
                     off += int(n)
                 datas.append(buf)
-            return self._put_many(list(keys), datas, config)
+            return self._put_many(list(keys), datas, config, replace=_replace)
         return self._guard(go, [INVALID_PARAMS] * len(keys))
 
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,

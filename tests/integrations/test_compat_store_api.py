@@ -106,6 +106,12 @@ def test_upsert_regex_health_and_keywords(index_url):
         assert b.get("k") == b"old"
         assert b.upsert("k", b"new, longer value") == 0        # replaces a's copy too
         assert a.get("k") == b"new, longer value" and b.get("k") == b"new, longer value"
+        src = np.frombuffer(b"from a buffer", np.uint8).copy()
+        assert a.register_buffer(src.ctypes.data, src.nbytes) == 0
+        assert a.upsert_from("k", src.ctypes.data, src.nbytes) == 0
+        assert b.get("k") == b"from a buffer"
+        assert a.batch_upsert_from(["k"], [src.ctypes.data], [4]) == [0]
+        assert b.get("k") == b"from"
         for i in range(3):
             assert a.put(f"layer/{i}", b"a%d" % i) == 0
             assert b.put(f"layer/{i}x", b"b%d" % i) == 0
