@@ -9,25 +9,30 @@ transfers. Here the same API runs on :class:`mooncake_te.kvcache.KVCache`:
 
 - **Data**: each process's share lives in its KV pool's DRAM tier (registered with its
   engine, so peers READ it one-sided) and, with ``enable_ssd_offload``, its SSD tier.
-  A ``put`` stores the object in the putting process's own pool (Mooncake's
-  ``prefer_alloc_in_same_node`` placement); a ``get`` of an object another process
-  holds reads it from that holder's DRAM tier, checks the slot header's key and CRC,
-  and keeps a copy.
-- **Index, placement, leases**: in the metadata store the engines already use (etcd,
-  redis, or an HTTP metadata server): the KV pool's owner index, one record per object
-  (``mooncake/kvcache/<tenant>/<key hash>`` -> holder, address, length). There is no
-  master process: ``master_server_address`` is accepted and not contacted (when
-  ``metadata_server`` is ``P2PHANDSHAKE``, which has no store, a
-  ``master_server_address`` written as a store URL such as ``redis://host:6379`` holds
-  the index instead). A stale record (the holder evicted the object or died) costs one
-  failed read and counts as a miss, never returns wrong bytes, so records need no lease.
+  An object spans as many pool slots (chunks, 64 KiB by default) as it needs, so any
+  object up to the segment fits. A ``put`` stores the object in the putting process's
+  own pool (Mooncake's ``prefer_alloc_in_same_node`` placement) and returns once its
+  index records are written (every client reads it at once); a ``get`` of an object
+  another process holds reads its chunks from that holder's DRAM tier, checking each
+  slot header's key and CRC, and keeps no copy.
+- **Index**: in the metadata store the engines already use (etcd, redis, or an HTTP
+  metadata server): the KV pool's owner index, one record per chunk
+  (``mooncake/kvcache/<tenant>/<key hash>`` -> holder, address, length). A stale record
+  (the holder evicted the object or died) costs one failed read and counts as a miss,
+  never returns wrong bytes, so records need no lease.
+- **No master**: ``master_server_address`` is accepted and not contacted (when
+  ``metadata_server`` is ``P2PHANDSHAKE``, a ``master_server_address`` written as a store
+  URL such as ``redis://host:6379`` holds the index instead). What the master arranges
+  between clients, the stores do through each other's store services
+  (:mod:`.store_service`): puts from clients with ``global_segment_size = 0``, the extra
+  copies of ``replica_num > 1``, cluster-wide removes.
 
 Return codes are Mooncake Store's (``mooncake-store/include/types.h``): 0 success,
 -704 ``OBJECT_NOT_FOUND``, -600 ``INVALID_PARAMS``, -200 ``NO_AVAILABLE_HANDLE``
-(the object does not fit a pool slot), -800 ``TRANSFER_FAIL``, -1 ``INTERNAL_ERROR``.
-A put of a key that exists succeeds without rewriting it, as Mooncake's ``PutStart``
-treats ``OBJECT_ALREADY_EXISTS``. ``docs/compat.md`` lists every method and where the
-semantics differ.
+(the object does not fit the segment, or no store has a segment), -800
+``TRANSFER_FAIL``, -1 ``INTERNAL_ERROR``. A put of a key that exists succeeds without
+rewriting it, as Mooncake's ``PutStart`` treats ``OBJECT_ALREADY_EXISTS``.
+``docs/compat.md`` lists every method and where the semantics differ.
 """
 from __future__ import annotations
 
@@ -287,11 +292,13 @@ class MooncakeDistributedStore:
         ..., "metadata_server": ...})``). ``global_segment_size`` is this process's
         DRAM share of the pool; ``engine`` reuses a transfer engine (a
         :class:`mooncake_te.compat.TransferEngine`, a :class:`mooncake_te.TransferEngine`
-        or a ``get_engine_ptr()`` handle). Beyond Mooncake: ``max_object_size`` (dict
-        key, or ``MC_STORE_MAX_OBJECT_SIZE``; default 4 MiB, less when the
-        segment would hold fewer than 16) is the largest object a
-        pool slot holds, ``ssd_offload_size`` (or ``MC_STORE_SSD_BYTES``; default 4x
-        the segment) the SSD tier's size.
+        or a ``get_engine_ptr()`` handle). Beyond Mooncake: ``chunk_size`` (dict key,
+        or ``MC_STORE_CHUNK_SIZE``; the old names ``max_object_size`` and
+        ``MC_STORE_MAX_OBJECT_SIZE`` too; default 64 KiB slots, smaller when the
+        segment would hold fewer than 16) is what one pool slot holds of an object,
+        ``ssd_offload_size`` (or ``MC_STORE_SSD_BYTES``; default 4x the segment) the
+        SSD tier's size. ``global_segment_size = 0`` makes a client that keeps no
+        objects: it puts into and reads from other stores' segments.
         """
         if isinstance(local_hostname, dict):
             cfg = dict(local_hostname)
@@ -1186,4 +1193,5 @@ def _same_len(keys, ptrs, sizes) -> None:
 
 
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ReplicaDescriptor",
-           "MemoryDescriptor", "DiskDescriptor"]
+           "MemoryDescriptor", "DiskDescriptor", "BufferHandle", "ReplicaStatus",
+           "SoftPinAction", "ObjectDataType"]
