@@ -594,9 +594,13 @@ class MooncakeDistributedStore:
         elif self._remote and forward:
             # A key another process holds exists: left as it is (one index query).
             held = cache._index.lookup_many([_key(k) for k in keys])
-            for i, rec in enumerate(held):
-                if rec is not None:
-                    out[i] = None           # marked: skip below
+            there = [i for i, rec in enumerate(held) if rec is not None]
+            if there:
+                # Only where the holder still serves it: a record a killed process left
+                # behind must not stop the object from being stored again.
+                for i, h in zip(there, self._heads_of([keys[i] for i in there])):
+                    if h is not None:
+                        out[i] = None       # marked: skip below
         for i, (k, d) in enumerate(zip(keys, datas)):
             mv = memoryview(d)
             if mv.ndim != 1 or mv.format != "B":

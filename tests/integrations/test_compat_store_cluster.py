@@ -164,3 +164,25 @@ def test_local_buffer_bounds_put_as_in_mooncake(index_url):
         assert s.put("fits", b"x" * MIB) == 0
     finally:
         s.close()
+
+
+def test_put_after_the_holder_was_killed_stores_again(index_url):
+    """A holder killed without closing leaves its index records; a put of the same key
+    elsewhere must not take them for an existing object (the put would be a no-op and
+    every get a miss)."""
+    tenant = "kill-" + os.urandom(4).hex()
+    h = Holder(index_url, tenant)
+    a = _store(dict(_cfg(index_url), tenant_id=tenant))
+    try:
+        c = _store(dict(_cfg(index_url, segment=0), tenant_id=tenant))
+        cfg = ReplicateConfig()
+        cfg.preferred_segment = h.name
+        assert c.put("k", b"first", cfg) == 0 and h.held(["k"]) == [1]
+        c.close()
+        h.p.kill()
+        h.p.wait(10)
+        assert a.put("k", b"second") == 0
+        assert a.get("k") == b"second"
+    finally:
+        a.close()
+        h.close()
