@@ -444,11 +444,17 @@ class MooncakeDistributedStore:
     def _call_peers(self, head: dict, payload=b"", targets=None) -> list:
         """Call every other store (or ``targets``, ``{segment: addr}``); ``(segment,
         reply head)`` of each that answered."""
-        from .store_service import call
+        from .store_service import ServiceGone, call
         out = []
         for seg, addr in (self._peers() if targets is None else targets).items():
             try:
                 out.append((seg, call(addr, head, payload)[0]))
+            except ServiceGone as e:
+                # Its process ended without leaving the directory: drop the entry (a
+                # live store puts its own back within DIRECTORY_CHECK_S).
+                log.info("%s; removing %s from the store directory", e, seg)
+                if self._directory is not None:
+                    self._directory.remove(seg)
             except E.MooncakeError as e:
                 log.warning("%s", e)
         return out

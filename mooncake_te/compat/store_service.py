@@ -62,6 +62,11 @@ def _recv(sock) -> "tuple[dict, bytes]":
     return head, (_recv_exact(sock, plen) if plen else b"")
 
 
+class ServiceGone(E.TransferError):
+    """Nothing listens at a service's address any more (its process ended without
+    leaving the directory)."""
+
+
 def call(addr: str, head: dict, payload=b"", timeout: float = 30.0) -> "tuple[dict, bytes]":
     """One call to the service at ``addr`` (``host:port``): its reply header and payload.
 
@@ -72,7 +77,14 @@ def call(addr: str, head: dict, payload=b"", timeout: float = 30.0) -> "tuple[di
     """
     host, _, port = addr.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as s:
+        sock = socket.create_connection((host.strip("[]"), int(port)), timeout=5.0)
+    except ConnectionRefusedError as e:
+        raise ServiceGone(f"store service {addr} ({head.get('op')}): {e}") from None
+    except (OSError, ValueError) as e:
+        raise E.TransferError(f"store service {addr} ({head.get('op')}): {e}") from None
+    try:
+        with sock as s:
+            s.settimeout(timeout)
             _send(s, head, payload)
             rh, rp = _recv(s)
     except (OSError, ValueError, ConnectionError) as e:
