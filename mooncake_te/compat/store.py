@@ -44,6 +44,7 @@ import re
 import socket
 import struct
 import threading
+import weakref
 
 import numpy as np
 
@@ -411,28 +412,19 @@ class MooncakeDistributedStore:
             from .store_service import Directory, StoreService
             self._directory = Directory(self._cache._index.store, tenant)
             if not self._segmentless:
-                self._service = StoreService(_host_of(hostname), self._serve_call)
+                # The service and the directory thread hold this store weakly, so an
+                # unclosed store is still collected (its finalizer closes it).
+                self._service = StoreService(_host_of(hostname),
+                                             _weak_call(self, "_serve_call"))
                 self._directory.add(eng.name, self._service.addr)
-                self._dir_thread = threading.Thread(target=self._keep_listed,
+                self._dir_thread = threading.Thread(target=_keep_listed,
+                                                    args=(weakref.ref(self), self._dir_stop),
                                                     name="store-directory", daemon=True)
                 self._dir_thread.start()
         log.info("store segment %s: %d slots of %d bytes, ssd %d bytes, index %s%s",
                  eng.name, self._cache.dram_slots, chunk, ssd_bytes,
                  "shared" if self._remote else "local only",
                  " (no segment: objects go to other processes)" if self._segmentless else "")
-
-    def _keep_listed(self) -> None:
-        """Put this store's directory entry back if a concurrent update dropped it."""
-        from .store_service import DIRECTORY_CHECK_S
-        while not self._dir_stop.wait(DIRECTORY_CHECK_S):
-            svc, d, eng = self._service, self._directory, self._eng
-            if svc is None or d is None or eng is None:
-                return
-            try:
-                if d.services().get(eng.name) != svc.addr:
-                    d.add(eng.name, svc.addr)
-            except Exception as e:            # the metadata store is down: next time
-                log.info("store directory: %s", e)
 
     def _peers(self) -> dict:
         """``{segment: service address}`` of the other stores of this tenant."""
@@ -1169,6 +1161,37 @@ def _key(key) -> bytes:
     if not isinstance(key, str) or not key:
         raise E.InvalidArgumentError(f"a store key is a non-empty str, got {key!r}")
     return as_key(key.encode())
+
+
+def _weak_call(obj, name: str):
+    """``getattr(obj, name)`` called through a weak reference to ``obj``."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        o = ref()
+        if o is None:
+            raise E.ClosedError("the store was closed")
+        return getattr(o, name)(*args)
+    return call
+
+
+def _keep_listed(ref, stop) -> None:
+    """Put a store's directory entry back if a concurrent update dropped it."""
+    from .store_service import DIRECTORY_CHECK_S
+    while not stop.wait(DIRECTORY_CHECK_S):
+        store = ref()
+        if store is None:
+            return
+        svc, d, eng = store._service, store._directory, store._eng
+        del store
+        if svc is None or d is None or eng is None:
+            return
+        try:
+            if d.services().get(eng.name) != svc.addr:
+                d.add(eng.name, svc.addr)
+        except Exception as e:            # the metadata store is down: next time
+            log.info("store directory: %s", e)
+        del svc, d, eng
 
 
 def _host_of(name: str) -> str:

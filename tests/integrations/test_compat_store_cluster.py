@@ -188,3 +188,23 @@ def test_put_after_the_holder_was_killed_stores_again(index_url):
     finally:
         a.close()
         h.close()
+
+
+def test_unclosed_store_is_collected_and_leaves_the_directory(index_url):
+    """The store service and directory threads hold the store weakly: a store its user
+    dropped without close() is still collected, and its finalizer closes it."""
+    import gc
+    import weakref
+    tenant = "gc-" + os.urandom(4).hex()
+    b = _store(dict(_cfg(index_url), tenant_id=tenant))
+    try:
+        s = _store(dict(_cfg(index_url), tenant_id=tenant))
+        name = s.get_hostname()
+        assert name in b._directory.services()
+        ref = weakref.ref(s)
+        del s
+        gc.collect()
+        assert ref() is None
+        assert name not in b._directory.services()
+    finally:
+        b.close()
