@@ -514,10 +514,17 @@ class MooncakeDistributedStore:
         return 0
 
     def __del__(self):
+        # Not on the collecting thread: the cyclic GC runs this at any allocation, maybe
+        # while that thread holds a lock close() needs (the metadata client's, the
+        # metrics registry's). A thread of its own closes the store (which that thread
+        # keeps alive until then); inline only where no thread can start (shutdown).
+        if self._cache is None and self._te is None:
+            return
         try:
-            self.close()
-        except Exception:
-            pass
+            threading.Thread(target=_close_quietly, args=(self,), name="store-finalizer",
+                             daemon=True).start()
+        except RuntimeError:
+            _close_quietly(self)
 
     def get_hostname(self) -> str:
         """This store's segment name (peers find its objects under it)."""
@@ -1161,6 +1168,13 @@ def _key(key) -> bytes:
     if not isinstance(key, str) or not key:
         raise E.InvalidArgumentError(f"a store key is a non-empty str, got {key!r}")
     return as_key(key.encode())
+
+
+def _close_quietly(store) -> None:
+    try:
+        store.close()
+    except Exception:
+        pass
 
 
 def _weak_call(obj, name: str):
