@@ -235,7 +235,9 @@ def _free_port(host: str = "127.0.0.1") -> int:
     """A port free on ``host`` in :data:`PORT_RANGE`, tried in random order."""
     import random
     ports = list(range(PORT_RANGE[0], PORT_RANGE[1] + 1))
-    random.shuffle(ports)
+    # Not the random module's shared generator: frameworks seed it (vLLM: seed=0), and
+    # every process would then try the same ports in the same order.
+    random.SystemRandom().shuffle(ports)
     fam = socket.AF_INET6 if ":" in host else socket.AF_INET
     for port in ports[:200]:
         with socket.socket(fam) as s:

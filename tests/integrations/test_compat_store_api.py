@@ -176,3 +176,15 @@ print("ok")
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join([shim, ROOT]),
                                 MOONCAKE_CONFIG_PATH=str(cfg)), timeout=60)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_port_choice_ignores_the_seeded_random_module():
+    """vLLM seeds ``random`` (seed=0) in every process; two stores with a bare
+    local_hostname must not then name their segments with the same port."""
+    import random
+    from mooncake_te.compat.store import _free_port
+    picks = set()
+    for _ in range(5):
+        random.seed(0)
+        picks.add(_free_port("127.0.0.1"))
+    assert len(picks) > 1, picks

@@ -103,3 +103,34 @@ def test_read_after_write_across_clients(index_url):
     finally:
         a.close()
         b.close()
+
+
+def test_concurrent_puts_and_gets_keep_every_object(index_url):
+    """Threads putting and reading at once (Mooncake's concurrency test, scaled down):
+    while the segment has room, no object is evicted and every read is whole."""
+    import threading
+    s = _store(index_url, segment=64 * MIB)
+    errors: list = []
+    blobs = {f"t{t}/{i}": os.urandom(256 << 10) for t in range(4) for i in range(40)}
+
+    def worker(t):
+        try:
+            mine = [k for k in blobs if k.startswith(f"t{t}/")]
+            for k in mine:
+                if s.put(k, blobs[k]) != 0:
+                    errors.append(("put", k))
+            for k in mine:
+                if s.get(k) != blobs[k]:
+                    errors.append(("get", k))
+        except Exception as e:           # surfaced below
+            errors.append(repr(e))
+    try:
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert not errors, errors[:5]
+        assert s.batch_is_exist(list(blobs)) == [1] * len(blobs)
+    finally:
+        s.close()
