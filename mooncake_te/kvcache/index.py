@@ -50,8 +50,6 @@ class OwnerIndex:
         self._cv = threading.Condition()
         self._busy = False
         self._closed = False
-        self._queued = 0        # operations queued so far
-        self._sent = 0          # of those, how many reached the store (or failed)
         self.errors = 0
         self._thread = threading.Thread(target=self._run, name="kvcache-index", daemon=True)
         self._thread.start()
@@ -62,20 +60,17 @@ class OwnerIndex:
     def publish(self, key: bytes, addr: int, length: int) -> None:
         with self._cv:
             self._pending[key] = (addr, length)
-            self._queued += 1
             self._cv.notify()
 
     def withdraw(self, key: bytes) -> None:
         with self._cv:
             self._pending[key] = _DELETE
-            self._queued += 1
             self._cv.notify()
 
     def drop(self, key: bytes) -> None:
         """Delete ``key``'s record whoever owns it (the object was removed)."""
         with self._cv:
             self._pending[key] = _DROP
-            self._queued += 1
             self._cv.notify()
 
     def lookup(self, key: bytes):
@@ -115,12 +110,9 @@ class OwnerIndex:
         return None if rec[0] == self.owner else rec
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until every record queued before this call reached the store (records
-        other threads queue meanwhile are not waited for, so a steady stream of them
-        cannot hold a flush up)."""
+        """Wait until every queued record reached the store."""
         with self._cv:
-            target = self._queued
-            return self._cv.wait_for(lambda: self._sent >= target, timeout)
+            return self._cv.wait_for(lambda: not self._pending and not self._busy, timeout)
 
     def _run(self) -> None:
         while True:
@@ -129,7 +121,6 @@ class OwnerIndex:
                 if not self._pending and self._closed:
                     return
                 batch, self._pending = self._pending, {}
-                upto = self._queued
                 self._busy = True
             try:
                 self._send(batch)
@@ -140,7 +131,6 @@ class OwnerIndex:
                                 self.errors, e)
             with self._cv:
                 self._busy = False
-                self._sent = upto
                 self._cv.notify_all()
 
     def _send(self, batch: dict) -> None:
