@@ -90,10 +90,18 @@ def test_read_after_write_across_clients(index_url):
     a = _store(index_url, segment=32 * MIB)
     b = _store(index_url, segment=32 * MIB)
     try:
+        vals = []
         for i in range(20):
             v = os.urandom(1000 + 37 * i)
+            vals.append(v)
             assert a.put(f"raw{i}", v) == 0
             assert b.get(f"raw{i}") == v, i
+        # b's reads left the index naming a, the holder: a third client reads them too
+        c = _store(index_url, segment=8 * MIB)
+        try:
+            assert [c.get(f"raw{i}") for i in range(20)] == vals
+        finally:
+            c.close()
         big = os.urandom(3 * MIB + 5)
         assert a.put("big", big) == 0
         assert b.is_exist("big") == 1 and b.get_size("big") == len(big)
