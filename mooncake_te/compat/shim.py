@@ -9,7 +9,10 @@ and ``mooncake.store``. Installing writes a small package into the environment's
 
 - ``mooncake/__init__.py``: marks the package as this shim (``MOONCAKE_TE_SHIM``);
 - ``mooncake/engine.py``: makes ``mooncake.engine`` *be* :mod:`mooncake_te.compat.engine`;
-- ``mooncake/store.py``: the same for :mod:`mooncake_te.compat.store`;
+- ``mooncake/store.py``, ``mooncake/mooncake_config.py``: the same for
+  :mod:`mooncake_te.compat.store` and :mod:`mooncake_te.compat.mooncake_config`;
+- ``mooncake/allocator.py``: an ImportError that says why (Mooncake's NVLink allocator
+  for torch has no counterpart here);
 - ``mooncake_te_compat_shim-<version>.dist-info``: so ``pip list`` shows it and
   ``pip uninstall mooncake-te-compat-shim`` removes it too.
 
@@ -48,6 +51,11 @@ import sys as _sys
 import {target} as _mod
 
 _sys.modules[__name__] = _mod
+'''
+
+
+_REFUSED = '''# Written by `mooncake-te compat install`.
+raise ImportError("{name} is not provided by mooncake-te's shim: {why} (docs/compat.md)")
 '''
 
 
@@ -109,6 +117,12 @@ def install(target: str | None = None) -> str:
         "__init__.py": _INIT.format(version=mooncake_te.__version__),
         "engine.py": _ALIAS.format(target="mooncake_te.compat.engine"),
         "store.py": _ALIAS.format(target="mooncake_te.compat.store"),
+        "mooncake_config.py": _ALIAS.format(target="mooncake_te.compat.mooncake_config"),
+        "allocator.py": _REFUSED.format(
+            name="mooncake.allocator",
+            why="Mooncake's NVLinkAllocator (a torch CUDAPluggableAllocator backed by its "
+                "C++ NVLink transport) has no mooncake_te counterpart; allocate GPU "
+                "memory with torch and register it with the engine instead"),
     }
     for name, text in files.items():
         with open(os.path.join(pkg, name), "w") as f:

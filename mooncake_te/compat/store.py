@@ -9,24 +9,29 @@ transfers. Here the same API runs on :class:`mooncake_te.kvcache.KVCache`:
 
 - **Data**: each process's share lives in its KV pool's DRAM tier (registered with its
   engine, so peers READ it one-sided) and, with ``enable_ssd_offload``, its SSD tier.
-  A ``put`` stores the object in the putting process's own pool (Mooncake's
-  ``prefer_alloc_in_same_node`` placement); a ``get`` of an object another process
-  holds reads it from that holder's DRAM tier, checks the slot header's key and CRC,
-  and keeps a copy.
-- **Index, placement, leases**: in the metadata store the engines already use (etcd,
-  redis, or an HTTP metadata server): the KV pool's owner index, one record per object
-  (``mooncake/kvcache/<tenant>/<key hash>`` -> holder, address, length). There is no
-  master process: ``master_server_address`` is accepted and not contacted (when
-  ``metadata_server`` is ``P2PHANDSHAKE``, which has no store, a
-  ``master_server_address`` written as a store URL such as ``redis://host:6379`` holds
-  the index instead). A stale record (the holder evicted the object or died) costs one
-  failed read and counts as a miss, never returns wrong bytes, so records need no lease.
+  An object spans as many pool slots (chunks, 64 KiB by default) as it needs, so any
+  object up to the segment fits. A ``put`` stores the object in the putting process's
+  own pool (Mooncake's ``prefer_alloc_in_same_node`` placement) and returns once its
+  index records are written (every client reads it at once); a ``get`` of an object
+  another process holds reads its chunks from that holder's DRAM tier, checking each
+  slot header's key and CRC, and keeps no copy.
+- **Index**: in the metadata store the engines already use (etcd, redis, or an HTTP
+  metadata server): the KV pool's owner index, one record per chunk
+  (``mooncake/kvcache/<tenant>/<key hash>`` -> holder, address, length). A stale record
+  (the holder evicted the object or died) costs one failed read and counts as a miss,
+  never returns wrong bytes, so records need no lease.
+- **No master**: ``master_server_address`` is accepted and not contacted (when
+  ``metadata_server`` is ``P2PHANDSHAKE``, a ``master_server_address`` written as a store
+  URL such as ``redis://host:6379`` holds the index instead). What the master arranges
+  between clients, the stores do through each other's store services
+  (:mod:`.store_service`): puts from clients with ``global_segment_size = 0``, the extra
+  copies of ``replica_num > 1``, cluster-wide removes.
 
 Return codes are Mooncake Store's (``mooncake-store/include/types.h``): 0 success,
 -704 ``OBJECT_NOT_FOUND``, -600 ``INVALID_PARAMS``, -200 ``NO_AVAILABLE_HANDLE``
-(the object does not fit a pool slot), -800 ``TRANSFER_FAIL``, -1 ``INTERNAL_ERROR``.
-A put of a key that exists succeeds without rewriting it, as Mooncake's ``PutStart``
-treats ``OBJECT_ALREADY_EXISTS``.
+(the object does not fit the segment, or no store has a segment), -800
+``TRANSFER_FAIL``, -1 ``INTERNAL_ERROR``. A put of a key that exists succeeds without
+rewriting it, as Mooncake's ``PutStart`` treats ``OBJECT_ALREADY_EXISTS``.
 
 Raw pointers (``register_buffer``, ``put_from``, ``get_into`` and their batch forms) are
 checked before a byte is copied, so a wrong one is a return code, never a crash (issue
@@ -34,22 +39,26 @@ checked before a byte is copied, so a wrong one is a return code, never a crash 
 writable (``/proc/self/maps``), and every piece a zero-copy call names must be a
 non-NULL pointer with a size of 0 or more lying inside one buffer registered with
 ``register_buffer`` (or a region of the engine), as Mooncake requires; otherwise that
-key gets -600 ``INVALID_PARAMS`` and the log says which range was refused. ``docs/compat.md`` lists every method and where the
-semantics differ.
+key gets -600 ``INVALID_PARAMS`` and the log says which range was refused.
+``docs/compat.md`` lists every method and where the semantics differ.
 """
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import re
 import socket
+import struct
 import threading
+import weakref
 
 import numpy as np
 
 from .. import errors as E
 from ..kvcache.keys import as_key
+from ..kvcache.record import HEADER_SIZE, slot_size_for
 
 log = logging.getLogger("mooncake_te.compat.store")
 
@@ -62,15 +71,27 @@ OBJECT_NOT_FOUND = -704
 TRANSFER_FAIL = -800
 
 _MIB = 1 << 20
-#: largest object by default; a KV pool slot holds one object (MC_STORE_MAX_OBJECT_SIZE)
-DEFAULT_MAX_OBJECT = 4 * _MIB
+#: Payload bytes of one pool slot (a chunk of an object; MC_STORE_CHUNK_SIZE): an object
+#: of any size up to the segment spans as many slots as it needs.
+DEFAULT_CHUNK = (64 << 10) - 64
+#: Bytes at the start of an object's first chunk: magic, the writer's chunk size, total
+#: length, version nonce (readers lay the object out by the writer's chunk size).
+_OBJ = struct.Struct("<4sIQI")
+_OBJ_MAGIC = b"MCS1"
 
 
-def default_max_object(segment_size: int) -> int:
-    """4 MiB, or less so that the segment holds at least 16 objects (a slot is the
-    object plus a 64-byte header, rounded up to 4 KiB)."""
-    slot = max(4096, min(DEFAULT_MAX_OBJECT + 4096, segment_size // 16) // 4096 * 4096)
+def default_chunk(segment_size: int) -> int:
+    """Chunk (slot payload) bytes: 64 KiB slots, or smaller so that the segment holds at
+    least 16 (a slot is the chunk plus a 64-byte header, rounded up to 4 KiB)."""
+    slot = max(4096, min(DEFAULT_CHUNK + 64, segment_size // 16) // 4096 * 4096)
     return slot - 64
+
+
+def n_chunks(total: int, chunk: int) -> int:
+    """Slots an object of ``total`` bytes takes (its first chunk also holds a 16-byte
+    object header)."""
+    first = chunk - _OBJ.size
+    return 1 + max(0, -(-(total - first) // chunk))
 
 
 def _parse_size(value) -> int:
@@ -82,6 +103,47 @@ def _parse_size(value) -> int:
         raise E.InvalidArgumentError(f"size {value!r} is not a number of bytes (e.g. 4MB)")
     mult = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1, None: 1}[m.group(2)]
     return int(float(m.group(1)) * mult)
+
+
+class ReplicaStatus(enum.IntEnum):
+    """A replica's state, as Mooncake's ``ReplicaStatus``; every replica this store
+    reports is ``COMPLETE`` (a put returns once its bytes and index record are in)."""
+    UNDEFINED = 0
+    INITIALIZED = 1
+    PROCESSING = 2
+    COMPLETE = 3
+    REMOVED = 4
+    FAILED = 5
+
+
+class SoftPinAction(enum.IntEnum):
+    """What a soft pin asks (``ReplicateConfig.soft_pin_action``). Accepted; this store
+    has no leases or pins: objects are evicted least recently used first."""
+    NONE = 0
+    PIN = 1
+    UNPIN = 2
+
+
+class ObjectDataType(enum.IntEnum):
+    """What an object holds (vLLM's EC connector tags embeddings with it). Accepted
+    and not stored: every object is bytes here."""
+    UNKNOWN = 0
+    KV_CACHE = 1
+    TENSOR = 2
+    EMBEDDING = 3
+
+
+class BufferHandle(np.ndarray):
+    """An object's bytes as ``get_buffer``/``batch_get_buffer`` return them: a numpy
+    ``uint8`` array (so ``memoryview(h)``, ``np.asarray(h)`` are zero-copy views) with
+    Mooncake's ``ptr()`` and ``size()``. The memory is this handle's: valid while it
+    lives (Mooncake's handle points into the client's registered buffer)."""
+
+    def ptr(self) -> int:
+        return int(self.ctypes.data)
+
+    def size(self) -> int:           # type: ignore[override]
+        return int(self.nbytes)
 
 
 class ReplicateConfig:
@@ -105,6 +167,8 @@ class ReplicateConfig:
         self.preferred_segments: list = []
         self.prefer_alloc_in_same_node = False
         self.group_ids: list = []
+        self.soft_pin_action = SoftPinAction.NONE
+        self.soft_pin_ttl_ms = 0
 
     def __repr__(self) -> str:
         return (f"ReplicateConfig(replica_num={self.replica_num}, preferred_segment="
@@ -171,10 +235,28 @@ class ReplicaDescriptor:
         return f"<ReplicaDescriptor {self._kind} {self.status}>"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Where Mooncake's store client picks the port it adds to a bare local_hostname.
+PORT_RANGE = (12300, 14300)
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` in :data:`PORT_RANGE`, tried in random order."""
+    import random
+    ports = list(range(PORT_RANGE[0], PORT_RANGE[1] + 1))
+    # Not the random module's shared generator: frameworks seed it (vLLM: seed=0), and
+    # every process would then try the same ports in the same order.
+    random.SystemRandom().shuffle(ports)
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for port in ports[:200]:
+        with socket.socket(fam) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise E.InvalidArgumentError(f"no free port on {host} in {PORT_RANGE[0]}-"
+                                 f"{PORT_RANGE[1]} (Mooncake's range for store clients); "
+                                 f"give local_hostname as host:port")
 
 
 class MooncakeDistributedStore:
@@ -198,6 +280,14 @@ class MooncakeDistributedStore:
         self._remote = False
         self._lock = threading.Lock()
         self._buffers: dict[int, object] = {}
+        self._heads: dict = {}           # first-chunk key -> name, objects stored here
+        self._service = None             # our StoreService (a store with a segment)
+        self._directory = None           # the tenant's {segment: service} record
+        self._dir_stop = threading.Event()
+        self._dir_thread = None
+        self._segmentless = False        # global_segment_size = 0: objects live elsewhere
+        self._local_buffer = 16 * _MIB
+        self._rr = 0
         self._warned_preferred = False
 
     # --- set-up --------------------------------------------------------------------------
@@ -213,11 +303,13 @@ class MooncakeDistributedStore:
         ..., "metadata_server": ...})``). ``global_segment_size`` is this process's
         DRAM share of the pool; ``engine`` reuses a transfer engine (a
         :class:`mooncake_te.compat.TransferEngine`, a :class:`mooncake_te.TransferEngine`
-        or a ``get_engine_ptr()`` handle). Beyond Mooncake: ``max_object_size`` (dict
-        key, or ``MC_STORE_MAX_OBJECT_SIZE``; default 4 MiB, less when the
-        segment would hold fewer than 16) is the largest object a
-        pool slot holds, ``ssd_offload_size`` (or ``MC_STORE_SSD_BYTES``; default 4x
-        the segment) the SSD tier's size.
+        or a ``get_engine_ptr()`` handle). Beyond Mooncake: ``chunk_size`` (dict key,
+        or ``MC_STORE_CHUNK_SIZE``; the old names ``max_object_size`` and
+        ``MC_STORE_MAX_OBJECT_SIZE`` too; default 64 KiB slots, smaller when the
+        segment would hold fewer than 16) is what one pool slot holds of an object,
+        ``ssd_offload_size`` (or ``MC_STORE_SSD_BYTES``; default 4x the segment) the
+        SSD tier's size. ``global_segment_size = 0`` makes a client that keeps no
+        objects: it puts into and reads from other stores' segments.
         """
         if isinstance(local_hostname, dict):
             cfg = dict(local_hostname)
@@ -227,8 +319,13 @@ class MooncakeDistributedStore:
             except KeyError as e:
                 log.error("setup: the config dict needs %s", e)
                 return -1
+            for mooncake_name, ours in (("master_server_address", "master_server_addr"),
+                                        ("device_name", "rdma_devices")):
+                if mooncake_name in cfg:
+                    cfg.setdefault(ours, cfg.pop(mooncake_name))
             return self.setup(local_hostname, metadata_server, **cfg)
         try:
+            self._local_buffer = _parse_size(local_buffer_size)
             self._setup(str(local_hostname), str(metadata_server),
                         _parse_size(global_segment_size), protocol or "tcp",
                         rdma_devices or "", str(master_server_addr or ""), engine,
@@ -252,7 +349,7 @@ class MooncakeDistributedStore:
             if metadata.strip().upper() != "P2PHANDSHAKE" and ":" not in hostname.strip("[]"):
                 # A store segment needs a name unique in the cluster; Mooncake's client
                 # adds a port to a bare host the same way.
-                hostname = f"{hostname}:{_free_port()}"
+                hostname = f"{hostname}:{_free_port(_host_of(hostname))}"
             if te.initialize(hostname, metadata, protocol, devices) != 0:
                 raise E.MetadataError(f"the transfer engine did not start with "
                                       f"local_hostname={hostname!r}, metadata_server="
@@ -278,9 +375,13 @@ class MooncakeDistributedStore:
                             "store only sees its own objects (give metadata_server, or "
                             "master_server_address, as etcd://, redis:// or http:// URL to "
                             "share objects between processes)", metadata)
-        max_obj = _parse_size(extra.pop("max_object_size", None)
-                              or os.environ.get("MC_STORE_MAX_OBJECT_SIZE")
-                              or default_max_object(segment_size))
+        chunk = _parse_size(extra.pop("chunk_size", None) or extra.pop("max_object_size", None)
+                            or os.environ.get("MC_STORE_CHUNK_SIZE")
+                            or os.environ.get("MC_STORE_MAX_OBJECT_SIZE")
+                            or default_chunk(segment_size or 1 << 40))
+        if chunk <= _OBJ.size:
+            raise E.InvalidArgumentError(f"chunk_size {chunk} is too small; give at least "
+                                         f"4096 bytes (MC_STORE_CHUNK_SIZE)")
         ssd_bytes = 0
         if ssd:
             if not ssd_path:
@@ -290,15 +391,109 @@ class MooncakeDistributedStore:
                                     or 4 * segment_size)
         for k in extra:
             log.info("setup: %s=%r accepted and not used by this store", k, extra[k])
-        self._cache = KVCache(block_bytes=max_obj, dram_bytes=segment_size,
+        if segment_size < 0:
+            raise E.InvalidArgumentError(f"global_segment_size {segment_size} is negative")
+        self._segmentless = segment_size == 0
+        pool = segment_size
+        if self._segmentless:
+            # No share of the pool: objects are put in other processes' segments through
+            # their store services; reads land in a private staging pool (the size of the
+            # local buffer, at least 64 slots) and are not kept.
+            if index is None and not isinstance(getattr(eng, "metadata", None),
+                                                KeyValueBackend):
+                raise E.InvalidArgumentError(
+                    "global_segment_size = 0 needs a metadata store (etcd://, redis:// or "
+                    "http:// metadata_server, or master_server_address as such a URL) to "
+                    "find the processes that hold the objects")
+            if ssd_bytes:
+                raise E.InvalidArgumentError("enable_ssd_offload needs a segment "
+                                             "(global_segment_size > 0)")
+            pool = max(self._local_buffer, 64 * slot_size_for(chunk))
+        # Mooncake Store shares objects between clients without any authentication, and
+        # its users and tests expect that: the drop-in does the same unless told otherwise
+        # (MC_KVCACHE_SHARE_WITHOUT_TOKEN=0, or [kvcache] share_without_token in the
+        # engine's config). With MC_AUTH_TOKEN on every process the index records and
+        # reads are authenticated (docs/kvcache.md, "Sharing between instances").
+        share = None if "MC_KVCACHE_SHARE_WITHOUT_TOKEN" in os.environ else True
+        if share and index is not None and not getattr(eng, "authenticated", False):
+            log.warning("store: objects are shared between clients without authentication, "
+                        "as Mooncake Store does; set MC_AUTH_TOKEN on every process to "
+                        "authenticate them (docs/compat.md)")
+        self._cache = KVCache(block_bytes=chunk, dram_bytes=pool,
                               ssd_bytes=ssd_bytes, cache_dir=ssd_path or None,
                               engine=eng, index=index, namespace=f"store/{tenant}",
-                              log_interval_s=0)
+                              log_interval_s=0, share_without_token=share)
+        self._cache.publish_reads = False
         self._remote = self._cache._index is not None
-        self.max_object_size = max_obj
-        log.info("store segment %s: %d slots of %d bytes, ssd %d bytes, index %s",
-                 eng.name, self._cache.dram_slots, max_obj, ssd_bytes,
-                 "shared" if self._remote else "local only")
+        self.chunk_size = chunk
+        #: the largest object: every slot of the segment
+        self.max_object_size = self._cache.dram_slots * chunk - _OBJ.size
+        if self._remote:
+            from .store_service import Directory, StoreService
+            self._directory = Directory(self._cache._index.store, tenant)
+            if not self._segmentless:
+                # The service and the directory thread hold this store weakly, so an
+                # unclosed store is still collected (its finalizer closes it).
+                self._service = StoreService(_host_of(hostname),
+                                             _weak_call(self, "_serve_call"))
+                self._directory.add(eng.name, self._service.addr)
+                self._dir_thread = threading.Thread(target=_keep_listed,
+                                                    args=(weakref.ref(self), self._dir_stop),
+                                                    name="store-directory", daemon=True)
+                self._dir_thread.start()
+        log.info("store segment %s: %d slots of %d bytes, ssd %d bytes, index %s%s",
+                 eng.name, self._cache.dram_slots, chunk, ssd_bytes,
+                 "shared" if self._remote else "local only",
+                 " (no segment: objects go to other processes)" if self._segmentless else "")
+
+    def _peers(self) -> dict:
+        """``{segment: service address}`` of the other stores of this tenant."""
+        if self._directory is None:
+            return {}
+        me = self._eng.name if self._eng is not None and not self._segmentless else None
+        return {k: v for k, v in self._directory.services().items() if k != me}
+
+    def _call_peers(self, head: dict, payload=b"", targets=None) -> list:
+        """Call every other store (or ``targets``, ``{segment: addr}``); ``(segment,
+        reply head)`` of each that answered."""
+        from .store_service import ServiceGone, call
+        out = []
+        for seg, addr in (self._peers() if targets is None else targets).items():
+            try:
+                out.append((seg, call(addr, head, payload)[0]))
+            except ServiceGone as e:
+                # Its process ended without leaving the directory: drop the entry (a
+                # live store puts its own back within DIRECTORY_CHECK_S).
+                log.info("%s; removing %s from the store directory", e, seg)
+                if self._directory is not None:
+                    self._directory.remove(seg)
+            except E.MooncakeError as e:
+                log.warning("%s", e)
+        return out
+
+    def _serve_call(self, head: dict, payload: bytes):
+        """Another store's call (:mod:`.store_service`)."""
+        op = head.get("op")
+        if op == "ping":
+            self._c()
+            return {"ok": 1}, b""
+        if op == "put":
+            keys, sizes = list(head["keys"]), [int(n) for n in head["sizes"]]
+            if sum(sizes) != len(payload):
+                raise E.InvalidArgumentError("sizes do not add up to the payload")
+            mv, views, off = memoryview(payload), [], 0
+            for n in sizes:
+                views.append(mv[off:off + n])
+                off += n
+            return {"codes": self._put_many(keys, views, replace=bool(head.get("replace")),
+                                            forward=False)}, b""
+        if op == "remove":
+            return {"found": self._remove_objects(list(head["keys"]), forward=False)}, b""
+        if op == "remove_all":
+            return {"n": self._remove_all_here()}, b""
+        if op == "remove_regex":
+            return {"n": self._remove_regex_here(str(head["pattern"]))}, b""
+        raise E.InvalidArgumentError(f"unknown store call {op!r}")
 
     def _c(self):
         if self._cache is None:
@@ -309,6 +504,15 @@ class MooncakeDistributedStore:
     def close(self) -> int:
         """Withdraw this process's objects from the index, release the pool and the
         engine this store started. 0. Idempotent."""
+        self._dir_stop.set()
+        svc, self._service = self._service, None
+        if svc is not None:
+            try:
+                if self._directory is not None and self._eng is not None:
+                    self._directory.remove(self._eng.name)
+            except Exception as e:
+                log.warning("close: the store directory: %s", e)
+            svc.close()
         cache, self._cache = self._cache, None
         if cache is not None:
             try:
@@ -330,10 +534,17 @@ class MooncakeDistributedStore:
         return 0
 
     def __del__(self):
+        # Not on the collecting thread: the cyclic GC runs this at any allocation, maybe
+        # while that thread holds a lock close() needs (the metadata client's, the
+        # metrics registry's). A thread of its own closes the store (which that thread
+        # keeps alive until then); inline only where no thread can start (shutdown).
+        if self._cache is None and self._te is None:
+            return
         try:
-            self.close()
-        except Exception:
-            pass
+            threading.Thread(target=_close_quietly, args=(self,), name="store-finalizer",
+                             daemon=True).start()
+        except RuntimeError:
+            _close_quietly(self)
 
     def get_hostname(self) -> str:
         """This store's segment name (peers find its objects under it)."""
@@ -416,61 +627,347 @@ class MooncakeDistributedStore:
                         "are stored in this process's pool (Mooncake's fallback when the "
                         "preferred segment cannot take them)", seg, self._eng.name)
 
-    def _put_many(self, keys, datas, config=None) -> list:
-        """Store ``datas[i]`` (bytes-like) under ``keys[i]``; a code per key."""
+    def _put_many(self, keys, datas, config=None, replace: bool = False,
+                  forward: bool = True) -> list:
+        """Store ``datas[i]`` (bytes-like) under ``keys[i]``; a code per key.
+
+        An object is laid out over pool slots: chunk 0 (under the key itself) holds a
+        16-byte object header (magic, total length, a random version nonce) and the first
+        bytes; chunks 1.. hold the rest under keys derived from the key, the nonce and the
+        chunk number, so a chunk of another version of the object is never mixed in.
+        Chunk 0 is placed first, so it is the first of them the LRU evicts: a partly
+        evicted object has lost its first chunk and is not found, never half read.
+        Returns once every index record is in the metadata store (read-after-write for
+        every client). A store without a segment sends the objects to another store's
+        segment; ``replica_num`` > 1 sends copies to as many other stores (``forward``
+        False: a call from another store, stored here only)."""
         cache = self._c()
         self._check_config(config)
-        out = [OK] * len(keys)
-        ks, blocks, where = [], [], []
+        if replace:
+            self._remove_objects(list(keys), forward=forward)
+        if self._segmentless and forward:
+            return self._put_elsewhere(keys, datas, config, replace)
+        chunk = cache.block_bytes
+        out: list = [OK] * len(keys)
+        ks: list = []
+        blocks: list = []
+        where: list = []
+        if replace:
+            pass
+        elif self._remote and forward:
+            # A key another process holds exists: left as it is (one index query).
+            held = cache._index.lookup_many([_key(k) for k in keys])
+            there = [i for i, rec in enumerate(held) if rec is not None]
+            if there:
+                # Only where the holder still serves it: a record a killed process left
+                # behind must not stop the object from being stored again.
+                for i, h in zip(there, self._heads_of([keys[i] for i in there])):
+                    if h is not None:
+                        out[i] = None       # marked: skip below
         for i, (k, d) in enumerate(zip(keys, datas)):
-            n = memoryview(d).nbytes
-            if n == 0 or n > cache.block_bytes:
-                log.error("put %r: %d bytes; objects are 1 to %d bytes (max_object_size / "
-                          "MC_STORE_MAX_OBJECT_SIZE)", k, n, cache.block_bytes)
-                out[i] = INVALID_PARAMS if n == 0 else NO_AVAILABLE_HANDLE
+            mv = memoryview(d)
+            if mv.ndim != 1 or mv.format != "B":
+                mv = mv.cast("B")
+            n = mv.nbytes
+            if n == 0:
+                log.error("put %r: an object has at least 1 byte", k)
+                out[i] = INVALID_PARAMS
                 continue
-            ks.append(_key(k))
-            blocks.append(d)
+            nch = n_chunks(n, chunk)
+            if nch > cache.dram_slots:
+                log.error("put %r: %d bytes do not fit this segment (at most %d bytes: "
+                          "global_segment_size %d bytes in slots of %d)", k, n,
+                          cache.dram_slots * chunk - _OBJ.size,
+                          cache.dram_slots * cache.slot_size, cache.slot_size)
+                out[i] = NO_AVAILABLE_HANDLE
+                continue
+            head = _key(k)
+            if out[i] is None or (not replace and cache.size_of(head) is not None):
+                out[i] = OK                         # held: left as it is
+                continue
+            nonce = int.from_bytes(os.urandom(4), "little")
+            first = chunk - _OBJ.size
+            ks.append(head)
+            blocks.append(_OBJ.pack(_OBJ_MAGIC, chunk, n, nonce) + bytes(mv[:first]))
+            for j, ck in enumerate(_chunk_keys(k, nonce, nch), start=1):
+                ks.append(ck)
+                lo = first + (j - 1) * chunk
+                blocks.append(mv[lo:lo + chunk])
             where.append(i)
+            self._heads[head] = k
         if ks:
             try:
                 cache.put(ks, blocks)
+                if not cache.flush_index():
+                    log.warning("put: the index records of %d objects did not reach the "
+                                "metadata store within 10 s", len(where))
             except E.MooncakeError as e:
-                log.error("put of %d objects: %s", len(ks), e)
+                log.error("put of %d objects: %s", len(where), e)
                 for i in where:
                     out[i] = INTERNAL_ERROR
+        nrep = int(getattr(config, "replica_num", 1) or 1) if config is not None else 1
+        if forward and nrep > 1 and where:
+            self._replicate([keys[i] for i in where if out[i] == OK],
+                            [datas[i] for i in where if out[i] == OK], nrep - 1, config,
+                            replace)
         return out
+
+    def _targets(self, n: int, config=None) -> dict:
+        """``n`` other stores to place objects in: the preferred segments first, then
+        the others in turn."""
+        peers = self._peers()
+        names = sorted(peers)
+        if names:
+            r = self._rr % len(names)
+            self._rr += 1
+            names = names[r:] + names[:r]
+        pref = []
+        if config is not None:
+            pref = [p for p in ([getattr(config, "preferred_segment", "")] +
+                                list(getattr(config, "preferred_segments", []) or []))
+                    if p in peers]
+        order = list(dict.fromkeys(pref + names))
+        return {seg: peers[seg] for seg in order[:n]}
+
+    def _send_objects(self, targets: dict, keys, datas, replace: bool) -> dict:
+        """Send the objects to each target store; ``{segment: [code per key]}``."""
+        views = [memoryview(d).cast("B") if memoryview(d).ndim != 1 or
+                 memoryview(d).format != "B" else memoryview(d) for d in datas]
+        payload = b"".join(views)
+        head = {"op": "put", "keys": [str(k) if not isinstance(k, bytes) else
+                                      k.decode("utf-8", "surrogateescape") for k in keys],
+                "sizes": [v.nbytes for v in views], "replace": replace}
+        return {seg: rh.get("codes", [INTERNAL_ERROR] * len(keys))
+                for seg, rh in self._call_peers(head, payload, targets)}
+
+    def _put_elsewhere(self, keys, datas, config, replace) -> list:
+        """A store without a segment: the objects go to other stores' segments."""
+        out = [OK] * len(keys)
+        ok_i = []
+        for i, d in enumerate(datas):
+            n = memoryview(d).nbytes
+            if n == 0:
+                out[i] = INVALID_PARAMS
+            else:
+                ok_i.append(i)
+        if not ok_i:
+            return out
+        nrep = max(1, int(getattr(config, "replica_num", 1) or 1)) if config else 1
+        targets = self._targets(nrep, config)
+        if not targets:
+            log.error("put: this store has no segment (global_segment_size = 0) and no "
+                      "other store of tenant is running to hold objects")
+            for i in ok_i:
+                out[i] = NO_AVAILABLE_HANDLE
+            return out
+        got = self._send_objects(targets, [keys[i] for i in ok_i], [datas[i] for i in ok_i],
+                                 replace)
+        for j, i in enumerate(ok_i):
+            codes = [c[j] for c in got.values()]
+            out[i] = OK if OK in codes else (codes[0] if codes else TRANSFER_FAIL)
+        return out
+
+    def _replicate(self, keys, datas, n: int, config, replace) -> None:
+        """Copies in ``n`` other stores' segments (``replica_num`` - 1). Their index
+        records are written after ours, so the index names the last copy made; the
+        first holder leaving does not lose the object."""
+        targets = self._targets(n, config)
+        if len(targets) < n:
+            log.warning("replica_num %d: only %d other stores to hold copies", n + 1,
+                        len(targets))
+        if targets and keys:
+            self._send_objects(targets, keys, datas, replace)
+
+    def _heads_of(self, keys, peek: bool = False) -> list:
+        """Each object's ``(total bytes, nonce, first chunk array, chunk size)``, or
+        None. With
+        ``peek``, a first chunk in this process's DRAM tier is read in place, without
+        touching it (the chunk array is then None): a first chunk must never become more
+        recent than the object's other chunks, or the LRU would evict those first."""
+        cache = self._c()
+        out: list = [None] * len(keys)
+        todo = list(range(len(keys)))
+        if peek:
+            todo = []
+            with cache._lock:
+                for i, k in enumerate(keys):
+                    ent = cache._dram.get(_key(k))
+                    if ent is None:
+                        todo.append(i)
+                        continue
+                    off = ent[0] * cache.slot_size + HEADER_SIZE
+                    h = _parse_obj(cache._np[off:off + _OBJ.size])
+                    out[i] = None if h is None else (h[0], h[1], None, h[2])
+        if todo:
+            got = self._fetch([_key(keys[i]) for i in todo])
+            for i, g in zip(todo, got):
+                h = _parse_obj(g)
+                out[i] = None if h is None else (h[0], h[1], g, h[2])
+        return out
+
+    def _fetch(self, pool_keys, copy=None) -> list:
+        """``KVCache.get`` with the index; what came from another process is not kept
+        (its holder stays the one the index names, and a later version of the object
+        is never shadowed by a stale copy here)."""
+        cache = self._c()
+        where: list = []
+        got = cache.get(pool_keys, remote=self._remote, copy=copy, where=where)
+        fetched = [k for k, w in zip(pool_keys, where) if w is not None and w != "dram"
+                   and w != "ssd"]
+        if fetched:
+            cache.remove(fetched, index=False)
+        return got
 
     def _get_many(self, keys, sizes=None) -> list:
         """Each object as a numpy array, or an int code (negative) when it is missing or
-        larger than ``sizes[i]``."""
+        larger than ``sizes[i]``. Two rounds: the first chunks, then every other chunk of
+        every object at once."""
         cache = self._c()
-        ks = [_key(k) for k in keys]
-        got = cache.get(ks, remote=self._remote)
-        out = []
-        for i, g in enumerate(got):
-            if g is None:
+        heads = self._heads_of(keys)
+        out: list = []
+        rest_keys: list = []
+        rest_to: list = []            # (index in out, offset)
+        for i, h in enumerate(heads):
+            if h is None:
                 out.append(OBJECT_NOT_FOUND)
-            elif sizes is not None and g.nbytes > sizes[i]:
-                log.error("get %r: the object is %d bytes, the buffer %d", keys[i],
-                          g.nbytes, sizes[i])
+                continue
+            total, nonce, g, chunk = h
+            if sizes is not None and total > sizes[i]:
+                log.error("get %r: the object is %d bytes, the buffer %d", keys[i], total,
+                          sizes[i])
                 out.append(INVALID_PARAMS)
-            else:
-                out.append(g)
+                continue
+            first = chunk - _OBJ.size
+            buf = np.empty(total, np.uint8)
+            n0 = min(total, first)
+            buf[:n0] = g[_OBJ.size:_OBJ.size + n0]
+            out.append(buf)
+            for j, ck in enumerate(_chunk_keys(keys[i], nonce, n_chunks(total, chunk)),
+                                   start=1):
+                rest_keys.append(ck)
+                rest_to.append((i, first + (j - 1) * chunk))
+        if rest_keys:
+            def land(j, view):
+                i, off = rest_to[j]
+                dst = out[i]
+                if isinstance(dst, np.ndarray):
+                    dst[off:off + view.nbytes] = view
+            got = self._fetch(rest_keys, copy=land)
+            broken = []
+            for (i, _), g in zip(rest_to, got):
+                if g is None and not isinstance(out[i], int):
+                    log.warning("get %r: a chunk of the object was evicted; it is gone",
+                                keys[i])
+                    out[i] = OBJECT_NOT_FOUND
+                    broken.append(keys[i])
+            if broken:
+                self._remove_objects(broken)     # what is left of them finds no reader
         return out
 
+    def _remove_objects(self, keys, forward: bool = True) -> list:
+        """Remove each object (every chunk, here and from the index; with ``forward``,
+        every other store's copies too); True where one was found."""
+        cache = self._c()
+        heads = self._heads_of(keys, peek=True)
+        found = []
+        drop: list = []
+        for k, h in zip(keys, heads):
+            head = _key(k)
+            drop.append(head)
+            self._heads.pop(head, None)
+            if h is not None:
+                drop += _chunk_keys(k, h[1], n_chunks(h[0], h[3]))
+            found.append(h is not None)
+        cache.remove(drop)
+        cache.flush_index()
+        if forward and self._directory is not None:
+            for _, rh in self._call_peers({"op": "remove", "keys": [str(k) for k in keys]}):
+                found = [a or bool(b) for a, b in zip(found, rh.get("found", []))]
+        return found
+
+    def _remove_regex_here(self, pattern: str) -> int:
+        rx = re.compile(pattern)
+        names = [n for n in list(self._heads.values())
+                 if rx.search(n if isinstance(n, str) else n.decode("utf-8", "replace"))]
+        return sum(self._remove_objects(names, forward=False)) if names else 0
+
+    def _remove_all_here(self) -> int:
+        cache = self._c()
+        held = cache.keys()
+        n = sum(1 for k in held if k in self._heads)
+        cache.remove(held)
+        self._heads.clear()
+        cache.flush_index()
+        return n
+
+    def _object_size(self, key) -> "int | None":
+        """The object's size, from its first chunk (read only when its length does not
+        tell: a first chunk shorter than the smallest slot is the whole object)."""
+        cache = self._c()
+        mine = cache.size_of(_key(key))
+        if mine is not None and mine < cache.block_bytes:
+            return mine - _OBJ.size          # written here, in one of our slots
+        n0 = mine if mine is not None else cache.size_of(_key(key), remote=self._remote)
+        if n0 is None:
+            return None
+        if n0 < 4096 - HEADER_SIZE:
+            return n0 - _OBJ.size
+        h = self._heads_of([key], peek=True)[0]
+        return None if h is None else h[0]
+
     # --- the everyday API ---------------------------------------------------------------
+    def _staged(self, keys, values) -> list:
+        """Mooncake's ``put``/``put_batch``/``upsert`` copy the value into the client's
+        local buffer (``local_buffer_size``) first; a value that does not fit it fails
+        there (-600), with ``local_buffer_size = 0`` every one. A code per key (0: fits)."""
+        out = []
+        for k, v in zip(keys, values):
+            n = memoryview(v).nbytes
+            if n > self._local_buffer:
+                log.error("put %r: %d bytes do not fit the local buffer (local_buffer_size "
+                          "%d); give setup a larger local_buffer_size, or register the "
+                          "memory and use put_from", k, n, self._local_buffer)
+                out.append(INVALID_PARAMS)
+            else:
+                out.append(OK)
+        return out
+
+    def _put_staged(self, keys, values, config, replace=False) -> list:
+        out = self._staged(keys, values)
+        ok = [i for i, c in enumerate(out) if c == OK]
+        if ok:
+            for i, c in zip(ok, self._put_many([keys[i] for i in ok], [values[i] for i in ok],
+                                               config, replace=replace)):
+                out[i] = c
+        return out
+
     def put(self, key: str, value, config: ReplicateConfig | None = None) -> int:
         """Store ``value`` (bytes-like) under ``key``. 0, or a negative code; a key that
         exists is left as it is and 0 returned (Mooncake's put semantics)."""
-        return self._guard(lambda: self._put_many([key], [value], config)[0], INTERNAL_ERROR)
+        return self._guard(lambda: self._put_staged([key], [value], config)[0],
+                           INTERNAL_ERROR)
 
     def put_batch(self, keys, values, config: ReplicateConfig | None = None) -> int:
         """Store several objects; 0 when every one was stored, else the first error."""
         def go():
             if len(keys) != len(values):
                 raise E.InvalidArgumentError(f"{len(keys)} keys but {len(values)} values")
-            bad = [c for c in self._put_many(list(keys), list(values), config) if c]
+            bad = [c for c in self._put_staged(list(keys), list(values), config) if c]
+            return bad[0] if bad else OK
+        return self._guard(go, INVALID_PARAMS)
+
+    def upsert(self, key: str, value, config: ReplicateConfig | None = None) -> int:
+        """Store ``value`` under ``key``, replacing an object that exists (every copy,
+        in every store). 0 or a negative code."""
+        return self._guard(lambda: self._put_staged([key], [value], config, True)[0],
+                           INTERNAL_ERROR)
+
+    def upsert_batch(self, keys, values, config: ReplicateConfig | None = None) -> int:
+        """:meth:`upsert` of several objects; 0, else the first error."""
+        def go():
+            if len(keys) != len(values):
+                raise E.InvalidArgumentError(f"{len(keys)} keys but {len(values)} values")
+            bad = [c for c in self._put_staged(list(keys), list(values), config, True) if c]
             return bad[0] if bad else OK
         return self._guard(go, INVALID_PARAMS)
 
@@ -508,8 +1005,20 @@ class MooncakeDistributedStore:
         return self.batch_get_into_multi_buffers(keys, [[p] for p in buffer_ptrs],
                                                  [[s] for s in sizes])
 
+    def upsert_from(self, key: str, buffer_ptr: int, size: int,
+                    config: ReplicateConfig | None = None) -> int:
+        """:meth:`put_from` that replaces an object that exists (every copy)."""
+        return self.batch_upsert_from([key], [buffer_ptr], [size], config)[0]
+
+    def batch_upsert_from(self, keys, buffer_ptrs, sizes,
+                          config: ReplicateConfig | None = None) -> list:
+        """:meth:`upsert_from` of several keys; a code per key."""
+        return self.batch_put_from_multi_buffers(keys, [[p] for p in buffer_ptrs],
+                                                 [[s] for s in sizes], config, _replace=True)
+
     def batch_put_from_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
-                                     config: ReplicateConfig | None = None) -> list:
+                                     config: ReplicateConfig | None = None,
+                                     _replace: bool = False) -> list:
         """Object ``i`` is the concatenation of ``all_sizes[i][j]`` bytes at
         ``all_buffer_ptrs[i][j]`` (one piece per layer, as vLLM lays it out). A code per
         key: 0 stored (or existed already), negative on error."""
@@ -529,14 +1038,16 @@ class MooncakeDistributedStore:
                     off += n
                 good.append(i)
                 datas.append(buf)
-            codes = self._put_many([keys[i] for i in good], datas, config) if good else []
+            codes = (self._put_many([keys[i] for i in good], datas, config, replace=_replace)
+                     if good else [])
             for i, code in zip(good, codes):
                 out[i] = code
             return out
         return self._guard(go, [INVALID_PARAMS] * len(keys))
 
     def batch_get_into_multi_buffers(self, keys, all_buffer_ptrs, all_sizes,
-                                     prefer_same_node: bool = False) -> list:
+                                     prefer_same_node: bool = False,
+                                     prefer_alloc_in_same_node: bool = False) -> list:
         """Scatter object ``i`` over ``all_buffer_ptrs[i]`` (``all_sizes[i][j]`` bytes
         each, in order). Bytes read per key, or a negative code (-704 missing)."""
         def go():
@@ -567,6 +1078,76 @@ class MooncakeDistributedStore:
             return out
         return self._guard(go, [INVALID_PARAMS] * len(keys))
 
+    # --- Mooncake's newer calls -----------------------------------------------------------
+    def put_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
+        """Store the concatenation of ``parts`` (bytes-like) under ``key`` (LMCache
+        stores a chunk's metadata and its KV bytes this way). 0 or a negative code."""
+        def go():
+            views = [memoryview(p).cast("B") if memoryview(p).ndim != 1 or
+                     memoryview(p).format != "B" else memoryview(p) for p in parts]
+            if not views:
+                raise E.InvalidArgumentError("put_parts needs at least one part")
+            total = sum(v.nbytes for v in views)
+            buf = np.empty(total, np.uint8)
+            off = 0
+            for v in views:
+                buf[off:off + v.nbytes] = np.frombuffer(v, np.uint8)
+                off += v.nbytes
+            return self._put_staged([key], [buf], config)[0]
+        return self._guard(go, INTERNAL_ERROR)
+
+    def get_buffer(self, key: str):
+        """The object as a :class:`BufferHandle` (``ptr()``, ``size()``, the buffer
+        protocol), or None when it does not exist."""
+        return self.batch_get_buffer([key])[0]
+
+    def batch_get_buffer(self, keys) -> list:
+        """:meth:`get_buffer` of several keys, one round of index queries and reads."""
+        def go():
+            return [None if isinstance(g, int) else g.view(BufferHandle)
+                    for g in self._get_many(list(keys))]
+        return self._guard(go, [None] * len(keys))
+
+    def health_check(self) -> int:
+        """0 when the store is set up and every other store in the directory answers;
+        -1 when not set up, the number of stores that did not answer otherwise (as a
+        negative code, -800)."""
+        if self._cache is None:
+            return INTERNAL_ERROR
+        peers = self._peers()
+        answered = self._call_peers({"op": "ping"}, targets=peers)
+        return OK if len(answered) == len(peers) else TRANSFER_FAIL
+
+    def remove_by_regex(self, pattern: str, force: bool = False) -> int:
+        """Remove every object, in every store of the tenant, whose key matches the
+        regular expression ``pattern`` (``re.search``); how many, or -1."""
+        def go():
+            re.compile(pattern)
+            n = self._remove_regex_here(pattern)
+            if self._directory is not None:
+                n += sum(int(rh.get("n", 0)) for _, rh in
+                         self._call_peers({"op": "remove_regex", "pattern": pattern}))
+            return n
+        try:
+            return go()
+        except re.error as e:
+            log.error("remove_by_regex: %r is not a regular expression: %s", pattern, e)
+            return INVALID_PARAMS
+        except E.MooncakeError as e:
+            log.error("%s", e)
+            return INTERNAL_ERROR
+
+    def setup_dummy(self, mem_pool_size=0, local_buffer_size=0, server_address: str = "",
+                    **kw) -> int:
+        """Refused (-1): Mooncake's dummy client borrows a real client's memory through
+        shared memory and that client's RPC server; here a client without memory is
+        ``setup(..., global_segment_size=0, ...)``, which reads and writes through
+        other processes' segments (docs/compat.md)."""
+        log.error("setup_dummy is not supported: use setup(local_hostname, metadata_server, "
+                  "global_segment_size=0, local_buffer_size=...) for a client that keeps "
+                  "no objects itself (it reads and writes through other stores)")
+        return INTERNAL_ERROR
+
     # --- existence, size, removal -------------------------------------------------------
     def is_exist(self, key: str) -> int:
         """1 exists (here or, through the index, in another process), 0 not, -1 error."""
@@ -582,35 +1163,29 @@ class MooncakeDistributedStore:
     def get_size(self, key: str) -> int:
         """The object's size in bytes, or -704 when it does not exist."""
         def go():
-            n = self._c().size_of(_key(key), remote=self._remote)
+            n = self._object_size(key)
             return OBJECT_NOT_FOUND if n is None else n
         return self._guard(go, INTERNAL_ERROR)
 
     def remove(self, key: str, force: bool = False) -> int:
-        """Remove the object: this process's copies and the index record, so no process
-        finds it through the index any more. 0, or -704 when nobody held it."""
+        """Remove the object everywhere: this process's copies, the index records, and
+        every other store's copies (through their services). 0, or -704 when nobody
+        held it."""
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys, force: bool = False) -> list:
         def go():
-            cache = self._c()
-            out = []
-            for k in keys:
-                kk = _key(k)
-                known = cache.size_of(kk, remote=self._remote) is not None
-                cache.remove([kk])
-                out.append(OK if known else OBJECT_NOT_FOUND)
-            cache.flush_index()
-            return out
+            return [OK if f else OBJECT_NOT_FOUND for f in self._remove_objects(list(keys))]
         return self._guard(go, [INTERNAL_ERROR] * len(keys))
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every object this process holds (both tiers, and their index records);
-        the number removed, or -1. ``force`` is accepted (no leases to skip here)."""
+        """Remove every object of the cluster (this tenant's): this process's, and every
+        other store's through its service; the number removed, or -1. ``force`` is
+        accepted (no leases to skip here)."""
         def go():
-            cache = self._c()
-            n = cache.remove(cache.keys())
-            cache.flush_index()
+            n = self._remove_all_here()
+            if self._directory is not None:
+                n += sum(int(rh.get("n", 0)) for _, rh in self._call_peers({"op": "remove_all"}))
             return n
         return self._guard(go, -1)
 
@@ -627,16 +1202,19 @@ class MooncakeDistributedStore:
                 tier = cache.tier(kk)
                 if tier == "dram":
                     slot, n = cache._dram[kk]
-                    reps.append(ReplicaDescriptor("memory", self._eng.name,
-                                                  cache.base + slot * cache.slot_size, n))
+                    off = slot * cache.slot_size
+                    h = _parse_obj(cache._np[off + HEADER_SIZE:off + HEADER_SIZE + _OBJ.size])
+                    reps.append(ReplicaDescriptor("memory", self._eng.name, cache.base + off,
+                                                  h[0] if h else n))
                 elif tier == "ssd":
                     from ..kvcache.ssd import SLAB
-                    reps.append(ReplicaDescriptor("local_disk", size=cache.ssd.index[kk][1],
+                    reps.append(ReplicaDescriptor("local_disk", size=self._object_size(k),
                                                   path=os.path.join(cache.ssd.dir, SLAB)))
                 elif self._remote:
                     rec = cache._index.lookup(kk)
                     if rec is not None:
-                        reps.append(ReplicaDescriptor("memory", rec[0], rec[1], rec[2]))
+                        reps.append(ReplicaDescriptor("memory", rec[0], rec[1],
+                                                      self._object_size(k) or rec[2]))
                 out[k] = reps
             return out
         return self._guard(go, {})
@@ -700,6 +1278,69 @@ def _mapped_rw(address: int, length: int) -> bool:
     return at >= end
 
 
+def _close_quietly(store) -> None:
+    try:
+        store.close()
+    except Exception:
+        pass
+
+
+def _weak_call(obj, name: str):
+    """``getattr(obj, name)`` called through a weak reference to ``obj``."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        o = ref()
+        if o is None:
+            raise E.ClosedError("the store was closed")
+        return getattr(o, name)(*args)
+    return call
+
+
+def _keep_listed(ref, stop) -> None:
+    """Put a store's directory entry back if a concurrent update dropped it."""
+    from .store_service import DIRECTORY_CHECK_S
+    while not stop.wait(DIRECTORY_CHECK_S):
+        store = ref()
+        if store is None:
+            return
+        svc, d, eng = store._service, store._directory, store._eng
+        del store
+        if svc is None or d is None or eng is None:
+            return
+        try:
+            if d.services().get(eng.name) != svc.addr:
+                d.add(eng.name, svc.addr)
+        except Exception as e:            # the metadata store is down: next time
+            log.info("store directory: %s", e)
+        del svc, d, eng
+
+
+def _host_of(name: str) -> str:
+    """The host of ``host``, ``host:port``, ``[v6]:port`` or a bare IPv6 address."""
+    if name.startswith("["):
+        return name[1:name.index("]")]
+    if name.count(":") == 1:
+        return name.split(":")[0] or "127.0.0.1"
+    return name or "127.0.0.1"
+
+
+def _chunk_keys(key, nonce: int, nch: int) -> list:
+    """Pool keys of chunks 1 .. nch-1 of version ``nonce`` of object ``key``."""
+    if isinstance(key, str):
+        key = key.encode("utf-8", "surrogateescape")
+    base = b"\0chunk\0" + bytes(key) + nonce.to_bytes(4, "little")
+    return [as_key(base + j.to_bytes(4, "little")) for j in range(1, nch)]
+
+
+def _parse_obj(first) -> "tuple[int, int, int] | None":
+    """``(total bytes, nonce, chunk size)`` from an object's first chunk, or None."""
+    if first is None or len(first) < _OBJ.size:
+        return None
+    magic, chunk, total, nonce = _OBJ.unpack_from(bytes(first[:_OBJ.size]))
+    return (total, nonce, chunk) if magic == _OBJ_MAGIC and chunk > _OBJ.size else None
+
+
 def _same_len(keys, ptrs, sizes) -> None:
     if not (len(keys) == len(ptrs) == len(sizes)):
         raise E.InvalidArgumentError(f"{len(keys)} keys, {len(ptrs)} buffer lists and "
@@ -707,4 +1348,5 @@ def _same_len(keys, ptrs, sizes) -> None:
 
 
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ReplicaDescriptor",
-           "MemoryDescriptor", "DiskDescriptor"]
+           "MemoryDescriptor", "DiskDescriptor", "BufferHandle", "ReplicaStatus",
+           "SoftPinAction", "ObjectDataType"]

@@ -109,6 +109,9 @@ class KVCache:
     """
 
     _fill_fn = None                     # put(fill=)'s callback during that put
+    #: Publish a block read from a peer as held here too (the KV pool's sharing); the
+    #: object store keeps index records on the processes an object was put in.
+    publish_reads = True
     _where = None                       # get(where=)'s list during that get
 
     def __init__(self, block_bytes: int, dram_bytes: int, ssd_bytes: int = 0,
@@ -926,7 +929,10 @@ class KVCache:
                     c[f"served_{t.name}_bytes"] += n
                     if not t.verified:
                         self._taint(k)
-                    if self._index is not None and k not in self._unverified:
+                    # A block read from another instance is served, not re-published as
+                    # ours unless publish_reads (the store keeps the holder's record).
+                    if (self._index is not None and k not in self._unverified
+                            and (t.local or self.publish_reads)):
                         h = parse_header(self._slot_view(slot))
                         if h is not None:
                             self._publish(k, slot * self.slot_size, n, h.crc)

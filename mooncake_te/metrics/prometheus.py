@@ -18,7 +18,44 @@ from .. import errors as E
 log = logging.getLogger("mooncake_te")
 
 _sources: list = []                  # [(kind, weakref)]
-_sources_lock = threading.Lock()
+
+
+class _FinalizerSafeLock:
+    """A lock that a finalizer may reach while its own thread holds it.
+
+    The cyclic garbage collector runs finalizers (an unclosed engine's or store's
+    ``__del__``, which untracks it) at any allocation, so also inside :func:`track`
+    while it holds the lock. A plain lock then deadlocks the thread on itself; a bare
+    ``RLock`` would let the finalizer edit the list the outer section is rebuilding.
+    Here a section entered again by the same thread (``busy``) queues its work, which
+    the outer section runs when it ends; other threads wait as for any lock."""
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._busy = 0
+        self._later: list = []
+
+    def run(self, fn, defer_ok: bool = True):
+        """``fn()`` under the lock; when this thread is inside a section already (a
+        finalizer), queued to run at its end (``defer_ok``) and None returned."""
+        with self._lock:
+            if self._busy and defer_ok:
+                self._later.append(fn)
+                return None
+            self._busy += 1
+            try:
+                return fn()
+            finally:
+                # Queued work runs before the lock is let go, with the section still
+                # marked busy (it may queue more; the loop takes that too).
+                try:
+                    while self._later and self._busy == 1:
+                        self._later.pop(0)()
+                finally:
+                    self._busy -= 1
+
+
+_sources_lock = _FinalizerSafeLock()
 
 
 def track(kind: str, obj) -> None:
@@ -28,21 +65,27 @@ def track(kind: str, obj) -> None:
     if kind not in _EXPORTERS:
         raise E.InvalidArgumentError(f"unknown metrics source kind {kind!r}; use one of "
                                      f"{', '.join(_EXPORTERS)}")
-    with _sources_lock:
+    def add():
         _sources[:] = [(k, r) for k, r in _sources if r() is not None]
         if not any(r() is obj for _, r in _sources):
             _sources.append((kind, weakref.ref(obj)))
+    _sources_lock.run(add, defer_ok=False)
 
 
 def untrack(obj) -> None:
-    """Stop exporting ``obj``."""
-    with _sources_lock:
-        _sources[:] = [(k, r) for k, r in _sources if r() is not None and r() is not obj]
+    """Stop exporting ``obj``. Safe from a finalizer (see :class:`_FinalizerSafeLock`):
+    run inside another section of this thread, it takes effect when that one ends."""
+    ref = weakref.ref(obj)
+
+    def drop():
+        _sources[:] = [(k, r) for k, r in _sources if r() is not None and r() is not ref()]
+    _sources_lock.run(drop)
 
 
 def _live() -> list:
-    with _sources_lock:
-        return [(k, o) for k, o in ((k, r()) for k, r in _sources) if o is not None]
+    return _sources_lock.run(
+        lambda: [(k, o) for k, o in ((k, r()) for k, r in _sources) if o is not None],
+        defer_ok=False)
 
 
 # --- families --------------------------------------------------------------------------
@@ -312,7 +355,7 @@ def _require() -> None:
 
 # --- the /metrics server ---------------------------------------------------------------
 _servers: dict = {}                   # (host, port) -> [server, thread, users]
-_servers_lock = threading.Lock()
+_servers_lock = _FinalizerSafeLock()      # release() runs in engines' finalizers
 
 
 class MetricsServer:
@@ -332,7 +375,8 @@ class MetricsServer:
         if self._released:
             return
         self._released = True
-        with _servers_lock:
+
+        def drop():
             entry = _servers.get(self.key)
             if entry is None:
                 return
@@ -340,8 +384,9 @@ class MetricsServer:
             if entry[2] > 0:
                 return
             del _servers[self.key]
-        entry[0].shutdown()
-        entry[0].server_close()
+            entry[0].shutdown()
+            entry[0].server_close()
+        _servers_lock.run(drop)
 
     def __repr__(self) -> str:
         return f"<MetricsServer {self.url}>"
@@ -356,7 +401,9 @@ def serve(port: int, host: str = "127.0.0.1", token: bytes | None = None) -> Met
     thread-per-connection server."""
     registry()
     from .http import HttpMetricsServer
-    with _servers_lock:
+
+    def acquire():
+        nonlocal port
         entry = _servers.get((host, port)) if port else None
         if entry is None:
             try:
@@ -368,4 +415,5 @@ def serve(port: int, host: str = "127.0.0.1", token: bytes | None = None) -> Met
             port = server.server_address[1]
             entry = _servers[(host, port)] = [server, None, 0]
         entry[2] += 1
+    _servers_lock.run(acquire, defer_ok=False)
     return MetricsServer(host, port)

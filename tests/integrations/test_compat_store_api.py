@@ -1,0 +1,190 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The rest of Mooncake Store's Python API on our store (issue 39, items 2 and 3 of the
+issue): the enums and ``ReplicateConfig`` fields, ``put_parts`` and the zero-copy
+``get_buffer``/``batch_get_buffer`` that LMCache's ``MooncakestoreConnector`` uses with
+``save_chunk_meta`` on, ``upsert``, ``remove_by_regex`` and ``health_check`` across
+stores, the keyword names Mooncake's callers pass, ``get_hostname``'s port range, and
+``setup_dummy``'s refusal; under etcd, redis and our HTTP metadata server."""
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve  # noqa: F401
+from mooncake_te.compat.store import (PORT_RANGE, BufferHandle, MooncakeDistributedStore,
+                                      ObjectDataType, ReplicaStatus, ReplicateConfig,
+                                      SoftPinAction)
+
+pytestmark = pytest.mark.timeout(180)
+MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _loopback(monkeypatch):
+    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+
+@pytest.fixture(scope="module", params=["etcd", "redis", "http"])
+def index_url(request):
+    cls = {"etcd": EtcdServer, "redis": RedisServer, "http": HttpMetadataServer}[request.param]
+    yield from (srv.url for srv in _serve(cls))
+
+
+def _store(url, tenant, segment=32 * MIB):
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", url, segment, 32 * MIB, "tcp", "", "127.0.0.1:50051",
+                   tenant_id=tenant) == 0
+    return s
+
+
+def test_types_and_config_fields():
+    cfg = ReplicateConfig()
+    assert cfg.soft_pin_action == SoftPinAction.NONE and cfg.soft_pin_ttl_ms == 0
+    cfg.soft_pin_action, cfg.soft_pin_ttl_ms = SoftPinAction.PIN, 5000
+    assert ReplicaStatus.COMPLETE.name == "COMPLETE"
+    assert ObjectDataType.KV_CACHE != ObjectDataType.EMBEDDING
+
+
+# LMCache 0.5.6's chunk metadata ahead of the KV bytes (save_chunk_meta): a fixed header
+# (shape, dtype, format, length) packed by the connector; its exact fields do not matter to
+# the store, which sees two parts concatenated.
+_META = struct.Struct("<4iii")
+
+
+def test_lmcache_mooncakestore_connector_sequence(index_url):
+    """What LMCache's connector calls, in its order: exists check, ``put_parts(key,
+    meta, kv, config=)`` per chunk, ``batch_is_exist``, ``batch_get_buffer`` and
+    parsing the meta back out of the buffer, ``remove``; a second store (another
+    LMCache instance) reads the same chunks."""
+    tenant = "lm-" + os.urandom(4).hex()
+    a = _store(index_url, tenant)
+    b = _store(index_url, tenant)
+    try:
+        cfg = ReplicateConfig()
+        cfg.replica_num = 1
+        cfg.preferred_segment = a.get_hostname()
+        rng = np.random.default_rng(1)
+        chunks = {f"lmcache@model@{i:04x}": rng.standard_normal((2, 4, 256, 64)).astype(
+            np.float16) for i in range(6)}
+        keys = list(chunks)
+        assert a.batch_is_exist(keys) == [0] * 6
+        for k, kv in chunks.items():
+            meta = _META.pack(*kv.shape, 1, kv.nbytes)
+            assert a.put_parts(k, meta, memoryview(kv).cast("B"), config=cfg) == 0
+        for store in (a, b):
+            assert store.batch_is_exist(keys + ["lmcache@model@none"]) == [1] * 6 + [0]
+            bufs = store.batch_get_buffer(keys + ["lmcache@model@none"])
+            assert bufs[-1] is None
+            for k, buf in zip(keys, bufs):
+                assert isinstance(buf, BufferHandle)
+                assert buf.size() == _META.size + chunks[k].nbytes
+                mv = memoryview(buf)                       # zero-copy view
+                *shape, fmt, n = _META.unpack(mv[:_META.size])
+                kv = np.frombuffer(mv, np.float16, offset=_META.size).reshape(shape)
+                assert n == chunks[k].nbytes and (kv == chunks[k]).all()
+                # ptr()/size() describe the same bytes (what a C++ consumer reads)
+                raw = (ctypes.c_uint8 * buf.size()).from_address(buf.ptr())
+                assert bytes(raw[:_META.size]) == bytes(mv[:_META.size])
+        assert b.get_buffer(keys[0]).size() == _META.size + chunks[keys[0]].nbytes
+        assert a.remove(keys[0]) == 0 and b.get_buffer(keys[0]) is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_upsert_regex_health_and_keywords(index_url):
+    tenant = "api-" + os.urandom(4).hex()
+    a = _store(index_url, tenant)
+    b = _store(index_url, tenant)
+    try:
+        assert a.health_check() == 0
+        assert a.put("k", b"old") == 0 and a.put("k", b"ignored") == 0
+        assert b.get("k") == b"old"
+        assert b.upsert("k", b"new, longer value") == 0        # replaces a's copy too
+        assert a.get("k") == b"new, longer value" and b.get("k") == b"new, longer value"
+        src = np.frombuffer(b"from a buffer", np.uint8).copy()
+        assert a.register_buffer(src.ctypes.data, src.nbytes) == 0
+        assert a.upsert_from("k", src.ctypes.data, src.nbytes) == 0
+        assert b.get("k") == b"from a buffer"
+        assert a.batch_upsert_from(["k"], [src.ctypes.data], [4]) == [0]
+        assert b.get("k") == b"from"
+        for i in range(3):
+            assert a.put(f"layer/{i}", b"a%d" % i) == 0
+            assert b.put(f"layer/{i}x", b"b%d" % i) == 0
+        assert a.put("other", b"o") == 0
+        assert b.remove_by_regex(r"^layer/") == 6              # both stores' objects
+        assert a.batch_is_exist(["layer/0", "layer/1x", "other"]) == [0, 0, 1]
+        assert a.remove_by_regex("([") < 0                      # not a regex
+        # Mooncake's keyword for the same-node preference
+        dst = np.zeros(16, np.uint8)
+        assert a.register_buffer(dst.ctypes.data, dst.nbytes) == 0
+        assert a.batch_get_into_multi_buffers(["other"], [[dst.ctypes.data]], [[16]],
+                                              prefer_alloc_in_same_node=True) == [1]
+        host, port = a.get_hostname().rsplit(":", 1)
+        assert host == "127.0.0.1" and PORT_RANGE[0] <= int(port) <= PORT_RANGE[1]
+        b.close()
+        assert a.health_check() == 0                # b left the directory: none to miss
+    finally:
+        a.close()
+        b.close()
+    d = MooncakeDistributedStore()
+    assert d.setup_dummy(64 * MIB, 16 * MIB, "127.0.0.1:50052") != 0
+
+
+def test_shim_submodules(tmp_path, monkeypatch):
+    """``mooncake.mooncake_config`` through the opt-in shim reads Mooncake's JSON config;
+    ``mooncake.allocator`` refuses with the reason."""
+    import json
+    import subprocess
+    import sys
+    from servers import ROOT
+    shim = str(tmp_path / "shim")
+    r = subprocess.run([sys.executable, "-m", "mooncake_te", "compat", "install", "--target",
+                        shim], capture_output=True, text=True, env=dict(os.environ,
+                                                                        PYTHONPATH=ROOT))
+    assert r.returncode == 0, r.stderr
+    cfg = tmp_path / "mooncake.json"
+    cfg.write_text(json.dumps({"local_hostname": "127.0.0.1", "metadata_server":
+                               "P2PHANDSHAKE", "master_server_address": "127.0.0.1:50051",
+                               "global_segment_size": "64MB", "local_buffer_size": 0,
+                               "protocol": "tcp", "device_name": ""}))
+    code = r"""
+import os
+from mooncake.mooncake_config import MooncakeConfig
+from mooncake.store import MooncakeDistributedStore, ReplicaStatus, SoftPinAction, ObjectDataType
+c = MooncakeConfig.load_from_env()
+assert c.global_segment_size == 64 << 20 and c.local_buffer_size == 0
+s = MooncakeDistributedStore()
+assert s.setup(c.local_hostname, c.metadata_server, c.global_segment_size,
+               c.local_buffer_size, c.protocol, c.device_name,
+               c.master_server_address) == 0
+assert s.put("k", b"v") != 0              # local_buffer_size 0, as in Mooncake
+s.close()
+try:
+    import mooncake.allocator
+except ImportError as e:
+    assert "NVLink" in str(e), e
+else:
+    raise SystemExit("mooncake.allocator imported")
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([shim, ROOT]),
+                                MOONCAKE_CONFIG_PATH=str(cfg)), timeout=60)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_port_choice_ignores_the_seeded_random_module():
+    """vLLM seeds ``random`` (seed=0) in every process; two stores with a bare
+    local_hostname must not then name their segments with the same port."""
+    import random
+    from mooncake_te.compat.store import _free_port
+    picks = set()
+    for _ in range(5):
+        random.seed(0)
+        picks.add(_free_port("127.0.0.1"))
+    assert len(picks) > 1, picks
