@@ -85,8 +85,10 @@ def run(args) -> int:
         print(f"mooncake-te p2p {cmd}: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"mooncake-te p2p {cmd}: {e}", file=sys.stderr)
-        return 1
+        from .main import listen_failed
+        print(f"mooncake-te p2p {cmd}: {e.strerror if listen_failed(e) else e}",
+              file=sys.stderr)
+        return 2 if listen_failed(e) else 1
 
 
 def _open(args, **kwargs):
