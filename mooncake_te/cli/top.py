@@ -44,6 +44,12 @@ def _url(arg) -> str:
 
 def run(args) -> int:
     from ..errors import MooncakeError
+    from ..metrics.prometheus import _require
+    try:
+        _require("mooncake-te top")          # it reads the text format with its parser
+    except MooncakeError as e:
+        print(f"mooncake-te top: {e}", file=sys.stderr)
+        return 1
     from ..metrics.top import render, scrape, summarize
     url = _url(args.url)
     try:

@@ -269,3 +269,26 @@ def test_no_page_points_readers_at_our_issue_numbers():
                 if re.search(r"\bissue[- ]\d+\b", line, re.I) and "github.com" not in line:
                     found.append(f"{page}:{n}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+def readme_extras() -> list:
+    """The extras the README's "Extras (...)" sentence names, in order."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    m = re.search(r"Extras \(.*?(?:\n\n|\Z)", text, re.S)
+    assert m, "README.md has no 'Extras (...)' paragraph"
+    return re.findall(r"`\[([\w-]+)\]`", m.group(0))
+
+
+def test_readme_lists_every_extra_of_pyproject():
+    """Issue 41, item 4: the README left out [metrics] and [kvcache]."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:            # Python < 3.11
+        import tomli as tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = set(tomllib.load(f)["project"]["optional-dependencies"])
+    listed = readme_extras()
+    assert sorted(set(listed)) == sorted(extras), (
+        f"README.md's extras differ from pyproject.toml's: missing "
+        f"{sorted(extras - set(listed))}, not in pyproject {sorted(set(listed) - extras)}")

@@ -74,3 +74,59 @@ def test_bench_port_in_loopback_mode_is_refused():
     assert r.returncode == 2, r.stderr
     assert "--port is the RPC port of a --mode target" in r.stderr
     assert "drop --port" in r.stderr
+
+
+# --- item 4: prometheus-client ----------------------------------------------------------
+def test_prometheus_client_is_a_dependency():
+    """Decided: required (top ships with every install, metrics_port is an engine
+    setting; it is small and pure Python), so neither needs an extra a user must know."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:
+        import tomli as tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    assert any(d.startswith("prometheus-client") for d in deps), deps
+
+
+@pytest.mark.timeout(60)
+def test_top_without_prometheus_client_says_what_to_install():
+    r = mte("top", "--once", "127.0.0.1:9", pre=NO_PROMETHEUS)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith("mooncake-te top: ") and len(r.stderr.strip().splitlines()) == 1
+    assert "prometheus-client is not installed" in r.stderr
+    assert "pip install 'prometheus-client" in r.stderr and ".[metrics]" in r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_engine_metrics_port_without_prometheus_client_is_an_error():
+    code = NO_PROMETHEUS + (
+        "import mooncake_te as mte\n"
+        "try:\n"
+        "    mte.TransferEngine(host='127.0.0.1', metadata='p2p')\n"
+        "except mte.MooncakeError as e:\n"
+        "    print('REFUSED', e)\n"
+        "else:\n"
+        "    print('STARTED')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT, MC_METRICS_PORT="1"))
+    assert r.returncode == 0, r.stderr
+    assert "REFUSED metrics_port = 1 (/metrics) need(s) prometheus-client is not installed" \
+        in r.stdout, r.stdout + r.stderr
+
+
+# --- item 1 (the rest): the library's own messages --------------------------------------
+def test_no_message_in_the_library_installs_mooncake_te_from_pypi():
+    from test_docs import PYPI_INSTALL
+    found = []
+    for d, _, files in os.walk(os.path.join(ROOT, "mooncake_te")):
+        for f in files:
+            if f.endswith((".py", ".pyx", ".pxd")):
+                path = os.path.join(d, f)
+                with open(path) as fh:
+                    for n, line in enumerate(fh, 1):
+                        if PYPI_INSTALL.search(line):
+                            found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
+    assert not found, "\n".join(found)
