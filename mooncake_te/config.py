@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -133,8 +134,11 @@ _TYPE_WORDS = {str: "a string", int: "an integer", bool: "true or false",
 
 # MC_* variable -> (section, key, parser). Mooncake's meanings (reference §6).
 def _seconds_to_ms(v: str) -> int:
-    # MC_TRANSFER_TIMEOUT is in seconds in Mooncake's Python wrapper.
-    return int(float(v) * 1000)
+    # MC_TRANSFER_TIMEOUT is in seconds in Mooncake's Python wrapper (fractions too).
+    s = float(v)
+    if not math.isfinite(s):
+        raise ValueError(v)
+    return int(s * 1000)
 
 
 def _bool(v: str) -> bool:
@@ -171,6 +175,11 @@ ENV: dict[str, tuple[str, str, Any]] = {
     # MC_FORCE_HCA: "force RDMA, error if no HCA" (Mooncake PR #1259) is protocol = "rdma".
     "MC_FORCE_HCA": ("transfer_engine", "protocol", lambda v: "rdma" if _bool(v) else None),
 }
+
+# What a variable takes, where its parser is not the key's type (the key is in other units).
+_ENV_EXPECTS = {"MC_TRANSFER_TIMEOUT": "a number of seconds such as 30 or 2.5 (the "
+                                       "variable is in seconds; timeout_ms in a file is in "
+                                       "milliseconds)"}
 
 # MC_METADATA_SERVER holds a Mooncake connection string ("etcd://h:2379",
 # "redis://h:6379", "http://h:8080/metadata", "P2PHANDSHAKE", or a bare "h:2379", which
@@ -423,7 +432,7 @@ class Config:
             except ValueError:
                 raise ConfigError(f"environment variable {var}={env[var]!r} is not valid for "
                                   f"[{section}] {key}: expected "
-                                  f"{_TYPE_WORDS.get(SCHEMA[section][key][0][0], 'a value')}"
+                                  f"{_ENV_EXPECTS.get(var) or _TYPE_WORDS.get(SCHEMA[section][key][0][0], 'a value')}"
                                   ) from None
             if value is not None:
                 self.data[section][key] = validate(section, key, value, f"${var}")

@@ -242,6 +242,13 @@ def _list(args) -> int:
     if args.json:
         print(json.dumps([o.__dict__ for o in objs]))
         return 0
+    if not objs:                 # a header over nothing reads as a broken table
+        store_url = args.metadata or _os.environ.get("MC_METADATA_SERVER") \
+            or f"of {args.config}"
+        where = "seed " + ", ".join(args.seed) if args.seed else f"metadata {store_url}"
+        print(f"no objects published ({where}); publish one with "
+              f"`mooncake-te p2p publish FILE` against the same store")
+        return 0
     from rich.console import Console
     from rich.table import Table
     t = Table("name", "size", "chunks", "chunk size", "origin")

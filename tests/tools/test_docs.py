@@ -292,3 +292,20 @@ def test_readme_lists_every_extra_of_pyproject():
     assert sorted(set(listed)) == sorted(extras), (
         f"README.md's extras differ from pyproject.toml's: missing "
         f"{sorted(extras - set(listed))}, not in pyproject {sorted(set(listed) - extras)}")
+
+
+def test_readme_tour_prints_what_its_comments_say(scratch):
+    """Issue 41, item 12: the tour's ``print(...)  # output`` comments are the real output
+    (``...`` stands for anything): the TransferStatus comment had drifted from the repr."""
+    tour = next(text for _, info, text, _ in blocks("README.md")
+                if info == "python" and "TransferStatus" in text)
+    wants = [m.group(1).strip() for m in re.finditer(r"^\s*print\(.*\)\s+# (.+)$", tour, re.M)]
+    assert len(wants) >= 3
+    r = subprocess.run([sys.executable, "-c", tour], cwd=scratch, env=_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = r.stdout.strip().splitlines()
+    assert len(got) == len(wants), r.stdout
+    for want, line in zip(wants, got):
+        pattern = ".*".join(re.escape(p) for p in want.split("..."))
+        assert re.fullmatch(pattern, line.strip()), f"README says {want!r}, prints {line!r}"

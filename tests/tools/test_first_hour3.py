@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from servers import http_metadata_server  # noqa: F401
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -130,3 +132,65 @@ def test_no_message_in_the_library_installs_mooncake_te_from_pypi():
                         if PYPI_INSTALL.search(line):
                             found.append(f"{os.path.relpath(path, ROOT)}:{n}: {line.strip()}")
     assert not found, "\n".join(found)
+
+
+# --- item 12: the rest ------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_empty_p2p_list_says_no_objects(http_metadata_server):  # noqa: F811
+    url = http_metadata_server.url
+    r = mte("p2p", "list", "--metadata", url, "--host", "127.0.0.1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == (f"no objects published (metadata {url}); publish one with "
+                                f"`mooncake-te p2p publish FILE` against the same store")
+    r = mte("p2p", "list", "--metadata", url, "--host", "127.0.0.1", "--json")
+    assert r.returncode == 0 and r.stdout.strip() == "[]"     # JSON stays JSON
+
+
+@pytest.mark.parametrize("value", ["abc", "inf", "nan", ""])
+def test_transfer_timeout_message_matches_what_is_accepted(value):
+    from mooncake_te.config import Config
+    from mooncake_te.errors import ConfigError
+    assert Config.load(env={"MC_TRANSFER_TIMEOUT": "2.5"})["transfer_engine"]["timeout_ms"] \
+        == 2500
+    if value == "":
+        Config.load(env={"MC_TRANSFER_TIMEOUT": value})      # unset: the default
+        return
+    with pytest.raises(ConfigError) as ei:
+        Config.load(env={"MC_TRANSFER_TIMEOUT": value})
+    msg = str(ei.value)
+    assert f"MC_TRANSFER_TIMEOUT={value!r}" in msg
+    assert "expected a number of seconds such as 30 or 2.5" in msg and "integer" not in msg
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("columns", ["80", "60"])
+def test_top_once_shows_whole_engine_and_peer_names(tmp_path, columns):
+    """Issue 41, item 12: at 80 columns names were cut to ``127.0.0.…``, so the rows of
+    two engines looked the same."""
+    import numpy as np
+    import mooncake_te
+    from servers import free_port
+    port = free_port()
+    cfg = tmp_path / "config.toml"
+    cfg.write_text(f"[transfer_engine]\nmetrics_port = {port}\n")
+    a = mooncake_te.TransferEngine(host="127.0.0.1", metadata="p2p", config=str(cfg))
+    b = mooncake_te.TransferEngine(host="127.0.0.1", metadata="p2p", config=str(cfg))
+    try:
+        bufs = [np.zeros(1 << 16, np.uint8) for _ in range(2)]
+        ra, rb = a.register(bufs[0]), b.register(bufs[1])
+        a.write(b.name, ra.address, rb.address, 4096)
+        b.write(a.name, rb.address, ra.address, 4096)
+        r = mte("top", "--once", f"127.0.0.1:{port}", env={"COLUMNS": columns})
+    finally:
+        a.close()
+        b.close()
+    assert r.returncode == 0, r.stderr
+    assert "\u2026" not in r.stdout                      # no ellipsis anywhere
+    for header in ("failures", "p99", "queued"):           # rightmost columns not cropped
+        assert header in r.stdout, r.stdout
+    for name in (a.name, b.name):                          # whole, on one line
+        assert any(name in line for line in r.stdout.splitlines()), r.stdout
+    lines = r.stdout.splitlines()
+    assert any(a.name in x and b.name in x for x in lines), r.stdout   # a -> b row
+    assert any(b.name in x.split(a.name)[0] for x in lines if a.name in x and b.name in x
+               and x.index(b.name) < x.index(a.name)), r.stdout         # b -> a row
