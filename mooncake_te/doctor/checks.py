@@ -16,7 +16,6 @@ import difflib
 import os
 import re
 import resource
-import tempfile
 
 from ..errors import ConfigError, DeviceNotFoundError
 from .base import GiB, check, error, ok, skip, warning
@@ -411,32 +410,21 @@ def check_cache_dir(ctx):
         else:
             yield skip("MTE400", "[kvcache] cache_dir not set (no SSD cache)")
         return
+    from ..kvcache.cache_dir import mount_of, problem
+    why = problem(path, create=False)       # what the cache itself would say
+    if why:
+        code, message, fix = why
+        yield error(code, message, fix, path=path)
+        return
     if not os.path.exists(path):
+        # The cache creates it at start (its parent exists): say on which file system, so
+        # a cache_dir meant for an SSD that landed on "/" shows here.
         parent = os.path.dirname(os.path.abspath(path))
-        yield error("MTE400", f"[kvcache] cache_dir {path!r} does not exist",
-                    f"mkdir -p {path} (as the user that runs the engine)"
-                    + ("" if os.path.isdir(parent) else f"; its parent {parent!r} is missing "
-                                                         f"too: is the SSD mounted?"),
-                    path=path)
-        return
-    if not os.path.isdir(path):
-        yield error("MTE400", f"[kvcache] cache_dir {path!r} is not a directory",
-                    "point cache_dir at a directory", path=path)
-        return
-    # Try it rather than trust mode bits: ACLs, read-only mounts and root squash all
-    # make os.access() lie.
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".mte-doctor-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        st = os.stat(path)
-        yield error("MTE401", f"[kvcache] cache_dir {path!r} is not writable by uid "
-                              f"{os.geteuid()}: {e.strerror} (owner uid {st.st_uid}, mode "
-                              f"{st.st_mode & 0o7777:o})",
-                    f"chown {os.geteuid()} {path} or chmod u+rwx,g+rwx it for the engine's "
-                    f"user; check the mount is not read-only", path=path)
-        return
+        mnt, fstype = mount_of(parent)
+        yield ok("MTE400", f"[kvcache] cache_dir {path!r} does not exist yet; the cache "
+                           f"creates it in {parent!r} (file system {fstype or '?'} mounted at "
+                           f"{mnt or '?'}) when it starts", path=path, mount=mnt)
+        path = parent
     if want > 0:
         vfs = os.statvfs(path)
         free = vfs.f_bavail * vfs.f_frsize

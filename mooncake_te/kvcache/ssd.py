@@ -30,6 +30,7 @@ import logging
 import os
 
 from ..errors import ConfigError
+from .cache_dir import problem
 from .policy import make_policy
 from .record import ALIGN, HEADER_SIZE, crc32_held, parse_header, round_up
 from .tiers import Tier
@@ -43,18 +44,12 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 102
 
 
 def _writable_dir(path: str) -> None:
-    """Create ``path`` if needed and prove a file can be written there."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".probe-{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"[kvcache] cache_dir = {path!r} is not a writable directory "
-                          f"({e.strerror or e}); point cache_dir at a directory on a local SSD "
-                          f"that this user can write, or set ssd_cache_gb = 0 for DRAM "
-                          f"only") from None
+    """Create ``path`` if only its last level is missing, and prove a file can be written
+    there (the rules and messages ``mooncake-te doctor`` gives too: :mod:`.cache_dir`)."""
+    why = problem(path, create=True)
+    if why:
+        _code, message, fix = why
+        raise ConfigError(f"{message}; {fix} (or set ssd_cache_gb = 0 for DRAM only)")
 
 
 class SSDTier(Tier):

@@ -194,3 +194,65 @@ def test_top_once_shows_whole_engine_and_peer_names(tmp_path, columns):
     assert any(a.name in x and b.name in x for x in lines), r.stdout   # a -> b row
     assert any(b.name in x.split(a.name)[0] for x in lines if a.name in x and b.name in x
                and x.index(b.name) < x.index(a.name)), r.stdout         # b -> a row
+
+
+# --- item 6: cache_dir, one rule for doctor and library ---------------------------------
+def _doctor_and_library(tmp_path, cache_dir):
+    """(doctor's exit status, its cache_dir findings, what KVCache.from_config says)."""
+    import json
+    cfg = tmp_path / "cache.toml"
+    cfg.write_text(f"[kvcache]\ncache_dir = '{cache_dir}'\nssd_cache_gb = 0.001\n"
+                   f"dram_cache_gb = 0.0001\n")
+    r = mte("doctor", "--config", str(cfg), "--check", "cache_dir", "--json")
+    found = [f for f in json.loads(r.stdout)["findings"] if f["check"] == "cache_dir"]
+    code = ("from mooncake_te.kvcache import KVCache\n"
+            f"try:\n    KVCache.from_config({str(cfg)!r}, block_bytes=4096)\n"
+            "except Exception as e:\n    print(type(e).__name__, e)\n"
+            "else:\n    print('OPENED')\n")
+    lib = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=ROOT))
+    assert lib.returncode == 0, lib.stderr
+    return r.returncode, found, lib.stdout.strip()
+
+
+@pytest.mark.timeout(120)
+def test_missing_parent_refused_by_both(tmp_path):
+    want = tmp_path / "ssd" / "kv"                 # /mnt/ssd not mounted, say
+    rc, found, lib = _doctor_and_library(tmp_path, want)
+    assert rc == 2
+    (f,) = [f for f in found if f["severity"] == "error"]
+    assert f["code"] == "MTE400"
+    assert f"nor does its parent {str(tmp_path / 'ssd')!r}" in f["message"]
+    assert "is the SSD mounted?" in f["fix"] and f"mkdir -p {want}" in f["fix"]
+    assert lib.startswith("ConfigError ") and f["message"] in lib and f["fix"] in lib
+    assert not (tmp_path / "ssd").exists()          # nothing created on the wrong disk
+
+
+@pytest.mark.timeout(120)
+def test_missing_last_level_created_by_the_cache_and_said_by_doctor(tmp_path):
+    want = tmp_path / "kv"
+    rc, found, lib = _doctor_and_library(tmp_path, want)
+    assert rc == 0, found
+    assert [f["severity"] for f in found] == ["ok"]
+    assert "does not exist yet; the cache creates it in" in found[0]["message"]
+    assert "mounted at" in found[0]["message"]
+    assert lib == "OPENED" and want.is_dir()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["under-a-file", "proc"])
+def test_wrong_doctor_messages_fixed(tmp_path, case):
+    if case == "under-a-file":
+        (tmp_path / "a-file").write_text("x")
+        path, code = tmp_path / "a-file" / "kv", "MTE400"
+        says = f"{str(tmp_path / 'a-file')!r} is a file, not a directory"
+    else:
+        path, code = "/proc/sys/kernel", "MTE401"
+        says = "on a proc file system"
+    rc, found, lib = _doctor_and_library(tmp_path, path)
+    assert rc == 2
+    (f,) = [f for f in found if f["severity"] == "error"]
+    assert f["code"] == code and says in f["message"], f
+    assert "missing too" not in f["message"] and "chown" not in f["fix"], f
+    assert f["fix"].startswith("point cache_dir at a directory on a local SSD")
+    assert lib.startswith("ConfigError ") and f["message"] in lib
