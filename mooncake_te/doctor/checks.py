@@ -662,21 +662,53 @@ def check_vllm_cpu_host(ctx):
                       "(libgomp reads it once, at start)")
 
 
+# What vLLM's built-in MooncakeConnector reads from kv_connector_extra_config (vLLM 0.32,
+# v1/mooncake/mooncake_connector.py): the protocol and devices for
+# TransferEngine.initialize(), its sender threads, the bootstrap address; nothing else.
+BUILTIN_MOONCAKE_KEYS = ("mooncake_protocol", "device_name", "num_workers",
+                         "bootstrap_server_address")
+
+
 def _mooncake_builtin(v):
-    """``"kv_connector": "MooncakeConnector"`` without a module path: vLLM's own."""
-    import importlib.util
+    """``"kv_connector": "MooncakeConnector"`` without a module path: vLLM's own, which
+    imports ``mooncake.engine``. Two ways onto mooncake_te: the drop-in (``mooncake-te
+    compat install``: the settings stay as they are, but vLLM's connector reads only a few
+    keys) or our connector (the module path: every key is read)."""
+    from ..compat.shim import status
     from .vllm import OUR_CLASS, OUR_MODULE
-    what = (f"{v.path}: kv_connector = 'MooncakeConnector' with no kv_connector_module_path: "
-            f"vLLM loads its built-in MooncakeConnector, which imports Mooncake's own package "
-            f"(`mooncake.engine`, pip install mooncake-transfer-engine), not mooncake_te")
-    fix = (f'to use mooncake_te, set "kv_connector": "{OUR_CLASS}" and '
-           f'"kv_connector_module_path": "{OUR_MODULE}" in kv_transfer_config')
-    try:
-        have = importlib.util.find_spec("mooncake.engine") is not None
-    except (ImportError, ValueError):
-        have = False
-    if have:
-        yield warning("MTE505", what, fix)
-    else:
-        yield error("MTE505", what + "; it is not installed here, so vLLM fails at start "
-                                     "with ModuleNotFoundError", fix)
+    extra = dict(v.extra_config)
+    ignored = sorted(k for k in extra if k not in BUILTIN_MOONCAKE_KEYS)
+    lost = (f"; {', '.join(ignored)} in kv_connector_extra_config "
+            f"{'is' if len(ignored) == 1 else 'are'} ignored that way") if ignored else ""
+    drop_in = (f"(a) keep these settings unchanged: run `mooncake-te compat install` in "
+               f"vLLM's environment, and vLLM's own MooncakeConnector runs on mooncake_te "
+               f"(it reads only {', '.join(BUILTIN_MOONCAKE_KEYS)}{lost})")
+    ours = (f'add "kv_connector_module_path": "{OUR_MODULE}" to kv_transfer_config '
+            f'("MooncakeConnector" may stay; "{OUR_CLASS}" is the same class): '
+            f'mooncake_te\'s connector reads every key of kv_connector_extra_config'
+            + (f", {', '.join(ignored)} included" if ignored else ""))
+    what = (f"{v.path}: kv_connector = 'MooncakeConnector' with no "
+            f"kv_connector_module_path: vLLM loads its built-in MooncakeConnector, which "
+            f"imports `mooncake.engine`")
+    have = status()
+    if have["kind"] == "shim":
+        what += f" (mooncake_te's drop-in at {have['path']}, so it runs on mooncake_te)"
+        if ignored:
+            yield warning("MTE505", what + f", but reads only "
+                                           f"{', '.join(BUILTIN_MOONCAKE_KEYS)}: "
+                                           f"{', '.join(ignored)} here "
+                                           f"{'is' if len(ignored) == 1 else 'are'} ignored",
+                          f"to have them honoured, {ours}", ignored=ignored)
+        else:
+            yield ok("MTE505", what)
+        return
+    if have["kind"] == "real":
+        yield warning("MTE505", what + f": Mooncake's own package "
+                                       f"({have.get('distribution')} {have['version']}) is "
+                                       f"installed, so this runs on Mooncake, not mooncake_te",
+                      f"to run on mooncake_te, either {ours}, or {drop_in} after pip "
+                      f"uninstall {have.get('distribution')}", ignored=ignored)
+        return
+    yield error("MTE505", what + "; no `mooncake` package is installed here, so vLLM fails at "
+                                 "start with ModuleNotFoundError",
+                f"either {drop_in}, or (b) {ours}", ignored=ignored)

@@ -256,3 +256,58 @@ def test_wrong_doctor_messages_fixed(tmp_path, case):
     assert "missing too" not in f["message"] and "chown" not in f["fix"], f
     assert f["fix"].startswith("point cache_dir at a directory on a local SSD")
     assert lib.startswith("ConfigError ") and f["message"] in lib
+
+
+# --- item 7: doctor on the seed's settings with vLLM's own MooncakeConnector ------------
+SEED = os.path.join(ROOT, "tests", "data", "vllm", "seed-settings.json")
+
+
+def _seed_with_builtin_connector(tmp_path):
+    """The seed's settings.json as Mooncake deployments write it: "MooncakeConnector",
+    no module path (the fixture itself names our connector)."""
+    import json
+    with open(SEED) as f:
+        doc = json.load(f)
+    kv = doc["kv_transfer_config"]
+    kv["kv_connector"] = "MooncakeConnector"
+    del kv["kv_connector_module_path"]
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _vllm_connector_finding(path, env=None):
+    import json
+    r = mte("doctor", "--vllm-config", path, "--check", "vllm_connector", "--json", env=env)
+    (f,) = [f for f in json.loads(r.stdout)["findings"] if f["check"] == "vllm_connector"]
+    return r.returncode, f
+
+
+@pytest.mark.timeout(120)
+def test_doctor_offers_the_drop_in_and_our_connector(tmp_path):
+    rc, f = _vllm_connector_finding(_seed_with_builtin_connector(tmp_path))
+    assert rc == 2 and f["severity"] == "error" and f["code"] == "MTE505"
+    assert "ModuleNotFoundError" in f["message"]
+    fix = f["fix"]
+    # (a) the drop-in keeps the file as it is, and says what vLLM's connector ignores
+    assert "keep these settings unchanged: run `mooncake-te compat install`" in fix
+    assert "use_gpu_direct" in fix.split("(b)")[0] and "are ignored that way" in fix
+    # (b) our connector: the module path, and it keeps use_gpu_direct & co.
+    assert '"kv_connector_module_path": "mooncake_te.integrations.vllm"' in fix
+    assert "use_gpu_direct included" in fix and "enable_multi_nic" in fix.split("(b)")[1]
+    assert sorted(f["data"]["ignored"]) == sorted(
+        ["enable_multi_nic", "metadata_server", "mooncake_config_path",
+         "transfer_engine_protocol", "use_gpu_direct"])
+
+
+@pytest.mark.timeout(120)
+def test_doctor_with_the_drop_in_installed_says_what_it_ignores(tmp_path):
+    site = tmp_path / "site"
+    r = mte("compat", "install", "--target", str(site))
+    assert r.returncode == 0, r.stderr
+    env = {"PYTHONPATH": os.pathsep.join([ROOT, str(site)])}
+    rc, f = _vllm_connector_finding(_seed_with_builtin_connector(tmp_path), env=env)
+    assert rc == 1 and f["severity"] == "warning", f
+    assert "mooncake_te's drop-in" in f["message"] and "runs on mooncake_te" in f["message"]
+    assert "use_gpu_direct" in f["message"] and "ignored" in f["message"]
+    assert '"kv_connector_module_path": "mooncake_te.integrations.vllm"' in f["fix"]
