@@ -309,3 +309,27 @@ def test_readme_tour_prints_what_its_comments_say(scratch):
     for want, line in zip(wants, got):
         pattern = ".*".join(re.escape(p) for p in want.split("..."))
         assert re.fullmatch(pattern, line.strip()), f"README says {want!r}, prints {line!r}"
+
+
+# How each placeholder server is started, as the docs must say before an example that
+# needs it (issue 41, item 8: kvcache.md needed redis and p2p_store.md etcd, unsaid).
+SERVER_START = {"127.0.0.1:6379": "redis-server --port 6379",
+                "127.0.0.1:2379": "etcd --data-dir",
+                "127.0.0.1:8080": "mooncake-te metadata-server"}
+
+
+def test_examples_that_need_a_server_say_how_to_start_it():
+    missing = []
+    for page in PAGES:
+        with open(os.path.join(ROOT, page)) as f:
+            lines = f.read().split("\n")
+        for line, info, text, excerpt in blocks(page):
+            if excerpt or info not in ("python", "py"):
+                continue
+            top = next((i for i in range(line - 1, -1, -1) if lines[i].startswith("#")), 0)
+            before = "\n".join(lines[top:line - 1])
+            for addr, start in SERVER_START.items():
+                if addr in text and start not in before:
+                    missing.append(f"{page}:{line} uses {addr} but its section does not "
+                                   f"say how to start it ({start!r} ...)")
+    assert not missing, "\n".join(missing)
