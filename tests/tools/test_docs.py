@@ -333,3 +333,40 @@ def test_examples_that_need_a_server_say_how_to_start_it():
                     missing.append(f"{page}:{line} uses {addr} but its section does not "
                                    f"say how to start it ({start!r} ...)")
     assert not missing, "\n".join(missing)
+
+
+def _error_table():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "error_table", os.path.join(ROOT, "scripts", "error_table.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_api_md_error_table_is_current():
+    """Issue 41, item 10: api.md listed none of 21 error classes a user meets; the table
+    is generated (scripts/error_table.py) and must match errors.py and status.h."""
+    mod = _error_table()
+    with open(mod.API_MD) as f:
+        text = f.read()
+    assert mod.render(text) == text, "docs/api.md's error table is stale: run " \
+                                     "scripts/error_table.py"
+    from mooncake_te import errors as E
+    every = {n for n, v in vars(E).items() if isinstance(v, type)
+             and issubclass(v, E.MooncakeError) and v.__module__ == E.__name__}
+    listed = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
+    assert every <= listed, f"not in api.md: {sorted(every - listed)}"
+    for cls in ("RemoteAccessError", "ConnectionLostError", "PeerRestartedError"):
+        assert f"| `{cls}` |" in text
+
+
+def test_error_table_check_fails_when_stale(tmp_path, monkeypatch):
+    mod = _error_table()
+    with open(mod.API_MD) as f:
+        text = f.read()
+    stale = tmp_path / "api.md"
+    stale.write_text(text.replace("| `ConnectionLostError` |", "| `ConnectionLost` |"))
+    monkeypatch.setattr(mod, "API_MD", str(stale))
+    assert mod.main(["--check"]) == 1
+    assert mod.main([]) == 0 and stale.read_text() == text     # rewritten as it should be
