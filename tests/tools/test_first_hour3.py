@@ -311,3 +311,86 @@ def test_doctor_with_the_drop_in_installed_says_what_it_ignores(tmp_path):
     assert "mooncake_te's drop-in" in f["message"] and "runs on mooncake_te" in f["message"]
     assert "use_gpu_direct" in f["message"] and "ignored" in f["message"]
     assert '"kv_connector_module_path": "mooncake_te.integrations.vllm"' in f["fix"]
+
+
+# --- item 3: the fabric tier says how the guest run goes -------------------------------
+# The guest itself is never booted here (tests/fabric is the lab's own tier): lab.run is
+# replaced by one that runs the guest's pytest command on this host after a pause, so the
+# reports arrive as they do from a guest; what is checked is what pytest prints meanwhile.
+FAKE_LAB = '''
+import subprocess, time, types
+from mooncake_te import lab
+
+def run(argv, rxe=2, nvmeof=False, env=None, timeout=None, cwd=None, out=None, log=None):
+    log("preparing the guest kernel (cached)")
+    time.sleep(2.5)                                   # "booting"
+    r = subprocess.run(argv, env=env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+    return types.SimpleNamespace(returncode=r.returncode, wall_s=3.0, boot_s=2.5,
+                                 accel="fake")
+
+lab.run = run
+lab.has_rdma = lambda: False
+'''
+
+GUEST_TESTS = '''
+import time
+import pytest
+
+@pytest.mark.rdma
+@pytest.mark.parametrize("i", range(3))
+def test_slow(i):
+    time.sleep(1.5)
+    assert i != 2
+'''
+
+
+@pytest.mark.timeout(120)
+def test_fabric_tier_prints_progress_while_the_guest_runs(tmp_path):
+    (tmp_path / "conftest.py").write_text(FAKE_LAB + "\npytest_plugins = ['fabric']\n")
+    (tmp_path / "test_guest.py").write_text(GUEST_TESTS)
+    env = dict(os.environ, MTE_FABRIC_PROGRESS_S="1", MOONCAKE_LAB_CACHE=str(tmp_path / "c"),
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--rootdir", str(tmp_path), str(tmp_path)], cwd=str(tmp_path),
+                       env=env, capture_output=True, text=True, timeout=100)
+    out = r.stdout
+    assert r.returncode == 1, out + r.stderr                 # test_slow[2] fails
+    lines = [x for x in out.splitlines() if x.startswith("fabric: ")]
+    assert "fabric: preparing the guest kernel (cached)" in lines, out
+    assert any("booting the guest" in x for x in lines), out
+    assert any(x.endswith("1 of 3 test(s) done in the guest") for x in lines), out
+    assert any(x.endswith("3 of 3 test(s) done in the guest, 1 failed") for x in lines) \
+        or "guest run took" in out, out
+    # before the summary: the lines come while the guest runs, not after it
+    assert out.index("booting the guest") < out.index("1 failed, 2 passed")
+
+
+FAKE_PYTHON = '''#!/usr/bin/env bash
+# stands in for python3/pip: makes a venv's shape, installs nothing
+if [[ "$1 $2" == "-m venv" ]]; then
+    mkdir -p "$3/bin" && ln -s "$0" "$3/bin/python" && touch "$3/pyvenv.cfg"
+fi
+exit 0
+'''
+
+
+@pytest.mark.timeout(60)
+def test_vllm_env_script_says_each_step(tmp_path):
+    """scripts/vllm-env.sh ran for minutes with `pip -q` and said nothing; the Python and
+    pip it drives are replaced here by a script that installs nothing (the real build is
+    2.5 GB; test_vllm_e2e.py runs it, and shows these lines on pytest's terminal)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    env = dict(os.environ, PYTHON=str(fake))
+    r = subprocess.run([os.path.join(ROOT, "scripts", "vllm-env.sh"), str(tmp_path / "v")],
+                       capture_output=True, text=True, timeout=50, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = [x for x in r.stdout.splitlines() if x.startswith("vllm-env: [")]
+    assert [x[len("vllm-env: ["):].split("]")[0] for x in steps] == \
+        ["1/5", "2/5", "3/5", "4/5", "5/5"], r.stdout
+    assert "the long step" in steps[1] and "s so far)" in steps[1]
+    assert r.stdout.strip().splitlines()[-1].startswith(f"vllm-env: {tmp_path / 'v'} is ready")
+    r = subprocess.run([os.path.join(ROOT, "scripts", "vllm-env.sh"), str(tmp_path / "v")],
+                       capture_output=True, text=True, timeout=50, env=env, cwd=ROOT)
+    assert r.stdout.strip() == f"vllm-env: {tmp_path / 'v'} is ready"    # done once
