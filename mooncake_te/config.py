@@ -138,7 +138,8 @@ def _seconds_to_ms(v: str) -> int:
     s = float(v)
     if not math.isfinite(s):
         raise ValueError(v)
-    return int(s * 1000)
+    ms = s * 1000
+    return math.ceil(ms) if ms > 0 else int(ms)     # 0.0001 s is 1 ms, not 0 (refused)
 
 
 def _bool(v: str) -> bool:
@@ -435,7 +436,15 @@ class Config:
                                   f"{_ENV_EXPECTS.get(var) or _TYPE_WORDS.get(SCHEMA[section][key][0][0], 'a value')}"
                                   ) from None
             if value is not None:
-                self.data[section][key] = validate(section, key, value, f"${var}")
+                try:
+                    self.data[section][key] = validate(section, key, value, f"${var}")
+                except ConfigError:
+                    if var not in _ENV_EXPECTS:
+                        raise
+                    # In the variable's own units, not the key's (-1 s, not -1000 ms).
+                    raise ConfigError(f"environment variable {var}={env[var]!r} is not "
+                                      f"valid for [{section}] {key}: expected "
+                                      f"{_ENV_EXPECTS[var]}, above 0") from None
                 self.env_applied[var] = (section, key)
         if env.get(ENV_METADATA):
             kind, addr = split_metadata_url(env[ENV_METADATA])

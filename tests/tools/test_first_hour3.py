@@ -146,7 +146,7 @@ def test_empty_p2p_list_says_no_objects(http_metadata_server):  # noqa: F811
     assert r.returncode == 0 and r.stdout.strip() == "[]"     # JSON stays JSON
 
 
-@pytest.mark.parametrize("value", ["abc", "inf", "nan", ""])
+@pytest.mark.parametrize("value", ["abc", "inf", "nan", "-1", "0", ""])
 def test_transfer_timeout_message_matches_what_is_accepted(value):
     from mooncake_te.config import Config
     from mooncake_te.errors import ConfigError
@@ -160,6 +160,7 @@ def test_transfer_timeout_message_matches_what_is_accepted(value):
     msg = str(ei.value)
     assert f"MC_TRANSFER_TIMEOUT={value!r}" in msg
     assert "expected a number of seconds such as 30 or 2.5" in msg and "integer" not in msg
+    assert "millisecond" not in msg.split("expected")[0]       # said in the variable's units
 
 
 @pytest.mark.timeout(120)
