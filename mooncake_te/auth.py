@@ -14,10 +14,19 @@ log = logging.getLogger("mooncake_te")
 _warned_hosts: set = set()
 
 
-def check_token(token) -> bytes | None:
-    """The auth token as bytes (None: no authentication), validated."""
-    if token is None or token == "" or token == b"":
+def check_token(token, empty_ok: bool = True) -> bytes | None:
+    """The auth token as bytes (None: no authentication), validated. An empty one means
+    none where it comes from the configuration (its default is ``""``); given to the
+    engine itself (``empty_ok=False``) it is refused, so a token that came out empty (an
+    unset variable, a blank file) cannot silently turn authentication off."""
+    if token is None:
         return None
+    if token == "" or token == b"":
+        if empty_ok:
+            return None
+        raise E.InvalidArgumentError(
+            "auth_token is empty; a token is 1 to 256 bytes (the same on every engine), or "
+            "pass auth_token=None (the default) for no authentication")
     if isinstance(token, str):
         token = token.encode()
     if not isinstance(token, (bytes, bytearray)):

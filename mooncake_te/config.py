@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -136,8 +137,12 @@ _TYPE_WORDS = {str: "a string", int: "an integer", bool: "true or false",
 
 # MC_* variable -> (section, key, parser). Mooncake's meanings (reference §6).
 def _seconds_to_ms(v: str) -> int:
-    # MC_TRANSFER_TIMEOUT is in seconds in Mooncake's Python wrapper.
-    return int(float(v) * 1000)
+    # MC_TRANSFER_TIMEOUT is in seconds in Mooncake's Python wrapper (fractions too).
+    s = float(v)
+    if not math.isfinite(s):
+        raise ValueError(v)
+    ms = s * 1000
+    return math.ceil(ms) if ms > 0 else int(ms)     # 0.0001 s is 1 ms, not 0 (refused)
 
 
 def _bool(v: str) -> bool:
@@ -175,6 +180,11 @@ ENV: dict[str, tuple[str, str, Any]] = {
     # MC_FORCE_HCA: "force RDMA, error if no HCA" (Mooncake PR #1259) is protocol = "rdma".
     "MC_FORCE_HCA": ("transfer_engine", "protocol", lambda v: "rdma" if _bool(v) else None),
 }
+
+# What a variable takes, where its parser is not the key's type (the key is in other units).
+_ENV_EXPECTS = {"MC_TRANSFER_TIMEOUT": "a number of seconds such as 30 or 2.5 (the "
+                                       "variable is in seconds; timeout_ms in a file is in "
+                                       "milliseconds)"}
 
 # MC_METADATA_SERVER holds a Mooncake connection string ("etcd://h:2379",
 # "redis://h:6379", "http://h:8080/metadata", "P2PHANDSHAKE", or a bare "h:2379", which
@@ -427,10 +437,18 @@ class Config:
             except ValueError:
                 raise ConfigError(f"environment variable {var}={env[var]!r} is not valid for "
                                   f"[{section}] {key}: expected "
-                                  f"{_TYPE_WORDS.get(SCHEMA[section][key][0][0], 'a value')}"
+                                  f"{_ENV_EXPECTS.get(var) or _TYPE_WORDS.get(SCHEMA[section][key][0][0], 'a value')}"
                                   ) from None
             if value is not None:
-                self.data[section][key] = validate(section, key, value, f"${var}")
+                try:
+                    self.data[section][key] = validate(section, key, value, f"${var}")
+                except ConfigError:
+                    if var not in _ENV_EXPECTS:
+                        raise
+                    # In the variable's own units, not the key's (-1 s, not -1000 ms).
+                    raise ConfigError(f"environment variable {var}={env[var]!r} is not "
+                                      f"valid for [{section}] {key}: expected "
+                                      f"{_ENV_EXPECTS[var]}, above 0") from None
                 self.env_applied[var] = (section, key)
         if env.get(ENV_METADATA):
             kind, addr = split_metadata_url(env[ENV_METADATA])

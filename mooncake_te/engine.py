@@ -86,7 +86,8 @@ class TransferEngine:
         if isinstance(devices, str):
             devices = [d.strip() for d in devices.split(",") if d.strip()]
         self.devices = list(devices if devices is not None else te["device_names"])
-        self._token = check_token(auth_token if auth_token is not None else te["auth_token"])
+        self._token = (check_token(te["auth_token"]) if auth_token is None
+                       else check_token(auth_token, empty_ok=False))
         self.timeout = cfg.timeout_s
         self.host = host or te["host"] or default_host()
         port = te["port"] if port is None else port

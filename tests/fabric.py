@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,6 +84,34 @@ class GuestRecorder:
         self.f.close()
 
 
+def guest_progress(report: Path, total: int, elapsed: float) -> str:
+    """One line on where the guest run stands, from the reports it has written so far
+    (a test is done at its teardown report): booting, or tests done of ``total``."""
+    done = failed = 0
+    try:
+        lines = report.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            d = json.loads(line)
+        except ValueError:            # a line being written
+            continue
+        data = d.get("data", {})
+        if d.get("kind") == "collect":
+            failed += 1
+        elif data.get("when") == "teardown":
+            done += 1
+        if data.get("outcome") == "failed":
+            failed += 1
+    m, s = divmod(int(elapsed), 60)
+    if not lines:
+        return (f"fabric: {m}:{s:02d} booting the guest and setting up its devices "
+                f"(under software emulation this takes minutes)")
+    return (f"fabric: {m}:{s:02d} {done} of {total} test(s) done in the guest"
+            + (f", {failed} failed" if failed else ""))
+
+
 class FabricTier:
     """Host side: run the picked items in one guest boot and report their results."""
 
@@ -109,16 +138,37 @@ class FabricTier:
         if self.items and not session.config.option.collectonly:
             self._run_guest()
 
+    _say_lock = threading.Lock()
+
     def _say(self, msg):
         tr = self.config.pluginmanager.getplugin("terminalreporter")
         capman = self.config.pluginmanager.getplugin("capturemanager")
         if tr is None:
             return
-        if capman is not None:
-            with capman.global_and_fixture_disabled():
+        with self._say_lock:              # the progress thread says things too
+            if capman is not None:
+                with capman.global_and_fixture_disabled():
+                    tr.write_line(msg)
+            else:
                 tr.write_line(msg)
-        else:
-            tr.write_line(msg)
+
+    # Seconds between progress lines while the guest runs (each test's end is said at
+    # the next tick): without them `scripts/test.sh` sat silent for ~11 minutes.
+    PROGRESS_EVERY = 30.0
+
+    def _progress(self, report: Path, stop: threading.Event, t0: float) -> None:
+        """Until ``stop``: a line whenever the guest's state changes (checked every 5 s),
+        and at least every PROGRESS_EVERY seconds (``MTE_FABRIC_PROGRESS_S``)."""
+        every = float(os.environ.get("MTE_FABRIC_PROGRESS_S", self.PROGRESS_EVERY))
+        tick = min(every, 5.0)
+        said, said_at = None, time.monotonic()
+        while not stop.wait(tick):
+            now = time.monotonic()
+            line = guest_progress(report, len(self.items), now - t0)
+            state = line.split(" ", 2)[2]        # the line without its clock
+            if state != said or now - said_at >= every:
+                self._say(line)
+                said, said_at = state, now
 
     def _run_guest(self):
         from mooncake_te import lab
@@ -141,6 +191,10 @@ class FabricTier:
                   f"lacks: running them in one lab guest boot (mooncake-te lab; guest "
                   f"output in {self.log_path})")
         t0 = time.monotonic()
+        stop = threading.Event()
+        ticker = threading.Thread(target=self._progress, args=(report, stop, t0),
+                                  name="fabric-progress", daemon=True)
+        ticker.start()
         try:
             with open(self.log_path, "wb") as log:
                 log.write(("$ " + " ".join(argv) + "\n").encode())
@@ -149,7 +203,8 @@ class FabricTier:
                             # node ids are relative to the rootdir, wherever pytest
                             # was started from
                             cwd=str(self.config.rootpath), out=log,
-                            log=lambda m: log.write((m + "\n").encode()))
+                            log=lambda m: (log.write((m + "\n").encode()),
+                                           self._say(f"fabric: {m}")))
             self.guest_rc = r.returncode
             self._say(f"fabric: guest run took {r.wall_s:.0f} s (boot and setup "
                       f"{r.boot_s:.0f} s, accel={r.accel}), pytest in the guest exited "
@@ -159,6 +214,8 @@ class FabricTier:
         except lab.LabError as e:
             self.problem = f"the fabric lab guest failed: {e}"
         finally:
+            stop.set()
+            ticker.join()
             self.seconds = time.monotonic() - t0
         self._load(report)
         report.unlink(missing_ok=True)

@@ -111,7 +111,7 @@ def plot_available() -> str | None:
         import matplotlib  # noqa: F401
     except ImportError:
         return ("--plot needs matplotlib, which is not installed; install it with "
-                "`pip install 'mooncake-te[bench]'` (or `pip install matplotlib`)")
+                "`pip install matplotlib` (or `pip install '.[bench]'` in a mooncake_te clone)")
     return None
 
 

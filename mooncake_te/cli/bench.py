@@ -100,6 +100,12 @@ def _cannot_run(args, buffer_size: int) -> str | None:
         if t is not None and getattr(t, "available", True) is False:
             return (f"--protocol {args.protocol} is unavailable here: {t.reason}; use "
                     f"--protocol tcp or auto (`mooncake-te version` lists the transports)")
+    if args.port and args.mode != "target":
+        return (f"--port is the RPC port of a --mode target; in {args.mode} mode "
+                + ("the target started here takes any free port" if args.mode == "loopback"
+                   else "this engine takes any free port")
+                + "; drop --port, or run `mooncake-te bench --mode target --port "
+                  f"{args.port}` on the target host")
     if args.mode == "initiator" and not args.segment:
         return "--mode initiator needs --segment NAME (the target prints it)"
     return None

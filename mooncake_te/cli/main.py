@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def listen_failed(e: OSError) -> bool:
+    """Whether ``e`` is a listening socket's bind failing for its address (port busy,
+    address not this machine's): a bad --host/--port, not a crash."""
+    import errno
+    return e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
+
+
 def main(argv=None) -> int:
     try:
         parser = build_parser()
@@ -54,7 +61,15 @@ def main(argv=None) -> int:
         if not getattr(args, "func", None):
             parser.print_help()
             return 2
-        return int(args.func(args) or 0)
+        try:
+            return int(args.func(args) or 0)
+        except OSError as e:
+            if not listen_failed(e):
+                raise
+            # A busy or foreign --port/--host is a bad value, said in one line (exit 2).
+            name = args.func.__module__.rsplit(".", 1)[-1].replace("_", "-")
+            print(f"mooncake-te {name}: {e.strerror or e}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -8,6 +8,7 @@ Same flags as Mooncake's ``mooncake_http_metadata_server`` (``--host``, ``--port
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -103,7 +104,12 @@ def run(args) -> int:
         print(f"mooncake-te metadata-server: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"mooncake-te metadata-server: cannot listen on {args.host}:{args.port}: "
-              f"{e.strerror or e}", file=sys.stderr)
-        return 1
+        from ..metadata.rpc import port_hint
+        from .main import listen_failed
+        why = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            why = "address already in use"     # aiohttp's strerror repeats the address
+        print(f"mooncake-te metadata-server: cannot listen on {args.host}:{args.port} "
+              f"({why}){port_hint(e.errno, args.port)}", file=sys.stderr)
+        return 2 if listen_failed(e) else 1
     return 0

@@ -85,8 +85,10 @@ def run(args) -> int:
         print(f"mooncake-te p2p {cmd}: {e}", file=sys.stderr)
         return 1
     except OSError as e:
-        print(f"mooncake-te p2p {cmd}: {e}", file=sys.stderr)
-        return 1
+        from .main import listen_failed
+        print(f"mooncake-te p2p {cmd}: {e.strerror if listen_failed(e) else e}",
+              file=sys.stderr)
+        return 2 if listen_failed(e) else 1
 
 
 def _open(args, **kwargs):
@@ -239,6 +241,13 @@ def _list(args) -> int:
         eng.close()
     if args.json:
         print(json.dumps([o.__dict__ for o in objs]))
+        return 0
+    if not objs:                 # a header over nothing reads as a broken table
+        store_url = args.metadata or _os.environ.get("MC_METADATA_SERVER") \
+            or f"of {args.config}"
+        where = "seed " + ", ".join(args.seed) if args.seed else f"metadata {store_url}"
+        print(f"no objects published ({where}); publish one with "
+              f"`mooncake-te p2p publish FILE` against the same store")
         return 0
     from rich.console import Console
     from rich.table import Table

@@ -44,6 +44,12 @@ def _url(arg) -> str:
 
 def run(args) -> int:
     from ..errors import MooncakeError
+    from ..metrics.prometheus import _require
+    try:
+        _require("mooncake-te top")          # it reads the text format with its parser
+    except MooncakeError as e:
+        print(f"mooncake-te top: {e}", file=sys.stderr)
+        return 1
     from ..metrics.top import render, scrape, summarize
     url = _url(args.url)
     try:
@@ -58,8 +64,13 @@ def run(args) -> int:
                 json.dump(dict(view, url=url), sys.stdout, indent=1, default=str)
                 print()
             else:
+                # One view, printed once: as wide as its cells need (names and numbers
+                # whole), never cropped to the terminal's width.
                 from rich.console import Console
-                Console().print(render(view, url))
+                from ..metrics.top import width
+                group = render(view, url, expand=False)
+                console = Console()
+                Console(width=max(console.width, width(group))).print(render(view, url))
             return 0
         from rich.live import Live
         interval = args.interval or 1.0

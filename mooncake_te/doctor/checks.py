@@ -16,7 +16,6 @@ import difflib
 import os
 import re
 import resource
-import tempfile
 
 from ..errors import ConfigError, DeviceNotFoundError
 from .base import GiB, check, error, ok, skip, warning
@@ -411,44 +410,34 @@ def check_cache_dir(ctx):
         else:
             yield skip("MTE400", "[kvcache] cache_dir not set (no SSD cache)")
         return
+    from ..kvcache.cache_dir import mount_of, problem
+    why = problem(path, create=False)       # what the cache itself would say
+    if why:
+        code, message, fix = why
+        yield error(code, message, fix, path=path)
+        return
     if not os.path.exists(path):
+        # The cache creates it at start (its parent exists): say on which file system, so
+        # a cache_dir meant for an SSD that landed on "/" shows here.
         parent = os.path.dirname(os.path.abspath(path))
-        yield error("MTE400", f"[kvcache] cache_dir {path!r} does not exist",
-                    f"mkdir -p {path} (as the user that runs the engine)"
-                    + ("" if os.path.isdir(parent) else f"; its parent {parent!r} is missing "
-                                                         f"too: is the SSD mounted?"),
-                    path=path)
-        return
-    if not os.path.isdir(path):
-        yield error("MTE400", f"[kvcache] cache_dir {path!r} is not a directory",
-                    "point cache_dir at a directory", path=path)
-        return
-    # Whoever can write the directory can plant records the cache serves as KV: the
-    # engine refuses one of another uid or writable by everyone (kvcache/ssd.py).
-    st = os.stat(path)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o002:
-        why = (f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid()
-               else f"is writable by every user (mode {st.st_mode & 0o7777:o})")
-        yield error("MTE404", f"[kvcache] cache_dir {path!r} {why}; the engine (uid "
-                              f"{os.geteuid()}) refuses it, since another user could plant "
-                              f"blocks it would serve as KV",
-                    f"use a directory the engine's user created (mkdir -m 700), or chown "
-                    f"{os.geteuid()} {path} and chmod o-w {path}", path=path)
-        return
-    # Try it rather than trust mode bits: ACLs, read-only mounts and root squash all
-    # make os.access() lie.
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".mte-doctor-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
+        mnt, fstype = mount_of(parent)
+        yield ok("MTE400", f"[kvcache] cache_dir {path!r} does not exist yet; the cache "
+                           f"creates it in {parent!r} (file system {fstype or '?'} mounted at "
+                           f"{mnt or '?'}) when it starts", path=path, mount=mnt)
+        path = parent
+    else:
+        # Whoever can write the directory can plant records the cache serves as KV: the
+        # engine refuses one of another uid or writable by everyone (kvcache/ssd.py).
         st = os.stat(path)
-        yield error("MTE401", f"[kvcache] cache_dir {path!r} is not writable by uid "
-                              f"{os.geteuid()}: {e.strerror} (owner uid {st.st_uid}, mode "
-                              f"{st.st_mode & 0o7777:o})",
-                    f"chown {os.geteuid()} {path} or chmod u+rwx,g+rwx it for the engine's "
-                    f"user; check the mount is not read-only", path=path)
-        return
+        if st.st_uid != os.geteuid() or st.st_mode & 0o002:
+            owner = (f"belongs to uid {st.st_uid}" if st.st_uid != os.geteuid()
+                     else f"is writable by every user (mode {st.st_mode & 0o7777:o})")
+            yield error("MTE404", f"[kvcache] cache_dir {path!r} {owner}; the engine (uid "
+                                  f"{os.geteuid()}) refuses it, since another user could "
+                                  f"plant blocks it would serve as KV",
+                        f"use a directory the engine's user created (mkdir -m 700), or chown "
+                        f"{os.geteuid()} {path} and chmod o-w {path}", path=path)
+            return
     if want > 0:
         vfs = os.statvfs(path)
         free = vfs.f_bavail * vfs.f_frsize
@@ -713,21 +702,53 @@ def check_vllm_cpu_host(ctx):
                       "(libgomp reads it once, at start)")
 
 
+# What vLLM's built-in MooncakeConnector reads from kv_connector_extra_config (vLLM 0.32,
+# v1/mooncake/mooncake_connector.py): the protocol and devices for
+# TransferEngine.initialize(), its sender threads, the bootstrap address; nothing else.
+BUILTIN_MOONCAKE_KEYS = ("mooncake_protocol", "device_name", "num_workers",
+                         "bootstrap_server_address")
+
+
 def _mooncake_builtin(v):
-    """``"kv_connector": "MooncakeConnector"`` without a module path: vLLM's own."""
-    import importlib.util
+    """``"kv_connector": "MooncakeConnector"`` without a module path: vLLM's own, which
+    imports ``mooncake.engine``. Two ways onto mooncake_te: the drop-in (``mooncake-te
+    compat install``: the settings stay as they are, but vLLM's connector reads only a few
+    keys) or our connector (the module path: every key is read)."""
+    from ..compat.shim import status
     from .vllm import OUR_CLASS, OUR_MODULE
-    what = (f"{v.path}: kv_connector = 'MooncakeConnector' with no kv_connector_module_path: "
-            f"vLLM loads its built-in MooncakeConnector, which imports Mooncake's own package "
-            f"(`mooncake.engine`, pip install mooncake-transfer-engine), not mooncake_te")
-    fix = (f'to use mooncake_te, set "kv_connector": "{OUR_CLASS}" and '
-           f'"kv_connector_module_path": "{OUR_MODULE}" in kv_transfer_config')
-    try:
-        have = importlib.util.find_spec("mooncake.engine") is not None
-    except (ImportError, ValueError):
-        have = False
-    if have:
-        yield warning("MTE505", what, fix)
-    else:
-        yield error("MTE505", what + "; it is not installed here, so vLLM fails at start "
-                                     "with ModuleNotFoundError", fix)
+    extra = dict(v.extra_config)
+    ignored = sorted(k for k in extra if k not in BUILTIN_MOONCAKE_KEYS)
+    lost = (f"; {', '.join(ignored)} in kv_connector_extra_config "
+            f"{'is' if len(ignored) == 1 else 'are'} ignored that way") if ignored else ""
+    drop_in = (f"(a) keep these settings unchanged: run `mooncake-te compat install` in "
+               f"vLLM's environment, and vLLM's own MooncakeConnector runs on mooncake_te "
+               f"(it reads only {', '.join(BUILTIN_MOONCAKE_KEYS)}{lost})")
+    ours = (f'add "kv_connector_module_path": "{OUR_MODULE}" to kv_transfer_config '
+            f'("MooncakeConnector" may stay; "{OUR_CLASS}" is the same class): '
+            f'mooncake_te\'s connector reads every key of kv_connector_extra_config'
+            + (f", {', '.join(ignored)} included" if ignored else ""))
+    what = (f"{v.path}: kv_connector = 'MooncakeConnector' with no "
+            f"kv_connector_module_path: vLLM loads its built-in MooncakeConnector, which "
+            f"imports `mooncake.engine`")
+    have = status()
+    if have["kind"] == "shim":
+        what += f" (mooncake_te's drop-in at {have['path']}, so it runs on mooncake_te)"
+        if ignored:
+            yield warning("MTE505", what + f", but reads only "
+                                           f"{', '.join(BUILTIN_MOONCAKE_KEYS)}: "
+                                           f"{', '.join(ignored)} here "
+                                           f"{'is' if len(ignored) == 1 else 'are'} ignored",
+                          f"to have them honoured, {ours}", ignored=ignored)
+        else:
+            yield ok("MTE505", what)
+        return
+    if have["kind"] == "real":
+        yield warning("MTE505", what + f": Mooncake's own package "
+                                       f"({have.get('distribution')} {have['version']}) is "
+                                       f"installed, so this runs on Mooncake, not mooncake_te",
+                      f"to run on mooncake_te, either {ours}, or {drop_in} after pip "
+                      f"uninstall {have.get('distribution')}", ignored=ignored)
+        return
+    yield error("MTE505", what + "; no `mooncake` package is installed here, so vLLM fails at "
+                                 "start with ModuleNotFoundError",
+                f"either {drop_in}, or (b) {ours}", ignored=ignored)

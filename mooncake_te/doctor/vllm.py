@@ -113,7 +113,7 @@ def _load_file(path: str):
         import yaml
     except ImportError:
         raise ConfigError(f"{path}: not valid JSON ({json_error}); YAML files need PyYAML "
-                          f"(pip install 'mooncake-te[yaml]')") from None
+                          f"(pip install 'pyyaml>=6', or '.[yaml]' in a mooncake_te clone)") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:

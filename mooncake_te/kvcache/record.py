@@ -57,7 +57,7 @@ def _address(buf) -> "tuple[int, int]":
 
 def _load_isal():
     """ISA-L's ``crc32_gzip_refl`` (the same CRC as zlib's, several times faster) from the
-    optional ``isal`` package (``pip install mooncake-te[kvcache]``), called through
+    optional ``isal`` package (the ``[kvcache]`` extra), called through
     :class:`ctypes.PyDLL` so the GIL stays held. Not ``isal_zlib.crc32`` itself: like
     ``zlib.crc32`` it lets go of the GIL above 5 KiB (python-isal 1.9.1's
     ``isal_zlib_crc32`` calls ``PyEval_SaveThread`` for buffers over 0x1400 bytes)."""

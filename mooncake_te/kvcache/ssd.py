@@ -37,6 +37,7 @@ import logging
 import os
 
 from ..errors import ConfigError
+from .cache_dir import problem
 from .policy import make_policy
 from .record import ALIGN, HEADER_SIZE, crc32_held, parse_header, round_up
 from .tiers import Tier
@@ -72,20 +73,14 @@ def _check_owner(path: str) -> None:
 
 
 def _writable_dir(path: str) -> None:
-    """Create ``path`` if needed (mode 0700), check this user owns it, and prove a file
-    can be written there."""
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        _check_owner(path)
-        probe = os.path.join(path, f".probe-{os.getpid()}")
-        with open(probe, "wb") as f:
-            f.write(b"x")
-        os.unlink(probe)
-    except OSError as e:
-        raise ConfigError(f"[kvcache] cache_dir = {path!r} is not a writable directory "
-                          f"({e.strerror or e}); point cache_dir at a directory on a local SSD "
-                          f"that this user can write, or set ssd_cache_gb = 0 for DRAM "
-                          f"only") from None
+    """Create ``path`` if only its last level is missing, check this user owns it, and
+    prove a file can be written there (the rules and messages ``mooncake-te doctor``
+    gives too: :mod:`.cache_dir`)."""
+    why = problem(path, create=True)
+    if why:
+        _code, message, fix = why
+        raise ConfigError(f"{message}; {fix} (or set ssd_cache_gb = 0 for DRAM only)")
+    _check_owner(path)
 
 
 class _DirInUse(ConfigError):

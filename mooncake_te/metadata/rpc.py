@@ -33,6 +33,17 @@ MAX_PER_PEER = 64           # of them from one peer address
 REQUEST_TIMEOUT = 10.0      # s for a whole request, authentication included
 
 
+
+def port_hint(errno_: int | None, port: int) -> str:
+    """What to do when binding ``port`` failed with ``errno_``: '' when there is no port
+    to change (port 0, or a failure that is not about the port)."""
+    import errno as _errno
+    if not port or errno_ != _errno.EADDRINUSE:
+        return ""
+    return (f"; another process holds port {port} (`ss -ltnp 'sport = :{port}'` shows "
+            f"which): pick another port, or 0 for any free one")
+
+
 class RpcServer:
     """Listens on ``host:port`` and answers handshake requests.
 
@@ -68,7 +79,7 @@ class RpcServer:
         except OSError as e:
             self._sock.close()
             raise OSError(e.errno, f"cannot listen on {bind_host or host}:{port} for the RPC "
-                                   f"port ({e.strerror}); pick another port or port=0") from None
+                                   f"port ({e.strerror}){port_hint(e.errno, port)}") from None
         self._sock.listen(128)
         self.port = self._sock.getsockname()[1]
         self._closed = False

@@ -117,7 +117,7 @@ _FILE_VERSION = 1
 def _require_aiohttp():
     if web is None:
         raise MetadataError("the HTTP metadata server needs aiohttp: "
-                            "pip install mooncake-te[http]")
+                            "pip install 'aiohttp>=3.9' (or '.[http]' in a mooncake_te clone)")
 
 
 @dataclass

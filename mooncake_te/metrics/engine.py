@@ -72,6 +72,9 @@ def attach(eng, te: dict) -> None:
         return
     port = int(te.get("metrics_port", 0) or 0)
     if port:
+        # Asked for and impossible: an error (the engine is closed), not a warning in a
+        # log nobody reads while /metrics serves nothing.
+        prometheus._require(f"metrics_port = {port} (/metrics)")
         try:
             eng._metrics_server = prometheus.serve(port, "127.0.0.1",
                                                    getattr(eng, "_token", None))

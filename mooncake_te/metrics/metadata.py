@@ -68,7 +68,7 @@ class ServerCounters:
             from prometheus_client import CONTENT_TYPE_LATEST
             from .prometheus import exposition
         except ModuleNotFoundError:
-            return web.Response(status=501, text="prometheus-client is not installed: pip "
-                                                 "install 'mooncake-te[metrics]'")
+            from .prometheus import MISSING
+            return web.Response(status=501, text=MISSING)
         return web.Response(body=exposition(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -345,12 +345,16 @@ def exposition() -> bytes:
     return generate_latest(registry())
 
 
-def _require() -> None:
+MISSING = ("prometheus-client is not installed (a dependency of mooncake_te that this "
+           "environment lacks, e.g. after pip install --no-deps): pip install "
+           "'prometheus-client>=0.20', or pip install '.[metrics]' in a mooncake_te clone")
+
+
+def _require(what: str = "Prometheus metrics") -> None:
     try:
         import prometheus_client  # noqa: F401
     except ModuleNotFoundError:
-        raise E.MooncakeError("Prometheus metrics need prometheus-client: pip install "
-                              "'mooncake-te[metrics]' (or set metrics_port = 0)") from None
+        raise E.MooncakeError(f"{what} need(s) {MISSING}") from None
 
 
 # --- the /metrics server ---------------------------------------------------------------

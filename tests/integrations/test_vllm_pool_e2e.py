@@ -254,7 +254,7 @@ def test_d_corrupt_ssd_block_is_dropped_and_recomputed(scenario):
 
 def test_f_refused_configurations_name_the_values(scenario):
     e = scenario["bad-dir"]["error"]
-    assert "not a writable directory" in e and "a-file/kv" in e
+    assert "cannot be a directory" in e and "a-file/kv" in e and "is a file" in e
     e = scenario["bad-bs"]["error"]
     assert "block size mismatch" in e and "block_size = 16" in e and "block_size = 32" in e
 
@@ -302,10 +302,12 @@ def pd_pool(vllm_python, tiny_model, http_metadata_server, tmp_path_factory):  #
 def test_e_pd_decode_takes_the_pool_then_the_producer(pd_pool):
     ph = pd_pool["D"]["phases"][0]
     assert ph["tokens"] == pd_pool["baseline"]["phases"][0]
-    # vLLM 0.32 reports the producer's prefix hits as the decode request's cached tokens
-    # (remote_prefill_cached_tokens, added by vLLM's scheduler to what the producer
-    # returns): the producer computed both prompts.
-    assert ph["num_cached_tokens"] == pd_pool["P"]["phases"][0]["num_cached_tokens"]
+    # The decode request's cached tokens are what it loaded, as vLLM counts a
+    # connector's external tokens (issue 41, item 11): every prompt token, from the pool
+    # and the producer. (vLLM 0.32 would report the producer's own prefix hits, the
+    # remote_prefill_cached_tokens its scheduler adds to the handoff; the handoff
+    # declines that key.)
+    assert ph["num_cached_tokens"] == [len(p) for p in pd_pool["prompts"]]
     s = pd_pool["D"]["stats"]
     p = s["pool"]
     # 300 tokens: 9 full blocks loadable from the pool (P stored them), the last 12

@@ -342,6 +342,7 @@ def test_adjacent_ssd_slots_are_one_read_and_one_write(tmp_path, monkeypatch):
         got = c.get(keep)
         assert reads == [2, 3]
         assert all(np.array_equal(g, block(k)) for k, g in zip(keep, got))
+    (tmp_path / "w").mkdir()          # the cache creates only the last level (issue 41)
     with cache(tmp_path / "w", dram=4, ssd=8) as c:
         c.put(range(4), [block(i) for i in range(4)])
         writes = _count_calls(monkeypatch, "pwritev")
@@ -518,14 +519,15 @@ def test_prefault_thread_after_a_restart(tmp_path):
 def test_cache_dir_not_writable(tmp_path):
     f = tmp_path / "a-file"
     f.write_text("x")
-    with pytest.raises(ConfigError, match=r"cache_dir = .*a-file/kv.* is not a writable"):
+    with pytest.raises(ConfigError, match=r"cache_dir = .*a-file/kv.* cannot be a directory: "
+                                          r".*a-file' is a file"):
         KVCache(BB, SLOT, SLOT, str(f / "kv"))
-    with pytest.raises(ConfigError, match="not a writable directory"):
+    with pytest.raises(ConfigError, match="is not writable: .* on a proc file system"):
         KVCache(BB, SLOT, SLOT, "/proc/mooncake-kvcache")
     if os.geteuid() != 0:            # root ignores permission bits
         ro = tmp_path / "ro"
         ro.mkdir(mode=0o500)
-        with pytest.raises(ConfigError, match="not a writable"):
+        with pytest.raises(ConfigError, match="is not writable"):
             KVCache(BB, SLOT, SLOT, str(ro))
     with pytest.raises(ConfigError, match="needs cache_dir"):
         KVCache(BB, SLOT, SLOT, None)

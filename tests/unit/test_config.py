@@ -205,7 +205,9 @@ def test_force_tcp_and_hca():
 @pytest.mark.parametrize("env, needle", [
     ({"MC_TCP_LANES_PER_PEER": "many"}, "MC_TCP_LANES_PER_PEER='many' is not valid for "
                                         "[transfer_engine] tcp_lanes: expected an integer"),
-    ({"MC_TRANSFER_TIMEOUT": "0"}, "timeout_ms = 0: expected a positive number"),
+    # said in the variable's units, seconds (issue 41, item 12)
+    ({"MC_TRANSFER_TIMEOUT": "0"}, "MC_TRANSFER_TIMEOUT='0' is not valid for [transfer_engine] "
+                                   "timeout_ms: expected a number of seconds"),
     ({"MC_METADATA_SERVER": "zookeeper://h:1"}, "server_type = 'zookeeper'"),
     ({"MC_RDMA_QP_TIMEOUT": "32"}, "rdma_qp_timeout = 32: expected 1 to 31"),
 ])

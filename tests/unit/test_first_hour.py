@@ -44,3 +44,12 @@ def test_p2p_get_into_an_already_registered_array():
             s.close()
         for e in engines:
             e.close()
+
+
+@pytest.mark.parametrize("token", ["", b""], ids=["str", "bytes"])
+def test_empty_auth_token_is_refused(token):
+    """Issue 41, item 12: auth_token="" meant no authentication, silently."""
+    with pytest.raises(mte.InvalidArgumentError) as ei:
+        mte.TransferEngine(host="127.0.0.1", metadata="p2p", auth_token=token)
+    msg = str(ei.value)
+    assert "auth_token is empty" in msg and "1 to 256 bytes" in msg and "None" in msg

@@ -99,6 +99,43 @@ def _params_parts(p: dict, prompt: bytes) -> tuple:
             str(p["remote_lease_key"]).encode(), prompt)
 
 
+# The key vLLM 0.32's scheduler adds to a finished prefill's kv_transfer_params when they
+# carry do_remote_prefill (v1/core/sched/scheduler.py): the producer's own prefix hits,
+# which the decode instance's front end then reports as num_cached_tokens
+# (v1/engine/output_processor.py) in place of the decode's count.
+PRODUCER_CACHED_KEY = "remote_prefill_cached_tokens"
+
+
+class Handoff(dict):
+    """The producer's ``kv_transfer_params`` for the decode instance (the proxy passes
+    them on as they are).
+
+    It declines :data:`PRODUCER_CACHED_KEY` (issue 41, item 11), so that the decode
+    request's ``num_cached_tokens`` is the decode's own count as vLLM counts it for a
+    connector's external tokens: its prefix hits plus the tokens whose KV it loaded
+    (from the producer, or its pool), as with vLLM's MooncakeConnector on the same run.
+    Otherwise a decode instance that loaded 21,344 of 22,208 prompt tokens reported the
+    producer's 864. The producer's hits stay in the producer's own outputs and counters.
+    A plain dict once sent (msgpack, pickle), so nothing downstream sees the class.
+    """
+
+    def __setitem__(self, key, value) -> None:
+        if key != PRODUCER_CACHED_KEY:
+            super().__setitem__(key, value)
+
+    def setdefault(self, key, default=None):
+        if key == PRODUCER_CACHED_KEY:
+            return self.get(key, default)
+        return super().setdefault(key, default)
+
+    def update(self, *args, **kw) -> None:
+        for k, v in dict(*args, **kw).items():
+            self[k] = v
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
 class SchedulerSide:
     """vLLM-independent logic; ``request`` objects are vLLM ``Request``\\ s (duck-typed:
     ``request_id``, ``prompt_token_ids``, ``all_token_ids``, ``num_computed_tokens``,
@@ -359,7 +396,7 @@ class SchedulerSide:
             return save, None
         lease_key = secrets.token_hex(16)
         self._work.leases.append((request.request_id, lease_key))
-        return True, self._sign({
+        return True, self._sign(Handoff({
             "do_remote_prefill": True, "do_remote_decode": False,
             "remote_engine": self.engine_name,
             "remote_request_id": request.request_id,
@@ -367,7 +404,7 @@ class SchedulerSide:
             # The worker's lease starts a step later, so this is conservative.
             "remote_lease_deadline": float(self._clock() + self.lease_s),
             "remote_lease_key": lease_key,
-            "remote_host": self.host, "remote_port": self.port}, request)
+            "remote_host": self.host, "remote_port": self.port}), request)
 
     def _pool_save(self, request, block_ids: list) -> bool:
         """Queue the request's computed full blocks for the pool; True if the worker now

@@ -512,6 +512,9 @@ def rank_pool_settings(pool, tp_rank: int, tp_size: int):
     """
     if tp_size <= 1 or not pool.cache_dir:
         return pool
+    if pool.ssd_bytes > 0:
+        from ...kvcache.ssd import _writable_dir
+        _writable_dir(pool.cache_dir)      # cache_dir itself first (its last level made)
     mine = replace(pool, cache_dir=os.path.join(pool.cache_dir,
                                                 f"tp{int(tp_rank)}-of-{int(tp_size)}"))
     mine.check(mine.block_size)            # cache_dir's checks, on the subdirectory

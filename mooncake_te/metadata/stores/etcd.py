@@ -13,7 +13,7 @@ Client choice, on evidence (tried 2026-12 with grpcio 1.85 and protobuf 7.36):
   (``/v3/kv/put``, ``/v3/lease/keepalive``; https://etcd.io/docs/v3.5/dev-guide/api_grpc_gateway/)
   over ``requests``: no protobuf at all, fork-safe, picks ``/v3``, ``/v3beta`` or
   ``/v3alpha`` from the server's ``/version``; put/get/lease/keepalive all worked
-  against Debian's etcd 3.4. We use it: ``pip install mooncake-te[etcd]``.
+  against Debian's etcd 3.4. We use it: the ``[etcd]`` extra.
 
 Keys are attached to one lease of ``ttl`` seconds per engine, kept alive every
 ``ttl / 3``; when etcd reports the lease gone (TTL -1 after an outage) a new one is
@@ -70,7 +70,7 @@ class EtcdStore(LeasedStore):
     def __init__(self, rest: str, cluster_id: str | None = None, timeout: float = 3.0):
         if _etcd3gw is None:
             raise MetadataError("metadata='etcd://...' needs the etcd client library: "
-                                "pip install mooncake-te[etcd]  (etcd3gw)")
+                                "pip install 'etcd3gw>=2.4' (or '.[etcd]' in a mooncake_te clone)")
         base, options = split_options(rest)
         ttl = ttl_from(options)
         self.endpoints = _parse_endpoints(base)

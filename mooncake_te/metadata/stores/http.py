@@ -22,7 +22,7 @@ TTL: an engine restarted under its old name, whose dead predecessor's key has no
 expired yet, checks that the old RPC port no longer answers, deletes the stale key and
 publishes its own. A live engine under that name is an error naming both.
 
-Client: ``requests`` (keep-alive session; ``pip install mooncake-te[http]``).
+Client: ``requests`` (keep-alive session; the ``[http]`` extra).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class HttpStore(LeasedStore):
                  timeout: float = 3.0, token: bytes | None = None):
         if _requests is None:
             raise MetadataError("metadata='http://...' needs the requests library: "
-                                "pip install mooncake-te[http]")
+                                "pip install 'requests>=2.28' (or '.[http]' in a mooncake_te clone)")
         base, options = split_options(rest)
         ttl = ttl_from(options)
         auth = options.pop("auth", "on").lower()

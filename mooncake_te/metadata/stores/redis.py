@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``redis://[user:password@]host:6379[/db]``: segment descriptors in redis.
 
-Client: redis-py (with hiredis for parsing, ``pip install mooncake-te[redis]``).
+Client: redis-py (with hiredis for parsing, the ``[redis]`` extra).
 Credentials and the database come from the URL, else from Mooncake's
 ``MC_REDIS_USERNAME`` / ``MC_REDIS_PASSWORD`` / ``MC_REDIS_DB_INDEX`` (reference §5,
 ``transfer_metadata_plugin.cpp``). Keys are plain strings set with ``EX ttl`` and
@@ -36,7 +36,7 @@ class RedisStore(LeasedStore):
     def __init__(self, rest: str, cluster_id: str | None = None, timeout: float = 3.0):
         if _redis is None:
             raise MetadataError("metadata='redis://...' needs the redis client library: "
-                                "pip install mooncake-te[redis]  (redis-py with hiredis)")
+                                "pip install 'redis[hiredis]>=5' (or '.[redis]' in a mooncake_te clone)")
         base, options = split_options(rest)
         ttl = ttl_from(options)
         u = urlsplit("redis://" + base)
