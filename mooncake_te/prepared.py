@@ -6,8 +6,8 @@ same kind of transfer again and again: the same peer, the same local and remote 
 the same block size, only the block ids change. :meth:`TransferEngine.prepare` takes
 the block-address tables once, checks every local block against the registered regions
 and every remote block against the peer's published buffers, resolves the peer and picks
-the route; :meth:`PreparedTransfer.post` then only gathers addresses with two numpy
-fancy-indexing operations and queues them, with no per-block Python, no region lookup
+the route; :meth:`PreparedTransfer.post` then only gathers addresses (one native loop,
+``core.gather_blocks``) and queues them, with no per-block Python, no region lookup
 and no routing.
 
 Tables are 1-D (one entry per block slot: ``post`` takes indices into it) or 2-D
@@ -25,6 +25,7 @@ import numpy as np
 
 from . import errors as E
 from .batch import Batch, Op
+from .core._core import gather_blocks
 from .segments import target_name
 
 __all__ = ["PreparedTransfer"]
@@ -65,6 +66,10 @@ class PreparedTransfer:
         self.target = target_name(target)
         self._local = _table(local, "local")
         self._remote = _table(remote, "remote")
+        # [rows, blocks] views of both tables (a 1-D table is one row): what post()
+        # gathers from, natively.
+        self._lrows = self._local.reshape(-1, self._local.shape[-1])
+        self._rrows = self._remote.reshape(-1, self._remote.shape[-1])
         if self._local.ndim != self._remote.ndim or (
                 self._local.ndim == 2 and self._local.shape[0] != self._remote.shape[0]):
             raise E.InvalidArgumentError(
@@ -105,18 +110,25 @@ class PreparedTransfer:
                 f"{self._local.shape} local, {self._remote.shape} remote>")
 
     def _gather(self, table, ids, what):
+        """Addresses of blocks ``ids`` of ``table`` (every row's, row by row), in one
+        native loop (core.gather_blocks)."""
         ids = np.asarray(ids)
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise E.InvalidArgumentError(f"{what} must be a 1-D array of integer block "
                                          f"indices, got {ids!r:.80}")
-        try:
-            if ids.dtype.kind == "i" and len(ids) and ids.min() < 0:
-                raise IndexError      # take would count it from the end
-            return np.take(table, ids, axis=table.ndim - 1, mode="raise").ravel()
-        except IndexError:
+        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+            if ids.dtype.kind == "u" and len(ids) and ids.max() >= table.shape[-1]:
+                k = int(np.argmax(ids >= table.shape[-1]))     # (would wrap as int64)
+                raise E.InvalidArgumentError(
+                    f"{what} holds an index outside [0, {table.shape[-1]}): {what}[{k}] = "
+                    f"{int(ids[k])}")
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+        out = gather_blocks(self._lrows if table is self._local else self._rrows, ids)
+        if isinstance(out, int):
             raise E.InvalidArgumentError(
-                f"{what} holds an index outside [0, {table.shape[-1]}): "
-                f"{int(ids.min())}..{int(ids.max())}") from None
+                f"{what} holds an index outside [0, {table.shape[-1]}): {what}[{out}] = "
+                f"{int(ids[out])}")
+        return out
 
     def _route(self, op: int):
         r = self._routes.get(op)
