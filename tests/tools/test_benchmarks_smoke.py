@@ -46,6 +46,7 @@ SMOKE: "dict[str, list[str] | None]" = {
     "rxe_soak.py": ["--smoke"],
     "scaling.py": ["--smoke"],
     "soak.py": ["--smoke"],
+    "sync_latency_ab.py": ["--smoke"],
     "tcp_read_write.py": ["--smoke"],
     "test_latency.py": None,
     "test_register.py": None,
