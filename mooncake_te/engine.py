@@ -472,13 +472,34 @@ class TransferEngine:
 
     def _submit_prepared(self, tr, route, desc, op, src, dst, lens, n, nbytes, notify,
                          timeout) -> Batch:
-        """One group, already checked and routed (PreparedTransfer.post)."""
-        self._check_open()
-        S.check_notify(notify)
-        plan = [(desc.name, op, None, src, dst, lens, desc, tr, route)]
-        return S.queue(plan, n, notify, S.deadline(self.timeout, nbytes, timeout),
-                       self._tx.new_batch, self._notifier, self._peers, self.protocol,
-                       self._tmetrics)
+        """One group, already checked and routed (PreparedTransfer.post): queued as
+        ``submit.queue`` does, without its generality (one group, no caller order)."""
+        if self._closed or _getpid() != self._pid:
+            self._check_open()
+        if timeout is None:
+            deadline = _monotonic_ns() + int(self.timeout * 1e9) + nbytes
+        else:
+            deadline = S.deadline(self.timeout, nbytes, timeout)
+        if notify is not None:          # the general path carries notifications
+            S.check_notify(notify)
+            plan = [(desc.name, op, None, src, dst, lens, desc, tr, route)]
+            return S.queue(plan, n, notify, deadline, self._tx.new_batch, self._notifier,
+                           self._peers, self.protocol, self._tmetrics)
+        native = self._tx.new_batch(n, deadline)
+        tm = self._tmetrics
+        try:
+            if tm is not None:          # counted when they finish (src/core/metrics.h)
+                native.tag(0, n, tm.cell(desc.name, route, op))
+            taken = tr.submit(native, desc, op, src, dst, lens, 0, False)
+        except BaseException:
+            # Nothing or part queued: stop it, count the rest canceled, let it finish.
+            native.cancel()
+            native.abandon(0, n)
+            native.seal()
+            raise
+        native.seal()
+        return Batch(native, taken or self.protocol, deadline,
+                     [(desc.name, 0, src, dst, lens, op)], self._peers.lost)
 
     def _start(self, groups: dict, n: int, notify, timeout, nbytes=0,
                checked: bool = False) -> Batch:

@@ -172,13 +172,17 @@ class PreparedTransfer:
             self._lens[n] = lens
         nbytes = int(lens[0]) * n if len(lens) == 1 else int(lens.sum())
         # The descriptor cache drops a peer whose connection failed or who restarted; take
-        # the current one (a dict lookup when nothing changed).
-        desc = eng._peers.resolve(self.target)
-        if desc is not self._desc:       # re-resolved (restarted peer): check again
-            _check_remote(desc, self._remote.ravel(), self._rlens)
-            self._desc, self._routes = desc, {}
-        tr, route = self._route(int(op))
-        return eng._submit_prepared(tr, route, desc, int(op), src, dst, lens, n, nbytes,
+        # the current one (one dict lookup when nothing changed).
+        desc = self._desc
+        if "/" in self.target or eng._peers.cache.entries.get(self.target) is not desc:
+            desc = eng._peers.resolve(self.target)
+            if desc is not self._desc:       # re-resolved (restarted peer): check again
+                _check_remote(desc, self._remote.ravel(), self._rlens)
+                self._desc, self._routes = desc, {}
+        op = int(op)
+        r = self._routes.get(op)
+        tr, route = r if r is not None else self._route(op)
+        return eng._submit_prepared(tr, route, desc, op, src, dst, lens, n, nbytes,
                                     notify, timeout)
 
 

@@ -116,3 +116,18 @@ def test_memory_unregistered_after_prepare_fails_the_request(pair):
         batch.wait(timeout=10)
     assert batch.status()[0].state == "failed"
     assert not remote.any()
+
+
+def test_posts_are_counted_by_metrics_and_time_out_like_batches(pair):
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    p.post(mte.WRITE, np.array([1, 2]), np.array([3, 4])).wait(timeout=10)
+    batch = p.post(mte.READ, np.array([0]), np.array([5]), timeout=30)
+    batch.wait(timeout=10)
+    assert batch.transport == p.transport
+    counted = {t["op"]: t["requests"] for t in a.metrics()["transfers"]
+               if t["peer"] == b.name}
+    assert counted == {"write": 6, "read": 3}         # 3 regions each
+    with pytest.raises(E.InvalidArgumentError, match="timeout"):
+        p.post(mte.READ, np.array([0]), np.array([5]), timeout=-1)
