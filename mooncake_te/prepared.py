@@ -31,6 +31,7 @@ from .segments import target_name
 __all__ = ["PreparedTransfer"]
 
 _OPS = frozenset(int(o) for o in Op)
+_INT64 = np.dtype(np.int64)
 
 
 def _table(values, what: str) -> np.ndarray:
@@ -112,18 +113,23 @@ class PreparedTransfer:
     def _gather(self, table, ids, what):
         """Addresses of blocks ``ids`` of ``table`` (every row's, row by row), in one
         native loop (core.gather_blocks)."""
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise E.InvalidArgumentError(f"{what} must be a 1-D array of integer block "
-                                         f"indices, got {ids!r:.80}")
-        if ids.dtype != np.int64 or not ids.flags.c_contiguous:
+        if not (type(ids) is np.ndarray and ids.dtype is _INT64 and ids.ndim == 1):
+            ids = np.asarray(ids)
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise E.InvalidArgumentError(f"{what} must be a 1-D array of integer block "
+                                             f"indices, got {ids!r:.80}")
             if ids.dtype.kind == "u" and len(ids) and ids.max() >= table.shape[-1]:
                 k = int(np.argmax(ids >= table.shape[-1]))     # (would wrap as int64)
                 raise E.InvalidArgumentError(
                     f"{what} holds an index outside [0, {table.shape[-1]}): {what}[{k}] = "
                     f"{int(ids[k])}")
             ids = np.ascontiguousarray(ids, dtype=np.int64)
-        out = gather_blocks(self._lrows if table is self._local else self._rrows, ids)
+        rows = self._lrows if table is self._local else self._rrows
+        try:
+            out = gather_blocks(rows, ids)
+        except TypeError:               # a strided view of int64 ids
+            ids = np.ascontiguousarray(ids)
+            out = gather_blocks(rows, ids)
         if isinstance(out, int):
             raise E.InvalidArgumentError(
                 f"{what} holds an index outside [0, {table.shape[-1]}): {what}[{out}] = "

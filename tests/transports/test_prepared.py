@@ -77,6 +77,12 @@ def test_ids_of_any_integer_dtype_and_layout(pair):
     for r in range(3):
         assert (view[r, 4] == local[r][3 * BLOCK:4 * BLOCK]).all()
         assert (view[r, 2] == local[r][7 * BLOCK:8 * BLOCK]).all()
+    view[:] = 0
+    p.post(mte.WRITE, np.array([5, 0, 6], np.int64)[::2],             # int64, strided
+           np.array([1, 0], ">i8")).wait(timeout=10)                  # big-endian
+    for r in range(3):
+        assert (view[r, 1] == local[r][5 * BLOCK:6 * BLOCK]).all()
+        assert (view[r, 0] == local[r][6 * BLOCK:7 * BLOCK]).all()
     with pytest.raises(E.InvalidArgumentError, match=r"local_ids\[1\] = 18446744073709551615"):
         p.post(mte.WRITE, np.array([0, (1 << 64) - 1], np.uint64), np.array([0, 1]))
     with pytest.raises(E.InvalidArgumentError, match=r"remote_ids\[1\] = 8"):
