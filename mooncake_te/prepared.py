@@ -25,7 +25,7 @@ import numpy as np
 
 from . import errors as E
 from .batch import Batch, Op
-from .core._core import gather_blocks
+from .core import gather_blocks
 from .segments import target_name
 
 __all__ = ["PreparedTransfer"]
