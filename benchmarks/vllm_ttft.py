@@ -52,6 +52,17 @@ Between P/D requests the producer steps as ``vllm serve``'s engine loop does: at
 again while any request waits on the connector (its blocks held for the consumer's READ).
 ``--producer-loop poll`` steps every 20 ms instead (the runs before 2026-12-04).
 
+On a GPU (``--gpu SHAPE``; vLLM with CUDA, e.g. the lent H200 through
+``scripts/gpu_vllm_check.sh``): the model is a bf16 Llama of a real shape with random
+weights written on the device (``tiny``, ``1b``: Llama-3.2-1B's 16 layers, 8 KV heads of
+64; ``8b``: Llama-3-8B's 32 layers, 8 KV heads of 128), vLLM's KV cache lives in GPU memory
+and ``--python`` names the interpreter that has vLLM (no ``.venv-vllm``). Three more modes
+there: ``nocache`` (vLLM alone, prefix caching off: the recompute reference), ``offload``
+(vLLM's own ``OffloadingConnector`` with ``--dram-mb`` of CPU memory, the anchor for the
+pool) and ``pd-tcp`` (``pd`` with the protocol forced to TCP). ``fullhit`` takes each
+length of ``--fullhit-lengths`` and adds vLLM's ``OffloadingConnector`` hit and a hit in a
+second instance's DRAM through the shared index (``remote``) beside the pool's DRAM and SSD.
+
 The child processes (``--child``) run in the vLLM environment.
 """
 from __future__ import annotations
@@ -110,6 +121,55 @@ def make_model(out: str) -> None:
     LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(out, safe_serialization=True)
 
 
+# --gpu SHAPE: bf16 Llamas of real shapes (random weights; vocab capped, token ids < VOCAB).
+SHAPES = {
+    "tiny": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1024),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=32768),
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32768),
+}
+
+
+def kv_bytes_per_token(shape: str, dtype_bytes: int) -> int:
+    c = SHAPES[shape]
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * dtype_bytes
+
+
+def make_model_gpu(out: str, shape: str) -> None:
+    """A bf16 Llama of ``shape`` with N(0, 0.02) weights drawn on the GPU (seeded, so every
+    run and every instance has the same model) and written as safetensors: no carry."""
+    import torch
+    from safetensors.torch import save_file
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return
+    os.makedirs(out, exist_ok=True)
+    c = dict(SHAPES[shape])
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="bfloat16",
+               rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=32768,
+               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+               hidden_act="silu", attention_bias=False, mlp_bias=False, **c)
+    json.dump(cfg, open(os.path.join(out, "config.json"), "w"), indent=1)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+
+    def w(*shape_):
+        return (torch.randn(*shape_, generator=g, device="cuda") * 0.02).to(torch.bfloat16).cpu()
+    sd = {"model.embed_tokens.weight": w(c["vocab_size"], h), "lm_head.weight": w(c["vocab_size"], h),
+          "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    for n in range(c["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        sd.update({p + "self_attn.q_proj.weight": w(q, h), p + "self_attn.k_proj.weight": w(kv, h),
+                   p + "self_attn.v_proj.weight": w(kv, h), p + "self_attn.o_proj.weight": w(h, q),
+                   p + "mlp.gate_proj.weight": w(i, h), p + "mlp.up_proj.weight": w(i, h),
+                   p + "mlp.down_proj.weight": w(h, i),
+                   p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+                   p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)})
+    save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+
+
 def num_gpu_blocks(llm) -> "int | None":
     """vLLM's KV blocks (the null block included), as its engine core sized the cache."""
     try:
@@ -123,11 +183,21 @@ def child(a) -> None:
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
-    kw = dict(model=a.model, dtype="float32", max_model_len=a.max_model_len, max_num_seqs=4,
+    kw = dict(model=a.model, dtype=a.dtype, max_model_len=a.max_model_len, max_num_seqs=4,
               max_num_batched_tokens=a.max_model_len, enforce_eager=True, seed=0,
-              block_size=BLOCK, enable_prefix_caching=True, skip_tokenizer_init=True,
-              kv_cache_memory_bytes=a.kv_mb << 20, distributed_executor_backend="uni")
-    if a.connector == "mooncake":
+              block_size=BLOCK, enable_prefix_caching=a.role != "nocache",
+              skip_tokenizer_init=True, kv_cache_memory_bytes=a.kv_mb << 20,
+              distributed_executor_backend="uni")
+    if a.gpu_util:
+        # Several instances share the GPU: vLLM refuses to start unless this share of the
+        # GPU's memory is free, so each asks for its own part only.
+        kw["gpu_memory_utilization"] = a.gpu_util
+    if a.offload_mb:
+        # vLLM's own CPU offloading (the anchor for the pool's DRAM tier), same capacity.
+        kw["kv_transfer_config"] = dict(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": a.offload_mb << 20})
+    elif a.connector == "mooncake":
         # vLLM's built-in MooncakeConnector; `import mooncake.engine` resolves to
         # mooncake_te.compat through the shim on PYTHONPATH. Its worker asks
         # torch.accelerator for a device index, which raises on a CPU-only host: that one
@@ -139,7 +209,7 @@ def child(a) -> None:
             kv_connector="MooncakeConnector", engine_id=f"mc-{a.role}",
             kv_role={"P": "kv_producer", "D": "kv_consumer"}[a.role],
             kv_load_failure_policy="recompute")
-    elif a.role not in ("vllm", "ideal"):
+    elif a.role not in ("vllm", "ideal", "nocache") and a.stage != "plain":
         kw["kv_transfer_config"] = dict(
             kv_connector="MooncakeTEConnector",
             kv_connector_module_path="mooncake_te.integrations.vllm",
@@ -148,13 +218,18 @@ def child(a) -> None:
             kv_connector_extra_config=json.loads(a.extra))
     llm = LLM(**kw)
     conn = None
-    if a.role not in ("vllm", "ideal") and a.connector != "mooncake":
+    if "kv_transfer_config" in kw and not a.offload_mb and a.connector != "mooncake":
         from vllm.distributed.kv_transfer import get_kv_transfer_group
         conn = get_kv_transfer_group()
     reqs = json.load(open(a.requests))
     say = lambda obj: (sys.stdout.write("@@" + json.dumps(obj) + "\n"), sys.stdout.flush())  # noqa
 
     def drain():
+        if a.offload_mb:
+            # vLLM's OffloadingConnector finishes its stores in later steps.
+            for _ in range(20):
+                llm.llm_engine.step()
+                time.sleep(0.01)
         if conn is not None and conn._worker.pool is not None:
             for _ in range(3):
                 llm.llm_engine.step()
@@ -175,42 +250,70 @@ def child(a) -> None:
         (o,) = llm.generate([{"prompt_token_ids": toks}], sp, use_tqdm=False)
         return time.perf_counter() - t, o
 
-    if a.role == "fullhit":
-        # One long prompt: computed, then from vLLM's own prefix cache, then (vLLM's cache
-        # reset) from the pool; a second process on the same cache_dir reads it from SSD.
-        toks = reqs[0]
-        gen(reqs[1][:64])                         # warm-up, unrelated
-        out = {}
-        if not a.ssd_only:
-            out["miss"] = gen(toks)[0]
-            settle()
-            out["vllm"] = statistics.median(gen(toks)[0] for _ in range(3))
-            dram = []
-            for _ in range(3):
-                for _ in range(50):             # refused while blocks are still held
-                    if llm.reset_prefix_cache() is not False:
-                        break
-                    llm.llm_engine.step()
-                    time.sleep(0.02)
-                dt, o = gen(toks)
-                dram.append(dt)
-                out["dram_cached"] = o.num_cached_tokens
-            out["dram"] = statistics.median(dram)
-        else:
-            dt, o = gen(toks)
-            out["ssd"], out["ssd_cached"] = dt, o.num_cached_tokens
-        out["pool"] = dict(conn.stats.get("pool", {}))
-        say(out)
-        return
     def reset_prefix_cache():
-        for _ in range(50):                     # refused while blocks are still held
+        for _ in range(200):                    # refused while blocks are still held
             if llm.reset_prefix_cache() is not False:
                 return
             llm.llm_engine.step()
             time.sleep(0.02)
         raise RuntimeError("vLLM kept refusing reset_prefix_cache")
 
-    if a.role in ("vllm", "both", "ideal"):
+    if a.role == "fullhit":
+        # Each of the first --fullhit-n prompts (the last one in the file is a warm-up):
+        # stage "main": computed, then from vLLM's own prefix cache, then (vLLM's cache
+        # reset) from the connector (the pool's DRAM, or vLLM's OffloadingConnector with
+        # --offload-mb); "plain" (no connector) stops after vLLM's own hit; "once": one
+        # run per prompt in a fresh process (the pool's SSD after a restart, or a second
+        # instance's DRAM through the shared index). Every timing is a 1-token generate;
+        # one more run per stage generates --out-tokens for the output check.
+        warm = reqs[-1]
+        prompts = reqs[:a.fullhit_n]
+        gen(warm[:64])
+        say({"ready": True})
+        sys.stdin.readline()                    # measured one instance at a time
+        rows_ = []
+
+        def timed(toks, reset, n=3):
+            ts, cached = [], 0
+            for _ in range(n):
+                if reset:
+                    reset_prefix_cache()
+                dt, o = gen(toks)
+                ts.append(dt)
+                cached = o.num_cached_tokens
+            if reset:
+                reset_prefix_cache()
+            _, o = gen(toks, max_tokens=a.out_tokens)
+            return statistics.median(ts), cached, list(o.outputs[0].token_ids)
+
+        for toks in prompts:
+            r = {"tokens": len(toks)}
+            if a.stage == "once":
+                dt, o = gen(toks)
+                r.update(once=dt, once_cached=o.num_cached_tokens)
+                reset_prefix_cache()
+                _, o = gen(toks, max_tokens=a.out_tokens)
+                r["out_once"] = list(o.outputs[0].token_ids)
+            else:
+                r["miss"] = gen(toks)[0]
+                settle()
+                r["vllm"], r["vllm_cached"], r["out_vllm"] = timed(toks, reset=False)
+                if a.stage == "plain":
+                    reset_prefix_cache()
+                    r["out_recompute"] = list(gen(toks, max_tokens=a.out_tokens)[1]
+                                              .outputs[0].token_ids)
+                else:
+                    settle()
+                    r["hit"], r["hit_cached"], r["out_hit"] = timed(toks, reset=True)
+                    settle()
+            rows_.append(r)
+        settle()
+        out = {"rows": rows_, "pool": dict(conn.stats.get("pool", {})) if conn else {}}
+        say(out)
+        if a.hold:
+            sys.stdin.readline()                # a reader uses this instance's DRAM
+        return
+    if a.role in ("vllm", "both", "ideal", "nocache"):
         # Lines on stdin name a request: {"i": n} runs it (then lets its saves land unless
         # "settle" is false); with "prime": h, vLLM's own prefix cache is emptied and the
         # request's first h tokens prefilled first (the ideal: exactly those tokens hit in
@@ -311,6 +414,9 @@ class Child:
 
 
 def _env(PYTHONPATH=ROOT, **more):
+    # The caller's PYTHONPATH stays behind ours (where vLLM was installed with --target).
+    if os.environ.get("PYTHONPATH"):
+        PYTHONPATH += os.pathsep + os.environ["PYTHONPATH"]
     return dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1",
                 VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false",
                 PYTHONPATH=PYTHONPATH, **more)
@@ -387,6 +493,7 @@ def bench_read(sizes) -> dict:
 
 
 def main():
+    global BLOCK
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=default_trace())
     ap.add_argument("--requests", type=int, default=60, help="N requests of the trace")
@@ -415,6 +522,8 @@ def main():
     ap.add_argument("--venv", default=os.path.join(ROOT, ".venv-vllm"))
     ap.add_argument("--work", default=None, help="directory for the model, cache, logs")
     ap.add_argument("--json", default=None, help="write the results here too")
+    ap.add_argument("--model-dir", default=None,
+                    help="where the random model is written (and reused; default: in --work)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--role", default="vllm", help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None, help=argparse.SUPPRESS)
@@ -422,13 +531,33 @@ def main():
     ap.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
     ap.add_argument("--max-model-len", type=int, default=2048, help=argparse.SUPPRESS)
     ap.add_argument("--make-model", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--ssd-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--no-settle", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--connector", default="te", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    ap.add_argument("--gpu-util", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--offload-mb", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--stage", default="main", help=argparse.SUPPRESS)
+    ap.add_argument("--fullhit-n", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--hold", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--gpu", choices=sorted(SHAPES), default=None,
+                    help="run vLLM on the GPU with a bf16 Llama of this shape (random "
+                         "weights written on the device)")
+    ap.add_argument("--python", default=None,
+                    help="the interpreter with vLLM (default: --venv's)")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="vLLM's block size (default 32; 16 with --gpu)")
+    ap.add_argument("--fullhit-lengths", default=None,
+                    help="fullhit: prompt lengths in tokens (default: the trace's longest "
+                         "request; with --gpu 2048,4096,8192,16384)")
+    ap.add_argument("--out-tokens", type=int, default=16,
+                    help="fullhit: tokens generated for the output check")
+    ap.add_argument("--instance-gpu-util", type=float, default=0.14,
+                    help="--gpu: share of GPU memory each vLLM instance may take")
     ap.add_argument("--bootstrap-port", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    BLOCK = a.block_size or (16 if a.gpu else 32)
     if a.make_model:
-        return make_model(a.make_model)
+        return make_model_gpu(a.make_model, a.gpu) if a.gpu else make_model(a.make_model)
     if a.child:
         a.requests = a.trace                       # the token file
         return child(a)
@@ -444,14 +573,14 @@ def main():
         os.environ["GOMP_SPINCOUNT"] = a.gomp_spincount
     else:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-    py = os.path.join(a.venv, "bin", "python")
-    if not os.path.exists(os.path.join(a.venv, ".ready")):
+    py = a.python or os.path.join(a.venv, "bin", "python")
+    if not a.python and not os.path.exists(os.path.join(a.venv, ".ready")):
         subprocess.run([os.path.join(ROOT, "scripts", "vllm-env.sh"), a.venv], check=True)
     work = a.work or tempfile.mkdtemp(prefix="vllm-ttft-")
     os.makedirs(work, exist_ok=True)
-    model = os.path.join(work, "model")
-    subprocess.run([py, os.path.abspath(__file__), "--make-model", model], check=True,
-                   env=_env())
+    model = a.model_dir or os.path.join(work, "model")
+    subprocess.run([py, os.path.abspath(__file__), "--make-model", model]
+                   + (["--gpu", a.gpu] if a.gpu else []), check=True, env=_env())
     reqs = load_requests(a.trace, a.requests, a.tokens_per_hash, a.max_blocks, a.start)
     tok_file = os.path.join(work, "requests.json")
     json.dump([t for _, t in reqs], open(tok_file, "w"))
@@ -462,7 +591,8 @@ def main():
             f.write(json.dumps({"timestamp": 0, "input_length": len(t), "output_length": 1,
                                 "hash_ids": ids}) + "\n")
     max_len = max(len(t) for _, t in reqs) + 16
-    block_bytes = 2 * 4 * BLOCK * 64 * 4 * 8           # 8 layers: 512 KiB per vLLM block
+    block_bytes = (kv_bytes_per_token(a.gpu, 2) * BLOCK if a.gpu      # bf16
+                   else 2 * 4 * BLOCK * 64 * 4 * 8)   # 8 layers: 512 KiB per vLLM block
     slot = block_bytes + 4096                         # kvcache.record.slot_size_for
     vllm_blocks = (a.kv_mb << 20) // (block_bytes)    # until the child reports vLLM's own
     slots = lambda mb: (mb << 20) // slot              # noqa: E731  (the pool's slots)
@@ -474,7 +604,10 @@ def main():
           f"{os.environ.get('GOMP_SPINCOUNT', 'unset (libgomp default)')}; work dir {work}",
           flush=True)
     log = open(os.path.join(work, "children.log"), "a")
-    base = ["--model", model, "--trace", tok_file, "--max-model-len", str(max_len)]
+    gpu_args = (["--dtype", "bfloat16", "--gpu-util", str(a.instance_gpu_util)] if a.gpu
+                else [])
+    base = ["--model", model, "--trace", tok_file, "--max-model-len", str(max_len),
+            "--block-size", str(BLOCK)] + gpu_args
     gb = lambda mb: mb / 1024.0                       # noqa: E731
     rows, outs, cached_per = {}, {}, {}
     modes = a.modes.split(",")
@@ -494,16 +627,19 @@ def main():
         per pool mode, all started at once and run request by request in rotating order:
         each request's TTFT in every mode comes from the same minute of the machine."""
         t0 = time.monotonic()
-        names = [m for m in ("vllm", "dram", "ssd") if m in modes]
-        ideal = [m for m in names if m != "vllm"] if "ideal" in modes else []
+        names = [m for m in ("vllm", "nocache", "offload", "dram", "ssd") if m in modes]
+        ideal = [m for m in names if m in ("dram", "ssd")] if "ideal" in modes else []
         procs = {}
         for m in names + [f"ideal-{m}" for m in ideal]:
             pool = pool_config(m)
-            role = "ideal" if m.startswith("ideal") else ("both" if pool else "vllm")
+            role = ("ideal" if m.startswith("ideal") else "nocache" if m == "nocache"
+                    else "both" if pool else "vllm")
             procs[m] = Child(py, base + ["--role", role, "--kv-port", str(_free_port()),
                                          "--extra", json.dumps({"kvcache": pool} if pool
                                                                else {}),
-                                         "--kv-mb", str(a.kv_mb)], log)
+                                         "--kv-mb", str(a.kv_mb)]
+                             + (["--offload-mb", str(a.dram_mb)] if m == "offload" else []),
+                             log)
         ready = {m: c.read() for m, c in procs.items()}
         res = {m: [] for m in procs}
         for i in range(len(reqs)):
@@ -537,13 +673,16 @@ def main():
             # The model's capacities are the running system's: vLLM's blocks less the
             # null block, and the pool's slots per tier as the pool counted them.
             eng = (ready[mode].get("num_gpu_blocks") or vllm_blocks) - 1
-            dram_b, ssd_b = {"vllm": (0, 0), "dram": (slots(a.dram_mb), 0),
-                             "ssd": (slots(a.small_dram_mb), slots(a.ssd_mb))}[mode]
+            dram_b, ssd_b = {"dram": (slots(a.dram_mb), 0),
+                             "ssd": (slots(a.small_dram_mb), slots(a.ssd_mb))}.get(mode, (0, 0))
             if p:
                 dram_b = p.get("dram_capacity_blocks") or dram_b
                 ssd_b = p.get("ssd_capacity_blocks") or ssd_b
             row["capacities"] = {"engine": eng, "dram": dram_b, "ssd": ssd_b}
-            row["predicted"] = predicted(sub_trace, eng, dram_b, ssd_b)
+            # vLLM's own OffloadingConnector and the no-prefix-cache reference are not
+            # modelled by the replay.
+            row["predicted"] = (predicted(sub_trace, eng, dram_b, ssd_b)
+                                if mode in ("vllm", "dram", "ssd") else None)
             row["cached_tokens"] = sum(x["cached"] for x in r)
             cached_per[mode] = [x["cached"] for x in r]
             outs[mode] = [x["out"] for x in r]
@@ -560,10 +699,113 @@ def main():
             row["wall_s"] = wall
             rows[mode] = row
             print(f"{mode}: {json.dumps(row, default=str)}", flush=True)
+
+    def run_fullhit():
+        """Full-prefix hits of prompts of --fullhit-lengths tokens (no shared prefix among
+        them), each instance measured alone: vLLM alone (computed, its own prefix cache,
+        recomputed output), the pool (DRAM after vLLM's cache is reset), vLLM's
+        OffloadingConnector with the same CPU capacity (with --gpu), a second instance
+        reading the first one's DRAM through the shared index, and the pool's SSD in a
+        fresh process on the same cache_dir."""
+        import numpy as np
+        lens = ([int(x) for x in a.fullhit_lengths.split(",")] if a.fullhit_lengths else
+                [2048, 4096, 8192, 16384] if a.gpu else [max(len(t) for _, t in reqs)])
+        prompts = [np.random.default_rng(7 * 10**8 + n).integers(3, VOCAB, n).tolist()
+                   for n in lens]
+        f = tok_file + ".fullhit"
+        json.dump(prompts + [reqs[0][1][:64]], open(f, "w"))
+        cd = os.path.join(work, "cache-fullhit")
+        kv_mb = max(a.kv_mb, (max(lens) + a.out_tokens + BLOCK) * block_bytes // BLOCK // 2**20 + 64)
+        fargs = ["--model", model, "--trace", f, "--max-model-len",
+                 str(max(lens) + a.out_tokens + 16), "--block-size", str(BLOCK), *gpu_args,
+                 "--role", "fullhit", "--fullhit-n", str(len(lens)), "--out-tokens",
+                 str(a.out_tokens), "--kv-mb", str(kv_mb)]
+        mport = _free_port()
+        md = subprocess.Popen([sys.executable, "-m", "mooncake_te", "metadata-server",
+                               "--host", "127.0.0.1", "--port", str(mport), "--log-level",
+                               "WARNING"], env=_env(), stdout=log, stderr=log)
+        shared = {"metadata_server": f"http://127.0.0.1:{mport}/metadata",
+                  "auth_token": "fullhit-bench-" + os.urandom(8).hex()}
+        pool = {"dram_cache_gb": gb(a.dram_mb), "ssd_cache_gb": gb(a.ssd_mb),
+                "cache_dir": cd, "block_size": BLOCK}
+
+        def start(stage, extra=None, more=()):
+            return Child(py, fargs + ["--stage", stage, "--kv-port", str(_free_port()),
+                                      "--extra", json.dumps(extra or {}), *more], log)
+
+        def measure(c):
+            c.send("go")
+            return c.read()
+        got = {}
+        try:
+            time.sleep(1)
+            first = {"plain": start("plain"),
+                     "pool": start("main", dict(shared, kvcache=pool), ["--hold"])}
+            if a.gpu:
+                first["offload"] = start("main", None, ["--offload-mb", str(a.dram_mb)])
+            for c in first.values():
+                c.read()
+            for k, c in first.items():
+                got[k] = measure(c)
+            # A second instance (DRAM only, its own cache) finds the blocks in the first
+            # one's DRAM through the index and READs them.
+            rd = start("once", dict(shared, kvcache={"dram_cache_gb": gb(a.dram_mb),
+                                                     "block_size": BLOCK}))
+            rd.read()
+            got["remote"] = measure(rd)
+            for k, c in list(first.items()) + [("remote", rd)]:
+                if k == "pool":
+                    c.send("stop")
+                c.p.wait(timeout=120)
+            ssd = start("once", {"kvcache": pool})
+            ssd.read()
+            got["ssd"] = measure(ssd)
+            ssd.p.wait(timeout=120)
+        finally:
+            md.terminate()
+        out = {"lengths": lens, "rows": []}
+        for i, n in enumerate(lens):
+            pl, po = got["plain"]["rows"][i], got["pool"]["rows"][i]
+            row = {"tokens": n, "miss": pl["miss"], "vllm": pl["vllm"],
+                   "dram": po["hit"], "dram_cached": po["hit_cached"],
+                   "remote": got["remote"]["rows"][i]["once"],
+                   "remote_cached": got["remote"]["rows"][i]["once_cached"],
+                   "ssd": got["ssd"]["rows"][i]["once"],
+                   "ssd_cached": got["ssd"]["rows"][i]["once_cached"]}
+            ref = pl["out_recompute"]
+            same = {"vllm": pl["out_vllm"] == ref, "dram": po["out_hit"] == ref,
+                    "remote": got["remote"]["rows"][i]["out_once"] == ref,
+                    "ssd": got["ssd"]["rows"][i]["out_once"] == ref}
+            if "offload" in got:
+                of = got["offload"]["rows"][i]
+                row.update(offload=of["hit"], offload_cached=of["hit_cached"])
+                same["offload"] = of["out_hit"] == ref
+            row["identical_to_recompute"] = same
+            out["rows"].append(row)
+            ms = lambda k: f"{row[k]*1e3:.1f} ms"           # noqa: E731
+            print(f"full-prefix hit, {n} tokens: computed {ms('miss')}, vLLM's prefix cache "
+                  f"{ms('vllm')}, pool DRAM {ms('dram')} ({row['dram']/row['vllm']:.2f}x "
+                  f"vLLM's; {row['dram_cached']} cached)"
+                  + (f", vLLM OffloadingConnector {ms('offload')} ({row['offload_cached']} "
+                     f"cached; pool/offload {row['dram']/row['offload']:.2f})"
+                     if "offload" in row else "")
+                  + f", other instance's DRAM {ms('remote')} ({row['remote_cached']} cached)"
+                  f", pool SSD after a restart {ms('ssd')} ({row['ssd']/row['vllm']:.2f}x; "
+                  f"{row['ssd_cached']} cached); outputs equal to recompute: {same}",
+                  flush=True)
+        out["pool_stats"] = got["pool"].get("pool", {})
+        out["remote_stats"] = got["remote"].get("pool", {})
+        out["ssd_stats"] = got["ssd"].get("pool", {})
+        # Where the hits came from, as each instance's pool counted them (blocks).
+        print("fullhit: the reader's hits by tier: " + ", ".join(
+            f"{k} {{dram {v.get('hit_dram', 0)}, ssd {v.get('hit_ssd', 0)}, remote "
+            f"{v.get('hit_remote', 0)}}}" for k, v in (("remote", out["remote_stats"]),
+                                                     ("ssd", out["ssd_stats"]))), flush=True)
+        return out
     try:
         for mode in modes:
             t0 = time.monotonic()
-            if mode in ("vllm", "dram", "ssd", "ideal"):
+            if mode in ("vllm", "nocache", "offload", "dram", "ssd", "ideal"):
                 if not group_done:
                     run_trace_group()
                     group_done = True
@@ -628,34 +870,10 @@ def main():
                       f"outputs identical: {row['identical']}", flush=True)
                 continue
             if mode == "fullhit":
-                cd = os.path.join(work, "cache-fullhit")
-                extra = json.dumps({"kvcache": {"dram_cache_gb": gb(a.dram_mb),
-                                                "ssd_cache_gb": gb(a.ssd_mb),
-                                                "cache_dir": cd, "block_size": BLOCK}})
-                longest = max(range(len(reqs)), key=lambda i: len(reqs[i][1]))
-                order = [reqs[longest][1]] + [t for i, (_, t) in enumerate(reqs)
-                                              if i != longest]
-                json.dump(order, open(tok_file + ".fullhit", "w"))
-                fargs = ["--model", model, "--trace", tok_file + ".fullhit",
-                         "--max-model-len", str(max_len), "--role", "fullhit",
-                         "--extra", extra, "--kv-mb", str(a.kv_mb)]
-                c = Child(py, fargs + ["--kv-port", str(_free_port())], log)
-                r = c.read()
-                c.p.wait(timeout=120)
-                c = Child(py, fargs + ["--kv-port", str(_free_port()), "--ssd-only"], log)
-                r.update({k: v for k, v in c.read().items() if k != "pool"})
-                c.p.wait(timeout=120)
-                r["tokens"] = len(order[0])
-                rows[mode] = r
-                print(f"full-prefix hit, {r['tokens']} tokens: computed {r['miss']*1e3:.0f} ms, "
-                      f"vLLM's prefix cache {r['vllm']*1e3:.0f} ms, pool DRAM "
-                      f"{r['dram']*1e3:.0f} ms ({r['dram'] / r['vllm']:.2f}x vLLM's, "
-                      f"{r['dram_cached']} tokens cached), pool SSD after a restart "
-                      f"{r['ssd']*1e3:.0f} ms ({r['ssd'] / r['vllm']:.2f}x, "
-                      f"{r['ssd_cached']} cached)", flush=True)
+                rows[mode] = run_fullhit()
                 continue
-            if mode in ("pd", "pd-pool", "pd-mc"):
-                extra = {}
+            if mode in ("pd", "pd-tcp", "pd-pool", "pd-mc"):
+                extra = {"protocol": "tcp"} if mode == "pd-tcp" else {}
                 if mode == "pd-pool":
                     if md_srv is None:
                         mport = _free_port()
@@ -734,6 +952,10 @@ def main():
                 elif pr is not None:
                     pr["total"] = None                  # the remote column is not modelled
                 row["predicted"] = pr
+                # The longest prompt alone (the seed's claim is about a 16k-token prompt).
+                j = max(range(len(reqs)), key=lambda i: len(reqs[i][1]))
+                row["longest"] = {"tokens": len(reqs[j][1]), "ttft": ttft[j],
+                                  "decode_ttft": dts[j], "load": loads[j]}
             else:
                 raise SystemExit(f"unknown mode {mode!r}")
             row["wall_s"] = time.monotonic() - t0
@@ -769,12 +991,13 @@ def main():
         r = rows["nohit"]
         print(f"nohit: TTFT with the pool saving / without: mean {r['mean_ratio']:.3f}x, "
               f"median per prompt {r['median_ratio']:.3f}x ({r['requests']} prompts)")
-    dec = [m for m in ("pd", "pd-pool", "pd-mc") if m in rows]
+    dec = [m for m in ("pd", "pd-tcp", "pd-pool", "pd-mc") if m in rows]
     if dec:
         print("decode instance TTFT (its own first token): " + "; ".join(
             f"{m} p50 {rows[m]['decode_p50']*1e3:.0f} ms mean {rows[m]['decode_mean']*1e3:.0f}"
             f" ms ({rows[m]['decode_cached_tokens']} tokens cached)" for m in dec))
-    pd = [(m, rows[m]) for m in ("pd", "pd-pool") if m in rows and rows[m].get("whole_loads")]
+    pd = [(m, rows[m]) for m in ("pd", "pd-tcp", "pd-pool")
+          if m in rows and rows[m].get("whole_loads")]
     if pd:
         # Every load of a whole (longest) prompt, not one of them: single loads vary 2x.
         m, r = pd[0]

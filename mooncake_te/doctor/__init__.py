@@ -11,7 +11,8 @@ involved and a fix; ``docs/troubleshooting.md`` has a section per code.
 """
 from __future__ import annotations
 
-from .base import CHECKS, Check, Context, Finding, Severity, exit_code, run_checks
+from .base import CHECKS, Check, Context, Finding, Severity, exit_code
+from .runner import run_checks
 
 __all__ = ["CHECKS", "Check", "Context", "Finding", "Severity", "exit_code", "run_checks",
            "report"]

@@ -166,32 +166,6 @@ class Context:
             return None
 
 
-def run_checks(ctx: Context, only: "Iterable[str] | None" = None) -> list[Finding]:
-    """Run every registered check (or those named in ``only``) and collect findings.
-
-    A check that raises is itself reported as an error (code ``MTE000``), so one broken
-    probe cannot hide the other results.
-    """
-    from . import checks  # noqa: F401  (registers the checks)
-    wanted = set(only) if only else None
-    out: list[Finding] = []
-    for c in CHECKS:
-        if wanted and c.name not in wanted:
-            continue
-        try:
-            found = list(c.func(ctx) or [])
-        except Exception as e:      # report, never crash the report
-            found = [error("MTE000", f"check {c.name!r} failed: {type(e).__name__}: {e}",
-                           "this is a bug in mooncake-te doctor; please report it with "
-                           "this output")]
-        if not found:
-            found = [ok(c.codes[0], c.title)]
-        for f in found:
-            f.check = c.name
-        out.extend(found)
-    return out
-
-
 def exit_code(findings: Iterable[Finding]) -> int:
     """0 all good, 1 warnings only, 2 any error."""
     sev = {f.severity for f in findings}

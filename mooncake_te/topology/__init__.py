@@ -12,11 +12,10 @@ nothing from the engine, so it works where the native extension is not built.
 from __future__ import annotations
 
 from .devices import Gid, Gpu, NumaNode, NvmeController, NvmeNamespace, Port, RdmaDevice
-from .discover import Topology, discover, roce_mtu
+from .discover import Topology, discover, local_priority_matrix, roce_mtu
 from .distance import LEGEND, Link, pci_link
 from .matrix import (ENV_CUSTOM_TOPO, build_priority_matrix, load_priority_matrix,
-                     local_priority_matrix, resolve_priority_matrix, select_nics,
-                     validate_priority_matrix)
+                     resolve_priority_matrix, select_nics, validate_priority_matrix)
 
 __all__ = [
     "Topology", "discover", "roce_mtu", "Link", "LEGEND", "pci_link",

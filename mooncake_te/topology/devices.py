@@ -184,3 +184,12 @@ class NumaNode:
     def to_dict(self) -> dict:
         from .sysfs import format_cpulist
         return {"id": self.id, "cpus": format_cpulist(self.cpus), "location": self.location}
+
+
+def missing_device_message(name: str, found: list[str]) -> str:
+    import difflib
+    close = difflib.get_close_matches(name, found, n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    listing = ", ".join(found) if found else "none"
+    return (f"no RDMA device named {name!r}{hint} found: {listing} "
+            f"(see ibv_devices or ls /sys/class/infiniband)")

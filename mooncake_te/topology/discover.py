@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import Mapping
 
+from ..errors import DeviceNotFoundError
 from .devices import (GPU_CLASSES, GPU_VENDORS, Gid, Gpu, NumaNode, NvmeController,
-                      NvmeNamespace, Port, RdmaDevice)
+                      NvmeNamespace, Port, RdmaDevice, missing_device_message)
 from .distance import Link, pci_link
+# matrix.py never imports this module: discovery uses the matrix, not the other way.
+from .matrix import ENV_CUSTOM_TOPO, _split_devices, build_priority_matrix, load_priority_matrix
 from .sysfs import SysfsTree, parse_cpulist, pci_chain
 
 _ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
@@ -64,8 +68,7 @@ class Topology:
         for d in self.nics:
             if d.name == name:
                 return d
-        from ..errors import DeviceNotFoundError
-        raise DeviceNotFoundError(_missing_device_message(name, [d.name for d in self.nics]))
+        raise DeviceNotFoundError(missing_device_message(name, [d.name for d in self.nics]))
 
     @property
     def nic_names(self) -> list[str]:
@@ -114,7 +117,6 @@ class Topology:
 
     def priority_matrix(self, devices=None, usable_only: bool = True) -> dict:
         """The NIC priority matrix in Mooncake's JSON shape; see :mod:`.matrix`."""
-        from .matrix import build_priority_matrix
         return build_priority_matrix(self, devices=devices, usable_only=usable_only)
 
     def to_dict(self) -> dict:
@@ -127,15 +129,6 @@ class Topology:
             "distances": self.distances(),
             "cuda_enriched": self.cuda_enriched,
         }
-
-
-def _missing_device_message(name: str, found: list[str]) -> str:
-    import difflib
-    close = difflib.get_close_matches(name, found, n=1, cutoff=0.5)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    listing = ", ".join(found) if found else "none"
-    return (f"no RDMA device named {name!r}{hint} found: {listing} "
-            f"(see ibv_devices or ls /sys/class/infiniband)")
 
 
 # ---- discovery -----------------------------------------------------------------------
@@ -346,3 +339,27 @@ def _nvme(tree: SysfsTree) -> list[NvmeController]:
         ctrls.append(c)
     ctrls.sort(key=lambda c: int(c.name[4:]))
     return ctrls
+
+
+def local_priority_matrix(topo=None, devices=None, env: "Mapping[str, str] | None" = None,
+                          sysfs_root: str = "/sys") -> dict:
+    """The matrix this machine publishes: ``MC_CUSTOM_TOPO_JSON`` if set, else discovered.
+
+    Devices named in a custom file must exist (and be in ``devices``, if given), so a
+    typo fails here rather than on the first transfer.
+    """
+    env = os.environ if env is None else env
+    custom = env.get(ENV_CUSTOM_TOPO)
+    if topo is None:
+        topo = discover(sysfs_root)
+    if not custom:
+        return build_priority_matrix(topo, devices)
+    matrix = load_priority_matrix(custom)
+    allowed = _split_devices(devices)
+    known = topo.nic_names if allowed is None else allowed
+    for loc, (pref, avail) in matrix.items():
+        for name in pref + avail:
+            if name not in known:
+                raise DeviceNotFoundError(f"{custom}: entry {loc!r}: "
+                                          + missing_device_message(name, known))
+    return matrix

@@ -27,7 +27,7 @@ import json
 import os
 from typing import Mapping
 
-from ..errors import ConfigError, DeviceNotFoundError
+from ..errors import ConfigError
 
 ENV_CUSTOM_TOPO = "MC_CUSTOM_TOPO_JSON"
 
@@ -130,32 +130,6 @@ def load_priority_matrix(path: "str | os.PathLike") -> dict:
         raise ConfigError(f"{path}: not valid JSON at line {e.lineno} column {e.colno}: "
                           f"{e.msg}") from None
     return validate_priority_matrix(data, path)
-
-
-def local_priority_matrix(topo=None, devices=None, env: "Mapping[str, str] | None" = None,
-                          sysfs_root: str = "/sys") -> dict:
-    """The matrix this machine publishes: ``MC_CUSTOM_TOPO_JSON`` if set, else discovered.
-
-    Devices named in a custom file must exist (and be in ``devices``, if given), so a
-    typo fails here rather than on the first transfer.
-    """
-    env = os.environ if env is None else env
-    custom = env.get(ENV_CUSTOM_TOPO)
-    if topo is None:
-        from .discover import discover
-        topo = discover(sysfs_root)
-    if not custom:
-        return build_priority_matrix(topo, devices)
-    matrix = load_priority_matrix(custom)
-    allowed = _split_devices(devices)
-    known = topo.nic_names if allowed is None else allowed
-    for loc, (pref, avail) in matrix.items():
-        for name in pref + avail:
-            if name not in known:
-                from .discover import _missing_device_message
-                raise DeviceNotFoundError(f"{custom}: entry {loc!r}: "
-                                          + _missing_device_message(name, known))
-    return matrix
 
 
 def resolve_priority_matrix(matrix: Mapping) -> tuple[list[str], dict]:

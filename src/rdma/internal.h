@@ -132,12 +132,12 @@ MTE_RDMA_HIDDEN const lmr_t *rdma_lmr_find(mte_rdma_t *r, uint64_t addr, uint64_
 MTE_RDMA_HIDDEN const rbuf_t *rdma_rbuf_find(const rtable_t *t, uint64_t addr, uint64_t len);
 MTE_RDMA_HIDDEN void rdma_rtable_free(rtable_t *t);
 
-/* peer.c */
+/* peer.c (needs nothing from post.c: the files form no cycle) */
 MTE_RDMA_HIDDEN void rdma_peer_unref(mte_rdma_peer_t *p);
+MTE_RDMA_HIDDEN void rdma_finish_slice(mte_rdma_peer_t *p, slice_t *s, int err);
 
 /* post.c */
 MTE_RDMA_HIDDEN void rdma_dispatch(mte_rdma_peer_t *p, slice_t *s, mte_rdma_rail_t *exclude);
-MTE_RDMA_HIDDEN void rdma_finish_slice(mte_rdma_peer_t *p, slice_t *s, int err);
 MTE_RDMA_HIDDEN void rdma_pump(mte_rdma_rail_t *rl);
 MTE_RDMA_HIDDEN slice_t *rdma_qp_failed_locked(mte_rdma_rail_t *rl, cqp_t *c, int err);
 MTE_RDMA_HIDDEN void rdma_redispatch_list(mte_rdma_peer_t *p, slice_t *s, mte_rdma_rail_t *from);

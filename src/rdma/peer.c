@@ -93,6 +93,26 @@ static void peer_destroy(mte_rdma_peer_t *p)
     free(p);
 }
 
+/* One slice is over (done or failed): its request and batch learn it, and it gives back
+ * its hold on the peer. Here, not in post.c, so that the peer's lifecycle (which
+ * fails queued slices at shutdown) needs nothing from the posting code. */
+void rdma_finish_slice(mte_rdma_peer_t *p, slice_t *s, int err)
+{
+    req_t *q = s->req;
+    uint32_t len = s->len;
+    free(s);
+    int last = atomic_fetch_sub(&q->left, 1) == 1;
+    if (last && q->pin) {
+        mte_region_unpin(q->pin);       /* before the batch can finish */
+        q->pin = NULL;
+    }
+    mte_batch_slice_done(q->b, q->idx, err ? 0 : len, err);
+    if (last)
+        free(q);
+    atomic_fetch_sub(&p->outstanding, 1);
+    rdma_peer_unref(p);
+}
+
 void rdma_peer_unref(mte_rdma_peer_t *p)
 {
     if (atomic_fetch_sub(&p->refs, 1) == 1)

@@ -21,24 +21,6 @@ static int stop_code(mte_batch_t *b)
     return e ? e : MTE_E_CANCELED;
 }
 
-void rdma_finish_slice(mte_rdma_peer_t *p, slice_t *s, int err)
-{
-    req_t *q = s->req;
-    uint32_t len = s->len;
-    free(s);
-    int last = atomic_fetch_sub(&q->left, 1) == 1;
-    if (last && q->pin) {
-        mte_region_unpin(q->pin);       /* before the batch can finish */
-        q->pin = NULL;
-    }
-    mte_batch_slice_done(q->b, q->idx, err ? 0 : len, err);
-    if (last)
-        free(q);
-    atomic_fetch_sub(&p->outstanding, 1);
-    rdma_peer_unref(p);
-}
-
-
 static int rail_usable(mte_rdma_rail_t *rl, int64_t now)
 {
     mte_rdma_t *r = rl->peer->r;

@@ -137,3 +137,60 @@ def test_allowed_exceptions_are_still_needed():
     seen = {(m, t) for m, t, _ in EDGES}
     stale = [k for k in ALLOWED if k not in seen]
     assert not stale, f"remove these from ALLOWED, they no longer happen: {stale}"
+
+
+def _cycles(edges) -> list:
+    """Strongly connected components of more than one module (Tarjan's algorithm, by
+    hand: a few dozen lines, no dependency for one check). A package's ``__init__``
+    re-exporting its own submodules is not a cycle of design: edges from a package to
+    a module inside it are left out."""
+    graph: dict = {}
+    for src, dst, _ in edges:
+        if dst.startswith(src + "."):
+            continue
+        graph.setdefault(src, set()).add(dst)
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    on: set = set()
+    out: list = []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or around a loop, lazy imports included
+    (a cycle hidden in a function is still one: neither module can be read alone)."""
+    cycles = _cycles(EDGES)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_cycle():
+    assert _cycles([("a.x", "a.y", 1), ("a.y", "a.z", 2), ("a.z", "a.x", 3)]) == [
+        ["a.x", "a.y", "a.z"]]
+    assert _cycles([("a", "a.b", 1), ("a.b", "a", 2)]) == []

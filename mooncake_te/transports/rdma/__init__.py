@@ -2,7 +2,7 @@
 """RDMA transport: RC queue pairs, one-sided READ/WRITE, several NICs (docs/rdma.md).
 
 The verbs objects are our own Cython classes (``_verbs.pyx`` over ``infiniband/verbs.h``);
-the bytes move in C (``src/rdma/rdma.c``): requests are cut into slices, the slices go
+the bytes move in C (``src/rdma/``: ``post.c`` cuts and posts, ``poll.c`` completes): requests are cut into slices, the slices go
 round-robin over the rails (local NIC, peer NIC) that the NIC priority matrix prefers for
 both buffers, a polling thread per NIC finishes them in the engine's batch, a slice that
 fails is posted again on another rail. Queue pairs are connected through the engine's
@@ -153,8 +153,8 @@ class _Device:
 
 
 def _missing(name: str, found: list) -> str:
-    from ...topology.discover import _missing_device_message
-    return _missing_device_message(name, found)
+    from ...topology.devices import missing_device_message
+    return missing_device_message(name, found)
 
 
 class RdmaTransport(Transport):

@@ -469,7 +469,7 @@ cdef class QP(Resource):
 # --------------------------------------------------------------------------- data path
 
 cdef class DataPath(Resource):
-    """The native data path of one engine (src/rdma/rdma.c): a polling thread per
+    """The native data path of one engine (src/rdma/): a polling thread per
     device, the local key table and the peers. Adopted by every Context it polls, so
     closing a Context stops it first."""
 

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """TCP transport, and its same-host mode: always available; the bytes move in C
-(src/tcp/tcp.c).
+(src/tcp/: client.c sends and collects, server.c answers).
 
 A peer on the same host (same kernel, PID and network namespace: ``host_id`` in the
 descriptor) is reached over an abstract unix socket instead of TCP; when it can reach our
