@@ -60,8 +60,12 @@ def measure(token, seconds):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, smallest sizes: does it still run (CI)")
     args = ap.parse_args()
-    measure(None, 0.2)                          # warm-up: imports, page cache, sockets
+    if args.smoke:
+        args.seconds = 0.1
+    measure(None, 0.05 if args.smoke else 0.2)                          # warm-up: imports, page cache, sockets
     runs = {"plain": [], "auth": []}
     for _ in range(2):                          # interleaved, so drift hits both alike
         runs["plain"].append(measure(None, args.seconds))

@@ -453,7 +453,13 @@ def main(argv=None) -> int:
                          "pip install 'mooncake-te[bench]')")
     ap.add_argument("--from-json", metavar="FILE",
                     help="measure nothing: print (and --plot) a report saved with --json")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two: mooncake_te (tcp, shm) only, 4 KiB, 0.1 s points; "
+                         "does it still run (CI; the peers' wheels are not installed there)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.engines, args.buffer_size, args.block_sizes = "mooncake_te,mooncake_te_shm", 8 << 20, "4K"
+        args.duration, args.warmup, args.retries, args.rounds = 0.1, 0.02, 0, 1
     if args.plot:
         try:
             import matplotlib  # noqa: F401

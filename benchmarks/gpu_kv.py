@@ -33,6 +33,7 @@ import mmap
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -332,6 +333,23 @@ def pd_figures(args, out):
           f"   (goal >= 0.85)")
 
 
+SKIPPED = 77      # --smoke's exit status when this machine cannot run it (the reason printed)
+
+
+def _gpu_missing(*modules: str) -> "str | None":
+    """Why this machine cannot run the GPU figures (no CUDA, or a module missing), or None."""
+    import importlib.util
+
+    from mooncake_te import cuda
+    ok, why = cuda.available()
+    if not ok:
+        return f"no CUDA GPU: {why}"
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            return f"{m} is not installed"
+    return None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -344,7 +362,17 @@ def main(argv=None):
     ap.add_argument("--no-pool", action="store_true")
     ap.add_argument("--profile", action="store_true", help="cProfile the IPC reads")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, smallest sizes (CI); exits 77 saying why where "
+                         "there is no GPU")
     args = ap.parse_args(argv)
+    if args.smoke:
+        why = _gpu_missing("torch")
+        if why:
+            print(f"skipped: gpu_kv needs a CUDA GPU and PyTorch: {why}")
+            return SKIPPED
+        args.shape, args.tokens, args.reps, args.seconds = "1b", 256, 1, 0.1
+        args.staging_mb = 8
     out: dict = {}
     if not args.no_pool:
         pool_figures(args, out)
@@ -353,7 +381,8 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -35,6 +35,23 @@ def point(env: dict, seconds: float) -> dict:
     return {k: v["gbps"] for k, v in json.loads(r.stdout).items()}
 
 
+SKIPPED = 77      # --smoke's exit status when this machine cannot run it (the reason printed)
+
+
+def _gpu_missing(*modules: str) -> "str | None":
+    """Why this machine cannot run the GPU figures (no CUDA, or a module missing), or None."""
+    import importlib.util
+
+    from mooncake_te import cuda
+    ok, why = cuda.available()
+    if not ok:
+        return f"no CUDA GPU: {why}"
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            return f"{m} is not installed"
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", default="256K,512K,1M,2M")
@@ -43,7 +60,16 @@ def main() -> int:
                     help="one more variant with this variable set (at 512K/4M and the best)")
     ap.add_argument("--seconds", type=float, default=1.0)
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, smallest sizes (CI); exits 77 saying why where "
+                         "there is no GPU")
     args = ap.parse_args()
+    if args.smoke:
+        why = _gpu_missing("cupy")
+        if why:
+            print(f"skipped: gpu_sweep needs a CUDA GPU and CuPy: {why}")
+            return SKIPPED
+        args.chunks, args.slices, args.seconds = "256K", "1M", 0.1
     rows = []
     print(f"{'chunk':>6} {'slice':>6} {'extra':>22} {'cpu W':>7} {'gpu W':>7} {'gpu R':>7} "
           f"{'W/cpu':>6} {'R/cpu':>6}", flush=True)

@@ -159,13 +159,39 @@ def offload(protocol: str, second_process: bool, tokens: int, seconds: float) ->
                 owner.close()
 
 
+SKIPPED = 77      # --smoke's exit status when this machine cannot run it (the reason printed)
+
+
+def _gpu_missing(*modules: str) -> "str | None":
+    """Why this machine cannot run the GPU figures (no CUDA, or a module missing), or None."""
+    import importlib.util
+
+    from mooncake_te import cuda
+    ok, why = cuda.available()
+    if not ok:
+        return f"no CUDA GPU: {why}"
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            return f"{m} is not installed"
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="16,128,512", help="tokens per block (list)")
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--protocols", default="auto,tcp")
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, smallest sizes (CI); exits 77 saying why where "
+                         "there is no GPU")
     args = ap.parse_args()
+    if args.smoke:
+        why = _gpu_missing("cupy")
+        if why:
+            print(f"skipped: kv_offload needs a CUDA GPU and CuPy: {why}")
+            return SKIPPED
+        args.tokens, args.seconds, args.protocols = "16", 0.1, "auto"
     from mooncake_te import cuda
     ok, why = cuda.available()
     if not ok:

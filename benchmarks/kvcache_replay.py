@@ -66,10 +66,11 @@ def fio_or_dd(directory: str, block: int, size_mb: int = 1024) -> dict:
     return out
 
 
-def engine_loopback(block: int) -> dict:
+def engine_loopback(block: int, seconds: float = 1.0) -> dict:
     """``mooncake-te bench`` READ GB/s at the cache's block size, same host, TCP."""
-    r = subprocess.run([sys.executable, "-m", "mooncake_te", "bench", "--op", "read",
-                        "--block-sizes", str(block), "--duration", "1", "--json",
+    r = subprocess.run([sys.executable, "-m", "mooncake_te", "bench", "--host", "127.0.0.1",
+                        "--op", "read", "--block-sizes", str(block), "--duration",
+                        str(seconds), "--json",
                         "--no-progress"], capture_output=True, text=True, timeout=300)
     try:
         d = json.loads(r.stdout)
@@ -222,7 +223,13 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=61)
     ap.add_argument("--block-kib", type=int, default=512)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two: 50 requests, 8 MiB of fio, 64 remote blocks "
+                         "(does it still run: CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.requests, args.dram_gb, args.ssd_gb = 50, 1 / 64, 1 / 16
+        args.blocks, args.reps = 4, 1
     if args.restart_get:
         tmp = cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="kvcache-bench-",
                                                             dir="/var/tmp")
@@ -255,9 +262,9 @@ def main(argv=None) -> int:
     if cache_dir is None:
         tmp = cache_dir = tempfile.mkdtemp(prefix="kvcache-bench-", dir="/var/tmp")
     try:
-        disk = fio_or_dd(cache_dir, block)
-        eng = engine_loopback(block)
-        eng.update(remote_get(block))
+        disk = fio_or_dd(cache_dir, block, 8 if args.smoke else 1024)
+        eng = engine_loopback(block, 0.2 if args.smoke else 1.0)
+        eng.update(remote_get(block, 64 if args.smoke else 2048))
         with KVCache(block, int(args.dram_gb * (1 << 30)), int(args.ssd_gb * (1 << 30)),
                      os.path.join(cache_dir, "kv"), args.policy, log_interval_s=0) as c:
             s = replay_real(trace, c, args.bytes_per_token)

@@ -75,14 +75,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=2.0, help="seconds per point")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds: 1 s of iperf3, 4 KiB and 1 MiB points of 0.1 s "
+                         "(does it still run: CI)")
     args = ap.parse_args()
-    before = iperf3(3)
-    res = bench(args.duration, "tcp")
-    after = iperf3(3)
+    ip, sizes, shm_sizes, mc_s = 3, "4K,64K,1M,16M", "1M,16M", 1.0
+    if args.smoke:
+        args.duration, ip, sizes, shm_sizes, mc_s = 0.1, 1, "4K,1M", "1M", 0.1
+    before = iperf3(ip)
+    res = bench(args.duration, "tcp", sizes)
+    after = iperf3(ip)
     ceiling = (before + after) / 2
-    mc_before = memcpy(16 << 20)
-    shm = bench(args.duration, "shm", "1M,16M")
-    mc = (mc_before + memcpy(16 << 20)) / 2
+    mc_before = memcpy(16 << 20, mc_s)
+    shm = bench(args.duration, "shm", shm_sizes)
+    mc = (mc_before + memcpy(16 << 20, mc_s)) / 2
     shm_rows = [{"op": p["op"], "block_size": p["block_size"], "gbps": p["gbps"],
                  "ratio_to_memcpy": p["gbps"] / mc} for p in shm["points"]]
     rows = []

@@ -3,7 +3,8 @@
  * (mte_batch_begin + mte_batch_slice_done, as every transport calls it) for a batch of
  * N requests, untagged (metrics off) and tagged with a metrics cell (on), on one thread
  * and on T threads finishing requests of one batch at once (as TCP lanes do).
- * Built and run by benchmarks/metrics_overhead.py --micro; prints JSON. */
+ * Built and run by benchmarks/metrics_overhead.py --micro; prints JSON. The optional
+ * argument is the number of repetitions (default REPS; --smoke runs 1). */
 #include "core/batch.h"
 #include "core/clock.h"
 #include "core/metrics.h"
@@ -61,14 +62,17 @@ static double run(int tagged, int threads, int group)
     return (double)dt / N;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    int reps = argc > 1 ? atoi(argv[1]) : REPS;
+    if (reps < 1)
+        reps = 1;
     printf("{");
     int tcount[] = {1, 4, 1, 4}, groups[] = {0, 0, 16, 16};
     for (int k = 0; k < 4; k++) {
         int t = tcount[k], g = groups[k];
         double best_off = 1e9, best_on = 1e9;
-        for (int r = 0; r < REPS; r++) {        /* interleaved; best of REPS each */
+        for (int r = 0; r < reps; r++) {        /* interleaved; best of reps each */
             double off = run(0, t, g), on = run(1, t, g);
             if (off < best_off) best_off = off;
             if (on < best_on) best_on = on;

@@ -30,8 +30,8 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def micro() -> dict:
-    """Build and run benchmarks/metrics_completion.c; its JSON."""
+def micro(reps: int = 7) -> dict:
+    """Build and run benchmarks/metrics_completion.c (best of ``reps``); its JSON."""
     import os
     import subprocess
     import sysconfig
@@ -47,7 +47,7 @@ def micro() -> dict:
                         *(os.path.join(src, "core", f) for f in ("batch.c", "metrics.c",
                                                                   "clock.c")),
                         "-ldl", "-o", exe], check=True)
-        return json.loads(subprocess.run([exe], check=True, capture_output=True,
+        return json.loads(subprocess.run([exe, str(reps)], check=True, capture_output=True,
                                          text=True).stdout)
 
 
@@ -61,7 +61,13 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--micro", action="store_true",
                     help="only the native completion path, CPU ns per request")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds, smallest sizes, --micro once: does it still run (CI)")
     a = ap.parse_args(argv)
+    if a.smoke:         # the windows, then the native program built and run once
+        a.pairs, a.window, a.block_sizes = 1, 0.05, "4K"
+        print("native completion path (1 repetition): "
+              f"{len(micro(1)) - 1} figures")
     if a.micro:
         m = micro()
         if a.json:

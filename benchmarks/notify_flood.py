@@ -33,7 +33,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=600)
     ap.add_argument("--size", default="1M", help="bytes per message (at most 1M)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, smallest sizes: does it still run (CI)")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.count, a.size = 20, "64K"
     size = parse_sizes(a.size)[0]
     child = subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)

@@ -149,7 +149,12 @@ def main(argv=None) -> int:
                          "real etcd (tests/servers.py) and keep holder lists there")
     ap.add_argument("--verify", action="store_true", help="sha256 every getter's copy")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two: 8 MiB to 2 getters, 1 MiB chunks, verified (does "
+                         "it still run: CI)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.size, args.getters, args.chunk_size, args.verify = "8M", "2", "1M", True
     size, chunk = parse_size(args.size), parse_size(args.chunk_size)
     server = None
     metadata = "p2p"

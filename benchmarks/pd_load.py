@@ -35,11 +35,11 @@ LAYERS, REQ, SIZE = 8, 3968 << 10, 64 << 20
 VARIANTS = ("small pages", "huge pages")
 
 
-def _alloc(variant: str):
+def _alloc(variant: str, size: int = SIZE):
     import numpy as np
 
     from mooncake_te.hugepages import back_with_hugepages
-    m = mmap.mmap(-1, SIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     a = np.frombuffer(m, dtype=np.uint8)
     if variant == "huge pages":
         back_with_hugepages(a)
@@ -50,7 +50,7 @@ def _alloc(variant: str):
 def _huge(bufs) -> "list[int]":
     """Bytes in huge pages, per variant."""
     from mooncake_te.hugepages import anon_huge_bytes
-    return [anon_huge_bytes([(int(a.ctypes.data), SIZE)
+    return [anon_huge_bytes([(int(a.ctypes.data), a.nbytes)
                              for _, a in bufs[k * LAYERS:(k + 1) * LAYERS]])
             for k in range(len(VARIANTS))]
 
@@ -60,10 +60,10 @@ def _spin(stop: threading.Event) -> None:
         pass
 
 
-def _producer(conn, busy: int) -> None:
+def _producer(conn, busy: int, size: int = SIZE) -> None:
     import mooncake_te as mte
     eng = mte.TransferEngine(metadata="p2p", host="127.0.0.1", protocol="shm")
-    bufs = [_alloc(v) for v in VARIANTS for _ in range(LAYERS)]
+    bufs = [_alloc(v, size) for v in VARIANTS for _ in range(LAYERS)]
     regions = [eng.register(a) for _, a in bufs]
     conn.send((eng.name, [r.address for r in regions], _huge(bufs)))
     stop = threading.Event()
@@ -84,13 +84,18 @@ def main() -> None:
     ap.add_argument("--loads", type=int, default=30, help="loads per variant")
     ap.add_argument("--busy", type=int, default=1, help="busy threads in the producer")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, smallest sizes: does it still run (CI)")
     a = ap.parse_args()
+    size, req = SIZE, REQ
+    if a.smoke:                        # 4 MiB buffers, 1 MiB requests, 2 loads
+        a.loads, size, req = 2, 4 << 20, 1 << 20
     here, there = mp.Pipe()
-    p = mp.get_context("spawn").Process(target=_producer, args=(there, a.busy))
+    p = mp.get_context("spawn").Process(target=_producer, args=(there, a.busy, size))
     p.start()
     name, remote, remote_huge = here.recv()
     eng = mte.TransferEngine(metadata="p2p", host="127.0.0.1", protocol="shm")
-    bufs = [_alloc(v) for v in VARIANTS for _ in range(LAYERS)]
+    bufs = [_alloc(v, size) for v in VARIANTS for _ in range(LAYERS)]
     local = [eng.register(x).address for _, x in bufs]
     seg = eng.open_segment(name)
     here.send("go")
@@ -101,19 +106,19 @@ def main() -> None:
             time.sleep(0.02)
             sl = slice(k * LAYERS, (k + 1) * LAYERS)
             b = eng.submit_arrays(mte.READ, seg, np.array(local[sl], np.uint64),
-                                  np.array(remote[sl], np.uint64), REQ)
+                                  np.array(remote[sl], np.uint64), req)
             while not b.poll(timeout=0.01):
                 pass
             b.raise_for_status()
             if i:                              # the first round warms the lanes
-                rates[v].append(LAYERS * REQ / b.elapsed / 1e9)
+                rates[v].append(LAYERS * req / b.elapsed / 1e9)
     here.send("stop")
     p.join(30)
     eng.close()
-    out = {"busy_threads": a.busy, "loads": a.loads, "request_bytes": REQ,
+    out = {"busy_threads": a.busy, "loads": a.loads, "request_bytes": req,
            "huge_bytes_consumer": dict(zip(VARIANTS, _huge(bufs))),
            "huge_bytes_producer": dict(zip(VARIANTS, remote_huge))}
-    print(f"P/D load, 8 x {REQ >> 10} KiB READ (shm), {a.busy} busy thread(s) in the "
+    print(f"P/D load, 8 x {req >> 10} KiB READ (shm), {a.busy} busy thread(s) in the "
           f"producer, {a.loads} loads per variant:")
     for v in VARIANTS:
         r = sorted(rates[v])
@@ -123,7 +128,7 @@ def main() -> None:
     ratio = out["huge pages"]["median_gbps"] / out["small pages"]["median_gbps"]
     out["huge_over_small"] = ratio
     mib = lambda d: ", ".join(f"{v} {n >> 20}" for v, n in d.items())  # noqa: E731
-    print(f"  huge / small pages: {ratio:.2f}x. MiB in 2 MiB pages of {LAYERS * SIZE >> 20} "
+    print(f"  huge / small pages: {ratio:.2f}x. MiB in 2 MiB pages of {LAYERS * size >> 20} "
           f"per variant: consumer {mib(out['huge_bytes_consumer'])}; producer "
           f"{mib(out['huge_bytes_producer'])}")
     if a.json:

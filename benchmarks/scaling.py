@@ -121,7 +121,13 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=1.5, help="seconds per figure")
     ap.add_argument("--json", metavar="FILE", help="also write the figures here")
     ap.add_argument("--protocols", default="tcp,shm,auto")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds: N = 1, 1 s of iperf3, 0.2 s points (does it still "
+                         "run: CI)")
     args = ap.parse_args()
+    ipf_s = max(2.0, args.duration)
+    if args.smoke:
+        args.n, args.duration, ipf_s = "1", 0.2, 1
     ns = [int(x) for x in args.n.split(",")]
     protos = args.protocols.split(",")
     rows = []
@@ -130,7 +136,7 @@ def main() -> int:
           f"{'W/ipf':>6} {'R/ipf':>6} {'shm W':>7} {'shm R':>7} {'W/mcp':>6} {'R/mcp':>6} "
           f"{'auto':>6} {'autoW':>7} {'autoR':>7}", flush=True)
     for n in ns:
-        row = {"n": n, "iperf3": iperf3_pairs(n, max(2.0, args.duration)),
+        row = {"n": n, "iperf3": iperf3_pairs(n, ipf_s),
                "memcpy": memcpy_threads(n, args.duration)}
         for pr in protos:
             row[pr] = bench(pr, n, args.duration)

@@ -79,7 +79,11 @@ def main() -> int:
     ap.add_argument("--kill-every", type=float, default=5.0, help="mean seconds between kills")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="two seconds, two peers, a kill a second (does it still run: CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.minutes, args.peers, args.kill_every = 2 / 60, 2, 1.0
 
     import mooncake_te as mte
     rng = random.Random(args.seed)

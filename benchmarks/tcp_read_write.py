@@ -125,9 +125,14 @@ def main() -> int:
     ap.add_argument("--lanes", default="4")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds: 1 s of iperf3, 0.1 s points (does it still run: CI)")
     args = ap.parse_args()
+    ipf_s = args.seconds
+    if args.smoke:
+        args.seconds, ipf_s, args.lanes = 0.1, 1, "2"
     import mooncake_te as mte
-    res = {"cpus": len(os.sched_getaffinity(0)), "iperf3_before": iperf3(args.seconds),
+    res = {"cpus": len(os.sched_getaffinity(0)), "iperf3_before": iperf3(ipf_s),
            "points": []}
     for lanes in [int(x) for x in args.lanes.split(",")]:
         os.environ["MC_TCP_LANES_PER_PEER"] = str(lanes)
@@ -149,7 +154,7 @@ def main() -> int:
         finally:
             conn.send("done")
             proc.join(30)
-    res["iperf3_after"] = iperf3(args.seconds)
+    res["iperf3_after"] = iperf3(ipf_s)
     ref = (res["iperf3_before"]["gbps"] + res["iperf3_after"]["gbps"]) / 2
     print(f"{res['cpus']} CPUs; iperf3 1 stream: {res['iperf3_before']['gbps']:.2f} before, "
           f"{res['iperf3_after']['gbps']:.2f} after GB/s; CPU s/GB sender "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 import warnings
 from typing import Iterable, Sequence
 
@@ -34,6 +35,11 @@ from .segments import Peers, Segment, describe, target_name
 log = logging.getLogger("mooncake_te")
 
 __all__ = ["TransferEngine", "Segment", "default_host"]
+
+_WRITE, _READ = int(Op.WRITE), int(Op.READ)
+_U64 = (1 << 64) - 1
+_getpid = os.getpid
+_monotonic_ns = time.monotonic_ns
 
 
 class TransferEngine:
@@ -113,6 +119,7 @@ class TransferEngine:
         self.name = own if (self._p2p or not name) else name
         self._transports = self._tx.running      # name -> Transport, by priority
         self._peers = None
+        self._sync_routes: dict = {}    # (name, op) -> _sync_route's entry
         try:
             self._tx.start(self._tx.context(
                 regions=self._regions, host=self.host, name=self.name,
@@ -365,40 +372,71 @@ class TransferEngine:
               timeout: float | None = None) -> None:
         """Copy ``length`` local bytes at ``source_address`` to ``target_address`` of
         ``target``; returns once the peer applied them."""
-        self._sync(Op.WRITE, target, source_address, target_address, length, timeout)
+        self._sync(_WRITE, target, source_address, target_address, length, timeout)
 
     def read(self, target: "str | Segment", source_address: int, target_address: int, length: int,
              timeout: float | None = None) -> None:
         """Copy ``length`` bytes at ``target_address`` of ``target`` into local
         ``source_address``."""
-        self._sync(Op.READ, target, source_address, target_address, length, timeout)
+        self._sync(_READ, target, source_address, target_address, length, timeout)
 
-    def _sync(self, op, target, src, dst, length, timeout):
+    def _sync(self, op: int, target, src, dst, length, timeout):
         # The one-request fast path: no arrays, no Batch object; the request is carried
-        # on this thread by a transport with a sync path (same checks as submit()).
-        self._check_open()
-        name = target_name(target)
-        src, dst, length = S.check_one(src, dst, length)
-        S.check_local(self._regions, src, length)
-        desc = self._peers.resolve(name)
-        t, route = self._tx.pick(desc, int(op), src, dst)
+        # on this thread by a transport with a sync path (same checks and errors as
+        # submit()). What cannot change between calls is not redone: plain ints pass
+        # without the general integer checks, and the route to a peer is cached
+        # (_sync_route) while its descriptor, our regions and the metrics stay the same.
+        if self._closed or _getpid() != self._pid:
+            self._check_open()
+        name = target if type(target) is str and target else target_name(target)
+        if not (type(src) is int and type(dst) is int and type(length) is int
+                and 0 <= src <= _U64 and 0 <= dst <= _U64 and 0 <= length <= _U64):
+            src, dst, length = S.check_one(src, dst, length)
+        if length == 0 or self._regions.check(src, length, 0) != 0:
+            S.check_local(self._regions, src, length)       # raises the reason
         tm = self._tmetrics
-        # Only TCP's transfer_sync takes a metrics cell; with metrics on, the others go
-        # through a batch.
-        if not t.capabilities.sync or (tm is not None and t.name != "tcp"):
-            self._start(S.one(name, int(op), src, dst, length), 1, None, timeout,
+        e = self._sync_routes.get((name, op))
+        if (e is None or e[0] is not self._peers.cache.entries.get(name)
+                or e[1] != self._book.version or e[2] is not tm):
+            e = self._sync_route(name, op, src, dst, tm)
+        desc, t, cell = e[0], e[3], e[4]
+        if t is None:           # no sync path (or metrics need a batch): one-request batch
+            self._start(S.one(name, op, src, dst, length), 1, None, timeout,
                         nbytes=length, checked=True).wait()
             return
-        deadline = S.deadline(self.timeout, length, timeout)
-        if tm is None:
-            _, code = t.transfer_sync(desc, int(op), src, dst, length, deadline)
+        if timeout is None:
+            deadline = _monotonic_ns() + int(self.timeout * 1e9) + length
         else:
-            _, code = t.transfer_sync(desc, int(op), src, dst, length, deadline,
-                                      tm.cell(name, route, int(op)))
+            deadline = S.deadline(self.timeout, length, timeout)
+        if cell:
+            _, code = t.transfer_sync(desc, op, src, dst, length, deadline, cell)
+        else:
+            _, code = t.transfer_sync(desc, op, src, dst, length, deadline)
         if code != 0:
             if code in (-1006, -102):
                 self._peers.lost(name)     # re-resolve the peer before its next use
-            raise error_for(code, name, 0, int(op), src, dst, length)
+                self._sync_routes.pop((name, op), None)
+            raise error_for(code, name, 0, op, src, dst, length)
+
+    def _sync_route(self, name: str, op: int, src: int, dst: int, tm) -> tuple:
+        """(descriptor, regions version, metrics, transport with a sync path or None for
+        a one-request batch, metrics cell or 0) for a synchronous request to ``name``;
+        kept in ``_sync_routes`` when no transport routes the peer by address. The
+        versions are read before the route is worked out, so a change racing with it
+        leaves a stale entry that the next call recomputes."""
+        version = self._book.version
+        desc = self._peers.resolve(name)
+        t, route = self._tx.pick(desc, op, src, dst)
+        # Only TCP's transfer_sync takes a metrics cell; with metrics on, the others go
+        # through a batch.
+        sync = t.capabilities.sync and (tm is None or t.name == "tcp")
+        e = (desc, version, tm, t if sync else None,
+             tm.cell(name, route, op) if sync and tm is not None else 0)
+        if self._tx.cacheable(desc, t):
+            if len(self._sync_routes) >= 4096:          # peers come and go: stay bounded
+                self._sync_routes.clear()
+            self._sync_routes[(name, op)] = e
+        return e
 
     def submit(self, requests: Iterable[TransferRequest], notify: bytes | None = None,
                timeout: float | None = None) -> Batch:
@@ -446,13 +484,34 @@ class TransferEngine:
 
     def _submit_prepared(self, tr, route, desc, op, src, dst, lens, n, nbytes, notify,
                          timeout) -> Batch:
-        """One group, already checked and routed (PreparedTransfer.post)."""
-        self._check_open()
-        S.check_notify(notify)
-        plan = [(desc.name, op, None, src, dst, lens, desc, tr, route)]
-        return S.queue(plan, n, notify, S.deadline(self.timeout, nbytes, timeout),
-                       self._tx.new_batch, self._notifier, self._peers, self.protocol,
-                       self._tmetrics)
+        """One group, already checked and routed (PreparedTransfer.post): queued as
+        ``submit.queue`` does, without its generality (one group, no caller order)."""
+        if self._closed or _getpid() != self._pid:
+            self._check_open()
+        if timeout is None:
+            deadline = _monotonic_ns() + int(self.timeout * 1e9) + nbytes
+        else:
+            deadline = S.deadline(self.timeout, nbytes, timeout)
+        if notify is not None:          # the general path carries notifications
+            S.check_notify(notify)
+            plan = [(desc.name, op, None, src, dst, lens, desc, tr, route)]
+            return S.queue(plan, n, notify, deadline, self._tx.new_batch, self._notifier,
+                           self._peers, self.protocol, self._tmetrics)
+        native = self._tx.new_batch(n, deadline)
+        tm = self._tmetrics
+        try:
+            if tm is not None:          # counted when they finish (src/core/metrics.h)
+                native.tag(0, n, tm.cell(desc.name, route, op))
+            taken = tr.submit(native, desc, op, src, dst, lens, 0, False)
+        except BaseException:
+            # Nothing or part queued: stop it, count the rest canceled, let it finish.
+            native.cancel()
+            native.abandon(0, n)
+            native.seal()
+            raise
+        native.seal()
+        return Batch(native, taken or self.protocol, deadline,
+                     [(desc.name, 0, src, dst, lens, op)], self._peers.lost)
 
     def _start(self, groups: dict, n: int, notify, timeout, nbytes=0,
                checked: bool = False) -> Batch:

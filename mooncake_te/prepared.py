@@ -6,8 +6,8 @@ same kind of transfer again and again: the same peer, the same local and remote 
 the same block size, only the block ids change. :meth:`TransferEngine.prepare` takes
 the block-address tables once, checks every local block against the registered regions
 and every remote block against the peer's published buffers, resolves the peer and picks
-the route; :meth:`PreparedTransfer.post` then only gathers addresses with two numpy
-fancy-indexing operations and queues them, with no per-block Python, no region lookup
+the route; :meth:`PreparedTransfer.post` then only gathers addresses (one native loop,
+``core.gather_blocks``) and queues them, with no per-block Python, no region lookup
 and no routing.
 
 Tables are 1-D (one entry per block slot: ``post`` takes indices into it) or 2-D
@@ -25,11 +25,13 @@ import numpy as np
 
 from . import errors as E
 from .batch import Batch, Op
+from .core import gather_blocks
 from .segments import target_name
 
 __all__ = ["PreparedTransfer"]
 
 _OPS = frozenset(int(o) for o in Op)
+_INT64 = np.dtype(np.int64)
 
 
 def _table(values, what: str) -> np.ndarray:
@@ -65,6 +67,10 @@ class PreparedTransfer:
         self.target = target_name(target)
         self._local = _table(local, "local")
         self._remote = _table(remote, "remote")
+        # [rows, blocks] views of both tables (a 1-D table is one row): what post()
+        # gathers from, natively.
+        self._lrows = self._local.reshape(-1, self._local.shape[-1])
+        self._rrows = self._remote.reshape(-1, self._remote.shape[-1])
         if self._local.ndim != self._remote.ndim or (
                 self._local.ndim == 2 and self._local.shape[0] != self._remote.shape[0]):
             raise E.InvalidArgumentError(
@@ -105,18 +111,30 @@ class PreparedTransfer:
                 f"{self._local.shape} local, {self._remote.shape} remote>")
 
     def _gather(self, table, ids, what):
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.dtype.kind not in "iu":
-            raise E.InvalidArgumentError(f"{what} must be a 1-D array of integer block "
-                                         f"indices, got {ids!r:.80}")
+        """Addresses of blocks ``ids`` of ``table`` (every row's, row by row), in one
+        native loop (core.gather_blocks)."""
+        if not (type(ids) is np.ndarray and ids.dtype is _INT64 and ids.ndim == 1):
+            ids = np.asarray(ids)
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise E.InvalidArgumentError(f"{what} must be a 1-D array of integer block "
+                                             f"indices, got {ids!r:.80}")
+            if ids.dtype.kind == "u" and len(ids) and ids.max() >= table.shape[-1]:
+                k = int(np.argmax(ids >= table.shape[-1]))     # (would wrap as int64)
+                raise E.InvalidArgumentError(
+                    f"{what} holds an index outside [0, {table.shape[-1]}): {what}[{k}] = "
+                    f"{int(ids[k])}")
+            ids = np.ascontiguousarray(ids, dtype=np.int64)
+        rows = self._lrows if table is self._local else self._rrows
         try:
-            if ids.dtype.kind == "i" and len(ids) and ids.min() < 0:
-                raise IndexError      # take would count it from the end
-            return np.take(table, ids, axis=table.ndim - 1, mode="raise").ravel()
-        except IndexError:
+            out = gather_blocks(rows, ids)
+        except TypeError:               # a strided view of int64 ids
+            ids = np.ascontiguousarray(ids)
+            out = gather_blocks(rows, ids)
+        if isinstance(out, int):
             raise E.InvalidArgumentError(
-                f"{what} holds an index outside [0, {table.shape[-1]}): "
-                f"{int(ids.min())}..{int(ids.max())}") from None
+                f"{what} holds an index outside [0, {table.shape[-1]}): {what}[{out}] = "
+                f"{int(ids[out])}")
+        return out
 
     def _route(self, op: int):
         r = self._routes.get(op)
@@ -160,13 +178,17 @@ class PreparedTransfer:
             self._lens[n] = lens
         nbytes = int(lens[0]) * n if len(lens) == 1 else int(lens.sum())
         # The descriptor cache drops a peer whose connection failed or who restarted; take
-        # the current one (a dict lookup when nothing changed).
-        desc = eng._peers.resolve(self.target)
-        if desc is not self._desc:       # re-resolved (restarted peer): check again
-            _check_remote(desc, self._remote.ravel(), self._rlens)
-            self._desc, self._routes = desc, {}
-        tr, route = self._route(int(op))
-        return eng._submit_prepared(tr, route, desc, int(op), src, dst, lens, n, nbytes,
+        # the current one (one dict lookup when nothing changed).
+        desc = self._desc
+        if "/" in self.target or eng._peers.cache.entries.get(self.target) is not desc:
+            desc = eng._peers.resolve(self.target)
+            if desc is not self._desc:       # re-resolved (restarted peer): check again
+                _check_remote(desc, self._remote.ravel(), self._rlens)
+                self._desc, self._routes = desc, {}
+        op = int(op)
+        r = self._routes.get(op)
+        tr, route = r if r is not None else self._route(op)
+        return eng._submit_prepared(tr, route, desc, op, src, dst, lens, n, nbytes,
                                     notify, timeout)
 
 

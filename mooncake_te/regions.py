@@ -27,6 +27,9 @@ class RegionBook:
         self._mrs: dict[int, MemoryRegion] = {}     # by address, in registration order
         self._lock = threading.RLock()
         self.transports: list = []
+        # Bumped after every add and remove: routes cached under an older version are
+        # stale (a transport's route may depend on where local memory lives).
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._mrs)
@@ -102,6 +105,8 @@ class RegionBook:
         except BaseException:
             self.remove(mr)
             raise
+        with self._lock:
+            self.version += 1
         return mr
 
     def remove(self, mr: MemoryRegion) -> None:
@@ -112,6 +117,7 @@ class RegionBook:
             t.unregister(mr)
         with self._lock:
             del self._mrs[mr.address]
+            self.version += 1
         mr.release()           # the buffer export: the owner may resize it again
 
 

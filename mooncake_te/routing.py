@@ -136,6 +136,16 @@ class Transports:
             f"no transport of this engine ({names}) reaches {desc.name}, which serves "
             f"{', '.join(desc.protocols) or 'nothing'}; use protocol='auto' on both engines")
 
+    def cacheable(self, desc, t) -> bool:
+        """Whether ``pick(desc, ...)`` answers ``t`` for every address: neither ``t`` nor
+        any transport asked before it routes ``desc`` by address."""
+        for r in self.routing:
+            if r.route_by_address(desc):
+                return False
+            if r is t:
+                return True
+        return False
+
     def forget(self, name: str) -> None:
         for t in self.running.values():
             t.forget_peer(name)

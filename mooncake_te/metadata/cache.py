@@ -20,6 +20,10 @@ class SegmentCache:
         self._backend = backend
         self._enabled = enabled
         self._entries: dict[str, SegmentDescriptor] = {}
+        #: The live cache, for lock-free reads on hot paths (``entries.get(name)``: one
+        #: dict lookup under the GIL); never written outside this class. An entry that is
+        #: dropped or replaced is a new object, so a caller holding the old one can tell.
+        self.entries = self._entries
         self._lock = threading.Lock()
 
     def get(self, name: str, timeout: float, refresh: bool = False) -> SegmentDescriptor:

@@ -99,6 +99,13 @@ class Transport(ABC):
         ``remote`` addresses (numpy uint64 arrays; look their regions up to learn where
         the memory is), or None if it cannot carry them."""
 
+    def route_by_address(self, desc) -> bool:
+        """Whether :meth:`route` to ``desc`` may answer differently for other local or
+        remote addresses (GPU memory, regions a NIC could not take). False lets the
+        engine reuse the answer for every request to ``desc`` until its descriptor, the
+        registered regions or the metrics change (the synchronous path's route cache)."""
+        return False
+
     @abstractmethod
     def submit(self, batch, desc, op, local, remote, lens, first: int, run_inline: bool) -> str:
         """Queue requests [first, first+len(local)) of ``batch`` (a NativeBatch) to the

@@ -414,15 +414,26 @@ static void peer_enqueue(mte_peer_t *p, const item_t *items, size_t n)
                 item_done(&items[i], MTE_E_NOMEM);
             return;
         }
-        for (size_t i = 0; i < p->qlen; i++)
-            q[i] = p->q[(p->qhead + i) % p->qcap];
+        /* The ring in order: [qhead, qcap) then [0, rest). */
+        size_t first = p->qlen < p->qcap - p->qhead ? p->qlen : p->qcap - p->qhead;
+        if (first)
+            memcpy(q, p->q + p->qhead, first * sizeof(*q));
+        if (p->qlen > first)
+            memcpy(q + first, p->q, (p->qlen - first) * sizeof(*q));
         free(p->q);
         p->q = q;
         p->qcap = cap;
         p->qhead = 0;
     }
-    for (size_t i = 0; i < n; i++)
-        p->q[(p->qhead + p->qlen + i) % p->qcap] = items[i];
+    /* At most two runs, up to the end of the ring then from its start: no division
+     * per item (a prepared post queues 1,024 slices at once). */
+    if (n) {
+        size_t tail = (p->qhead + p->qlen) % p->qcap;
+        size_t run = n < p->qcap - tail ? n : p->qcap - tail;
+        memcpy(p->q + tail, items, run * sizeof(*items));
+        if (n > run)
+            memcpy(p->q, items + run, (n - run) * sizeof(*items));
+    }
     p->qlen += n;
     if (n == 1)
         pthread_cond_signal(&p->cv);

@@ -65,6 +65,31 @@ def test_one_dimensional_tables_take_indices(pair):
     assert (dst.reshape(NB, BLOCK)[::-1] == src.reshape(NB, BLOCK)).all()
 
 
+def test_ids_of_any_integer_dtype_and_layout(pair):
+    """The native gather takes int64; other integer ids (uint64, int32, strided views)
+    are converted, and ids that would wrap as int64 are refused, not wrapped."""
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    view = remote.reshape(3, NB, BLOCK)
+    ids = np.array([3, 9, 7, 9], np.uint64)[::2]                 # [3, 7], strided
+    p.post(mte.WRITE, ids, np.array([4, 2], np.int32)).wait(timeout=10)
+    for r in range(3):
+        assert (view[r, 4] == local[r][3 * BLOCK:4 * BLOCK]).all()
+        assert (view[r, 2] == local[r][7 * BLOCK:8 * BLOCK]).all()
+    view[:] = 0
+    p.post(mte.WRITE, np.array([5, 0, 6], np.int64)[::2],             # int64, strided
+           np.array([1, 0], ">i8")).wait(timeout=10)                  # big-endian
+    for r in range(3):
+        assert (view[r, 1] == local[r][5 * BLOCK:6 * BLOCK]).all()
+        assert (view[r, 0] == local[r][6 * BLOCK:7 * BLOCK]).all()
+    with pytest.raises(E.InvalidArgumentError, match=r"local_ids\[1\] = 18446744073709551615"):
+        p.post(mte.WRITE, np.array([0, (1 << 64) - 1], np.uint64), np.array([0, 1]))
+    with pytest.raises(E.InvalidArgumentError, match=r"remote_ids\[1\] = 8"):
+        p.post(mte.WRITE, np.array([0, 1]), np.array([0, NB]))
+    assert len(p.post(mte.WRITE, np.array([], np.int64), np.array([], np.int64))) == 0
+
+
 def test_bad_indices_and_addresses_are_typed_errors(pair):
     a, b = pair
     local, remote, lt, rt = _tables(a, b)
@@ -97,3 +122,18 @@ def test_memory_unregistered_after_prepare_fails_the_request(pair):
         batch.wait(timeout=10)
     assert batch.status()[0].state == "failed"
     assert not remote.any()
+
+
+def test_posts_are_counted_by_metrics_and_time_out_like_batches(pair):
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    p.post(mte.WRITE, np.array([1, 2]), np.array([3, 4])).wait(timeout=10)
+    batch = p.post(mte.READ, np.array([0]), np.array([5]), timeout=30)
+    batch.wait(timeout=10)
+    assert batch.transport == p.transport
+    counted = {t["op"]: t["requests"] for t in a.metrics()["transfers"]
+               if t["peer"] == b.name}
+    assert counted == {"write": 6, "read": 3}         # 3 regions each
+    with pytest.raises(E.InvalidArgumentError, match="timeout"):
+        p.post(mte.READ, np.array([0]), np.array([5]), timeout=-1)

@@ -368,3 +368,26 @@ def test_same_host_read_that_timed_out_never_lands_after_unregister(lanes):
         os.kill(victim.pid, signal.SIGCONT)
         victim.kill()
         eng.close()
+
+
+def test_queue_wraps_and_grows_with_bytes_intact(engine, local_buf, peer):
+    """Batches of 700-1,500 slices queued back to back, without waiting: the peer's ring
+    (1,024 slots at first) wraps around and grows while lanes drain it; every byte lands
+    where its request said."""
+    buf, r = local_buf
+    buf[: 4 << 20] = rand(4 << 20, 5)
+    rng = np.random.default_rng(11)
+    size = 512
+    slots = (4 << 20) // size
+    dsts = rng.permutation(slots).astype(np.uint64) * size      # no slot written twice
+    batches, expect, used = [], np.zeros(4 << 20, np.uint8), 0
+    for n in (700, 900, 1500, 800, 1200):
+        src = rng.choice(slots, n, replace=False).astype(np.uint64) * size
+        dst, used = dsts[used:used + n], used + n
+        batches.append(engine.submit_arrays(mte.WRITE, peer.name, r.address + src,
+                                            peer.address + dst, size))
+        for s, d in zip(src.tolist(), dst.tolist()):
+            expect[d:d + size] = buf[s:s + size]
+    for b in batches:
+        b.wait(timeout=60)
+    assert peer.call("get", peer.address, 4 << 20) == expect.tobytes()

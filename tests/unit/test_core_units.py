@@ -155,3 +155,18 @@ def test_memory_region_from_address_validates():
         MemoryRegion.from_address(0, 10)
     with pytest.raises(mte.InvalidArgumentError):
         MemoryRegion.from_address(4096, -1)
+
+
+def test_gather_blocks_matches_numpy_and_reports_the_bad_id():
+    from mooncake_te.core._core import gather_blocks
+    rng = np.random.default_rng(3)
+    table = rng.integers(0, 1 << 63, (5, 40), dtype=np.uint64)
+    ids = rng.choice(40, 12, replace=False).astype(np.int64)
+    assert (gather_blocks(table, ids) == table[:, ids].ravel()).all()
+    assert gather_blocks(table, np.array([1, 40, 2], np.int64)) == 1
+    assert gather_blocks(table, np.array([0, 3, -1], np.int64)) == 2
+    assert len(gather_blocks(table, np.array([], np.int64))) == 0
+    with pytest.raises(TypeError, match="int64"):
+        gather_blocks(table, ids.astype(np.int32))
+    with pytest.raises(TypeError, match="uint64"):
+        gather_blocks(table[:, ::2], ids[:1])

@@ -245,6 +245,10 @@ class CudaIpcTransport(Transport):
             self._views[desc.name] = v
         return v
 
+    def route_by_address(self, desc) -> bool:
+        # GPU memory here or the peer's: the route depends on where each address lives.
+        return bool(desc.extra.get("cuda_ipc")) or self._host_peer(desc) is not None
+
     def route(self, desc, op, local, remote):
         # local/remote: arrays for batches, ints for a synchronous single request.
         other = self._host_peer(desc) if local is not None else None

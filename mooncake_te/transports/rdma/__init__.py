@@ -423,6 +423,11 @@ class RdmaTransport(Transport):
                     return None
         return ROUTE
 
+    def route_by_address(self, desc) -> bool:
+        # route() looks at the addresses only for regions the NICs could not take and
+        # for peer buffers without NIC keys.
+        return bool(self._nomr) or any(not b.rkey for b in desc.buffers)
+
     def submit(self, batch, desc, op, local, remote, lens, first, run_inline):
         if not _covers(desc, remote, lens):
             # A buffer the peer registered after we fetched its descriptor: ask again
