@@ -67,9 +67,5 @@ def build(cfg: Config, tokenizer=None, env=None) -> Conductor:
 
 
 def _open_store(spec: str):
-    from ..metadata.stores import open_store
-    scheme, _, rest = spec.partition("://")
-    if not rest:
-        raise ConfigError(f"[conductor] metadata_server = {spec!r}: expected etcd://host:port, "
-                          f"redis://host:port or http://host:port/metadata")
-    return open_store(scheme, rest, spec)
+    from ..metadata import open_backend
+    return open_backend(spec)
