@@ -35,6 +35,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--block-size", type=int, help="vLLM's --block-size (default 16)")
     p.add_argument("--namespace", help="the pools' index namespace of configured instances "
                                        "(announced instances send theirs)")
+    p.add_argument("--policy", choices=["cost", "round_robin", "least_loaded"],
+                   help="cost: least expected TTFT (default); the others are baselines")
     p.add_argument("--api-key-file", metavar="FILE",
                    help="require 'Authorization: Bearer <key in FILE>' (default: "
                         "MTE_CONDUCTOR_API_KEY, else no authentication)")
@@ -56,7 +58,8 @@ def run(args) -> int:
             "host": args.host, "port": args.port, "prefill": args.prefill,
             "decode": args.decode, "plain": args.plain, "metadata_server": args.metadata,
             "model": args.model, "tokenizer": args.tokenizer, "dtype": args.dtype,
-            "block_size": args.block_size, "namespace": args.namespace}.items()
+            "block_size": args.block_size, "namespace": args.namespace,
+            "policy": args.policy}.items()
             if v is not None}
         if args.api_key_file:
             with open(args.api_key_file) as f:

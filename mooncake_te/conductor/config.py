@@ -60,7 +60,7 @@ def build(cfg: Config, tokenizer=None, env=None) -> Conductor:
                  discovery_interval_s=c["health_interval_s"],
                  connect_timeout_s=c["connect_timeout_s"],
                  first_byte_timeout_s=c["first_byte_timeout_s"],
-                 request_timeout_s=c["request_timeout_s"])
+                 request_timeout_s=c["request_timeout_s"], policy=c["policy"])
     if tokenizer is not None:
         s.tokenizer = ""
     return Conductor(cluster, s, tokenizer=tokenizer, discovery_store=store)

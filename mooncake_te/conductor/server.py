@@ -56,6 +56,9 @@ class Settings:
     first_byte_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     cooldown_s: float = 1.0
+    # "cost" (expected TTFT, the default); "round_robin" and "least_loaded" are the
+    # baselines benchmarks/conductor_ttft.py compares against, on the same front.
+    policy: str = "cost"
     extra: dict = field(default_factory=dict)
 
 
@@ -89,6 +92,7 @@ class Conductor:
         self._session: Any = None
         self._tasks: list = []
         self._runner: Any = None
+        self._rr = 0
         self.url = ""
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -297,6 +301,7 @@ class Conductor:
         roles = ("prefill",) if pd else ("plain", "prefill")
         est, keys, hits = await asyncio.get_running_loop().run_in_executor(
             None, self.cluster.rank_prefill, tokens, roles, time.monotonic())
+        est = self._baseline(est)
         self.counters.inc("mooncake_te_conductor_route_seconds_total", time.perf_counter() - t0)
         self.counters.inc("mooncake_te_conductor_prompt_tokens_total", len(tokens))
         try:
@@ -307,6 +312,20 @@ class Conductor:
             return await self._forward(request, body, est, keys, "plain")
         except UpstreamError as e:
             return self._error(e.status, str(e), "upstream_error")
+
+    def _baseline(self, est: list) -> list:
+        """``est`` reordered by a baseline policy (candidates stay those with room)."""
+        pol = self.settings.policy
+        if pol == "round_robin" and est:
+            order = sorted(est, key=lambda e: e.name)
+            i = self._rr % len(order)
+            self._rr += 1
+            return order[i:] + order[:i]
+        if pol == "least_loaded":
+            st = self.cluster.states
+            return sorted(est, key=lambda e: (st[e.name].inflight + st[e.name].waiting,
+                                              st[e.name].queued_tokens, e.name))
+        return est
 
     def _routed(self, e, keys, role: str) -> None:
         c = self.cluster
