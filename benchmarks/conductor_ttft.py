@@ -129,21 +129,29 @@ def conductor_argv(py: str, port: int, md_url: str, model: str, policy: str,
             "--tokenizer", model, "--policy", policy, "--log-level", "WARNING", *extra]
 
 
-def load_trace(path: str, n: int, max_blocks: int, start: int = 0) -> list:
+def load_trace(path: str, n: int, max_blocks: int, start: int = 0,
+               repeating: int = 0) -> list:
     """Token ids of requests ``start ..``: one ``BLOCK``-token block per hash id (the
-    same id gives the same tokens), capped at ``max_blocks``."""
-    out = []
+    same id gives the same tokens), capped at ``max_blocks``. ``repeating``: keep only
+    requests whose first ``repeating`` hash ids another request of the trace shares (a
+    conversation's turns), so prefixes repeat within ``n`` requests."""
+    rows = []
     with open(path) as f:
         for i, line in enumerate(f):
-            if i < start:
-                continue
-            if len(out) >= n:
-                break
-            ids = json.loads(line)["hash_ids"][:max_blocks]
-            toks: list = []
-            for h in ids:
-                toks += np.random.default_rng(int(h)).integers(3, VOCAB, BLOCK).tolist()
-            out.append(toks)
+            if i >= start:
+                rows.append(json.loads(line)["hash_ids"])
+    if repeating:
+        from collections import Counter
+        cnt = Counter(tuple(r[:repeating]) for r in rows)
+        rows = [r for r in rows if cnt[tuple(r[:repeating])] >= 2]
+    out = []
+    for r in rows:
+        if len(out) >= n:
+            break
+        toks: list = []
+        for h in r[:max_blocks]:
+            toks += np.random.default_rng(int(h)).integers(3, VOCAB, BLOCK).tolist()
+        out.append(toks)
     return out
 
 
@@ -227,6 +235,9 @@ def main() -> int:
     ap.add_argument("--start", type=int, default=0, help="first trace record")
     ap.add_argument("--chunk", type=int, default=20, help="requests per alternation")
     ap.add_argument("--max-blocks", type=int, default=40, help="blocks per prompt, at most")
+    ap.add_argument("--repeating", type=int, default=0, metavar="K",
+                    help="keep only requests whose first K hash ids recur in the trace "
+                         "(0: every request)")
     ap.add_argument("--instances", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=3)
     ap.add_argument("--overhead", type=int, default=40, help="requests for the overhead "
@@ -262,7 +273,7 @@ def main() -> int:
             urls[pol] = f"http://127.0.0.1:{port}"
         for pol in POLICIES:
             wait_http(urls[pol] + "/health", procs, f"conductor-{pol}", 120)
-        trace = load_trace(a.trace, a.requests, a.max_blocks, a.start)
+        trace = load_trace(a.trace, a.requests, a.max_blocks, a.start, a.repeating)
         chunks = []
         for ci, i in enumerate(range(0, len(trace), a.chunk)):
             for pi, pol in enumerate(POLICIES):
@@ -270,7 +281,8 @@ def main() -> int:
                 chunks.append((pol, salted(trace[i:i + a.chunk], pi)))
         t0 = time.monotonic()
         res = asyncio.run(replay(urls, model, chunks, a.concurrency))
-        out = {"trace": os.path.basename(a.trace), "requests_per_policy": len(trace),
+        out = {"trace": os.path.basename(a.trace), "repeating": a.repeating,
+               "requests_per_policy": len(trace),
                "instances": a.instances, "concurrency": a.concurrency,
                "replay_s": time.monotonic() - t0,
                "policies": {p: summarize(res[p]) for p in POLICIES}}

@@ -264,7 +264,7 @@ class Conductor:
             try:
                 ids = self.tok.apply_chat_template(msgs, add_generation_prompt=True,
                                                    tokenize=True)
-                return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+                return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             except Exception:        # no chat template: route on the text, vLLM decides
                 text = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
                 return list(self.tok(text)["input_ids"])
@@ -390,6 +390,9 @@ class Conductor:
             r.close()
             self._failed(name, f"no first byte: {type(e).__name__}: {e}")
             raise UpstreamError(f"instance {name} sent no answer: {type(e).__name__}: {e}")
+        except BaseException:             # the client left: close, so vLLM aborts
+            r.close()
+            raise
         return r, first
 
     async def _first_of(self, cands, path: str, body: dict, keys: dict, role: str):

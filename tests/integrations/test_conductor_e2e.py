@@ -254,6 +254,9 @@ def test_killed_instance_mid_trace(deployment):
     for s, r in bad:
         assert s in (502, 503) and "instance" in json.dumps(r), (s, r)
     assert killed_at < n
+    # what was in flight on p1 (or sent there before the health check saw it die) went
+    # once to p0 instead
+    assert metrics(u["A"]).get("mooncake_te_conductor_retries_total", 0) >= 1
     # after the kill, everything goes to the survivor
     for i in range(5):
         s, r = post(u["A"], {"model": model, "prompt": text(100, 50 + i), "max_tokens": 2})
