@@ -217,7 +217,7 @@ def test_client_disconnect_stops_vllm(deployment):
                  {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
-    assert resp.fp.readline().startswith(b"data: ")       # streaming has begun
+    assert resp.readline().startswith(b"data: ")          # streaming has begun
     assert _running(u["p0"]) + _running(u["p1"]) == 1
     t0 = time.monotonic()
     conn.sock.shutdown(2)

@@ -210,3 +210,14 @@ def test_config_errors():
         build(bad, tokenizer=object())
     with pytest.raises(ConfigError, match="full_kv_usage"):
         Config.load(None, env={}).with_overrides({"conductor": {"full_kv_usage": 2.0}})
+
+
+def test_connector_api_url_setting():
+    from mooncake_te.integrations.vllm.settings import parse_extra_config
+    from mooncake_te.conductor import role_of
+    assert parse_extra_config({"api_url": "http://10.0.0.1:8100/"}, env={}).api_url == \
+        "http://10.0.0.1:8100"
+    with pytest.raises(Exception, match="api_url = '10.0.0.1:8100'"):
+        parse_extra_config({"api_url": "10.0.0.1:8100"}, env={})
+    assert (role_of(True, False), role_of(False, True), role_of(True, True)) == \
+        ("prefill", "decode", "plain")
