@@ -153,8 +153,11 @@ class Cluster:
         for n, keys in keys_by_name.items():
             by_ns.setdefault((self.namespace_of(n), tuple(keys)), []).append(n)
         out = {}
+        # A pool whose instance is down cannot serve its blocks, whatever the index says.
+        down = {r.engine for n, r in self.records.items()
+                if r.engine and not self.states[n].healthy}
         for (ns, keys), names in by_ns.items():
-            owners = self.owners(ns, list(keys))
+            owners = [None if o in down else o for o in self.owners(ns, list(keys))]
             for n in names:
                 out[n] = prefix_by_tier(keys, self.shadows[n], owners, self.records[n].engine)
         return out

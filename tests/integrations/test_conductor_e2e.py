@@ -101,7 +101,8 @@ def routed(m: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def deployment(vllm_python, tiny_model, http_metadata_server, tmp_path_factory):  # noqa: F811
-    d = str(tmp_path_factory.mktemp("conductor-e2e"))
+    d = os.environ.get("MTE_E2E_LOG_DIR") or str(tmp_path_factory.mktemp("conductor-e2e"))
+    os.makedirs(d, exist_ok=True)
     procs = Procs(d)
     md = http_metadata_server.url
     cfg = pool_config(d)

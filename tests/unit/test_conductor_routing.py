@@ -221,3 +221,14 @@ def test_connector_api_url_setting():
         parse_extra_config({"api_url": "10.0.0.1:8100"}, env={})
     assert (role_of(True, False), role_of(False, True), role_of(True, True)) == \
         ("prefill", "decode", "plain")
+
+
+def test_blocks_of_a_dead_instance_do_not_count():
+    store = FakeIndexStore()
+    c = cluster(2, store)
+    toks = list(range(5000, 5000 + 320))
+    own(store, block_keys(toks, BS, c.default_root), "e1")
+    assert c.rank_prefill(toks, ("plain",))[2]["e0"]["remote"] == 20
+    c.states["e1"].healthy = False
+    est, _, hits = c.rank_prefill(toks, ("plain",))
+    assert [e.name for e in est] == ["e0"] and hits["e0"]["remote"] == 0
