@@ -232,3 +232,23 @@ def test_blocks_of_a_dead_instance_do_not_count():
     c.states["e1"].healthy = False
     est, _, hits = c.rank_prefill(toks, ("plain",))
     assert [e.name for e in est] == ["e0"] and hits["e0"]["remote"] == 0
+
+
+def test_top_shows_the_conductor():
+    from prometheus_client.parser import text_string_to_metric_families
+    from mooncake_te.metrics.top import render, summarize
+    k = Counters()
+    k.inc("mooncake_te_conductor_requests_total", 3, instance="e0", role="plain")
+    k.inc("mooncake_te_conductor_retries_total")
+    k.inc("mooncake_te_conductor_ttft_expected_seconds_total", 0.3, instance="e0")
+    k.inc("mooncake_te_conductor_ttft_measured_seconds_total", 0.6, instance="e0")
+    k.inc("mooncake_te_conductor_ttft_samples_total", 3, instance="e0")
+    text = k.exposition([("mooncake_te_conductor_instance_healthy", {"instance": "e0"}, 1),
+                         ("mooncake_te_conductor_instance_inflight", {"instance": "e0"}, 2)])
+    snap = {f.name: [(dict(s.labels), s.name, s.value) for s in f.samples]
+            for f in text_string_to_metric_families(text.decode())}
+    view = summarize(snap)
+    assert view["conductor"] == {"retries": 1, "instances": {"e0": {
+        "routed": 3, "expected_s": 0.3, "measured_s": 0.6, "samples": 3, "inflight": 2,
+        "healthy": 1}}}
+    render(view, "http://x/metrics")
