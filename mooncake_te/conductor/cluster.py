@@ -124,20 +124,19 @@ class Cluster:
             out[n] = memo[k]
         return out
 
-    def owners(self, namespace: str, keys) -> list:
-        """The owner (engine name) of each key in the index, None where none; all None
-        without a store or when the store fails (the index is a hint)."""
-        if self.store is None or not namespace or not keys:
-            return [None] * len(keys)
+    def index_keys(self, namespace: str, keys) -> list:
+        """The owner index's key names of ``keys`` in ``namespace``."""
         prefix = f"{key_prefix(getattr(self.store, 'cluster_id', None))}kvcache/{namespace}/"
-        try:
-            raws = self.store.get_many([prefix + k.hex() for k in keys])
-        except Exception as e:
-            self.index_errors += 1
-            if self.index_errors in (1, 10, 100) or self.index_errors % 1000 == 0:
-                log.warning("conductor: owner index lookup failed (%d so far): %s",
-                            self.index_errors, e)
-            return [None] * len(keys)
+        return [prefix + k.hex() for k in keys]
+
+    def index_failed(self, e) -> None:
+        self.index_errors += 1
+        if self.index_errors in (1, 10, 100) or self.index_errors % 1000 == 0:
+            log.warning("conductor: owner index lookup failed (%d so far): %s",
+                        self.index_errors, e)
+
+    @staticmethod
+    def parse_owners(raws) -> list:
         out = []
         for raw in raws:
             try:
@@ -146,33 +145,64 @@ class Cluster:
                 out.append(None)
         return out
 
-    def hits(self, keys_by_name: dict) -> dict:
-        """``{name: {tier: blocks}}`` of the reusable prefix on each instance (one index
-        query per namespace)."""
+    def owners(self, namespace: str, keys) -> list:
+        """The owner (engine name) of each key in the index, None where none; all None
+        without a store or when the store fails (the index is a hint)."""
+        if self.store is None or not namespace or not keys:
+            return [None] * len(keys)
+        try:
+            raws = self.store.get_many(self.index_keys(namespace, keys))
+        except Exception as e:
+            self.index_failed(e)
+            return [None] * len(keys)
+        return self.parse_owners(raws)
+
+    def queries(self, keys_by_name: dict) -> dict:
+        """``{(namespace, keys): [names]}``: one index question per distinct pair."""
         by_ns: dict = {}
         for n, keys in keys_by_name.items():
             by_ns.setdefault((self.namespace_of(n), tuple(keys)), []).append(n)
+        return by_ns
+
+    def hits(self, keys_by_name: dict, answers: "dict | None" = None) -> dict:
+        """``{name: {tier: blocks}}`` of the reusable prefix on each instance (one index
+        query per namespace; ``answers``: the owners of each :meth:`queries` entry, asked
+        here when missing)."""
         out = {}
         # A pool whose instance is down cannot serve its blocks, whatever the index says.
         down = {r.engine for n, r in self.records.items()
                 if r.engine and not self.states[n].healthy}
-        for (ns, keys), names in by_ns.items():
-            owners = [None if o in down else o for o in self.owners(ns, list(keys))]
+        for (ns, keys), names in self.queries(keys_by_name).items():
+            got = (answers or {}).get((ns, keys))
+            if got is None:
+                got = self.owners(ns, list(keys))
+            owners = [None if o in down else o for o in got]
             for n in names:
                 out[n] = prefix_by_tier(keys, self.shadows[n], owners, self.records[n].engine)
         return out
 
     # -- decisions ------------------------------------------------------------------------
-    def rank_prefill(self, tokens, roles=("prefill",), now: float = 0.0) -> tuple:
-        """``(estimates best first, keys by name, hits by name)`` for a prompt."""
+    def candidates(self, tokens, roles=("prefill",)) -> tuple:
+        """``(instance states, keys by name)`` of the instances that may take a prompt."""
         cands = [s for s in self.by_role(*roles)]
-        keys = self.keys_for(tokens, [s.name for s in cands])
-        hits = self.hits(keys)
-        bs = {s.name: self.records[s.name].block_size for s in cands}
+        return cands, self.keys_for(tokens, [s.name for s in cands])
+
+    def rank(self, cands, tokens, keys: dict, answers: "dict | None" = None,
+             now: float = 0.0) -> tuple:
+        """``(estimates best first, hits by name)``."""
+        hits = self.hits(keys, answers)
         est = []
         for s in cands:
-            est += rank_prefill([s], len(tokens), hits, bs[s.name], self.priors, now)
+            est += rank_prefill([s], len(tokens), hits, self.records[s.name].block_size,
+                                self.priors, now)
         est.sort(key=lambda e: (e.ttft_s, self.states[e.name].inflight, e.name))
+        return est, hits
+
+    def rank_prefill(self, tokens, roles=("prefill",), now: float = 0.0) -> tuple:
+        """``(estimates best first, keys by name, hits by name)`` for a prompt (the index
+        asked synchronously)."""
+        cands, keys = self.candidates(tokens, roles)
+        est, hits = self.rank(cands, tokens, keys, None, now)
         return est, keys, hits
 
     def rank_decode(self, now: float = 0.0) -> list:

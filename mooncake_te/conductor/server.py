@@ -19,6 +19,7 @@ Per request (``/v1/completions``, ``/v1/chat/completions``):
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
 import logging
@@ -299,8 +300,10 @@ class Conductor:
             return self._error(400, f"bad request: {e}")
         pd = bool(self.cluster.by_role("decode"))
         roles = ("prefill",) if pd else ("plain", "prefill")
-        est, keys, hits = await asyncio.get_running_loop().run_in_executor(
-            None, self.cluster.rank_prefill, tokens, roles, time.monotonic())
+        cands, keys = self.cluster.candidates(tokens, roles)
+        answers = {q: await self._owners(q[0], list(q[1]))
+                   for q in self.cluster.queries(keys)}
+        est, hits = self.cluster.rank(cands, tokens, keys, answers, time.monotonic())
         est = self._baseline(est)
         self.counters.inc("mooncake_te_conductor_route_seconds_total", time.perf_counter() - t0)
         self.counters.inc("mooncake_te_conductor_prompt_tokens_total", len(tokens))
@@ -326,6 +329,36 @@ class Conductor:
             return sorted(est, key=lambda e: (st[e.name].inflight + st[e.name].waiting,
                                               st[e.name].queued_tokens, e.name))
         return est
+
+    def _index_url(self) -> "str | None":
+        """Our HTTP metadata server's batch route, asked from the event loop; None for
+        other stores (their own client, in a thread)."""
+        st = self.cluster.store
+        if getattr(st, "kind", "") != "http" or getattr(st, "_token", None):
+            return None
+        from urllib.parse import urlsplit, urlunsplit
+        u = urlsplit(st.url)
+        return urlunsplit((u.scheme, u.netloc, u.path.rstrip("/") + "/batch", "", ""))
+
+    async def _owners(self, ns: str, keys: list) -> list:
+        """:meth:`Cluster.owners`, without blocking the event loop."""
+        c = self.cluster
+        if c.store is None or not ns or not keys:
+            return [None] * len(keys)
+        url = self._index_url()
+        if url is None or len(keys) > 1000:
+            return await asyncio.get_running_loop().run_in_executor(None, c.owners, ns, keys)
+        import aiohttp
+        try:
+            async with self._session.post(url, json={"get": c.index_keys(ns, keys)},
+                                          timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+                vals = (await r.json())["values"]
+            return c.parse_owners([None if v is None else base64.b64decode(v) for v in vals])
+        except Exception as e:          # the index is a hint: an outage is a miss
+            c.index_failed(e)
+            return [None] * len(keys)
 
     def _routed(self, e, keys, role: str) -> None:
         c = self.cluster

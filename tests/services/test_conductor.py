@@ -119,3 +119,27 @@ def test_bearer_token_and_down_instance():
                                    headers=ok) as r:
                 assert r.status == 400 and "tokenizer" in await r.text()
     asyncio.run(main())
+
+
+def test_owner_index_from_the_event_loop(store_server):
+    # The conductor reads the pools' owner index: from the event loop on our HTTP server
+    # (its batch route), through the store's client in a thread on etcd and redis. Both
+    # give what the connector's OwnerIndex wrote.
+    from mooncake_te.kvcache.index import OwnerIndex
+    store = open_backend(store_server.url)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    idx = OwnerIndex(store, "127.0.0.1:14600", "vllm-abc-tp0")
+    for k in keys[:4]:
+        idx.publish(k, 4096, 1024)
+    assert idx.flush()
+    idx.close()
+    c = Cluster(store=store)
+
+    async def main():
+        async with Front(c) as f:
+            assert (f.c._index_url() is not None) == (store.kind == "http")
+            got = await f.c._owners("vllm-abc-tp0", keys)
+            assert got == ["127.0.0.1:14600"] * 4 + [None, None]
+            assert got == c.owners("vllm-abc-tp0", keys)
+            assert await f.c._owners("other-ns", keys) == [None] * 6
+    asyncio.run(main())
