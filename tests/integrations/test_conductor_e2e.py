@@ -42,6 +42,8 @@ from conductor_ttft import (Procs, conductor_argv, free_port, pool_config,  # no
 
 pytestmark = pytest.mark.timeout(1800)
 KEY = "e2e-token"
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 WORDS = ("prefill decode block cache layer token engine transfer segment region notify "
          "lease batch memory register read write peer handshake").split()
 
@@ -103,6 +105,13 @@ def routed(m: dict) -> dict:
 def deployment(vllm_python, tiny_model, http_metadata_server, tmp_path_factory):  # noqa: F811
     d = os.environ.get("MTE_E2E_LOG_DIR") or str(tmp_path_factory.mktemp("conductor-e2e"))
     os.makedirs(d, exist_ok=True)
+    # A chat template, so /v1/chat/completions works (the tiny tokenizer has none).
+    tc = os.path.join(tiny_model, "tokenizer_config.json")
+    with open(tc) as f:
+        conf = json.load(f)
+    conf["chat_template"] = CHAT_TEMPLATE
+    with open(tc, "w") as f:
+        json.dump(conf, f)
     procs = Procs(d)
     md = http_metadata_server.url
     cfg = pool_config(d)
@@ -154,6 +163,30 @@ def test_plain_outputs_identical_to_direct(deployment):
         assert stream_text(u["A"], body) == direct["choices"][0]["text"]
     s, models = 200, json.load(urllib.request.urlopen(u["A"] + "/v1/models"))
     assert models["data"][0]["id"] == body["model"]
+
+
+def test_chat_outputs_identical_to_direct(deployment):
+    _, u = deployment
+    model = json.load(urllib.request.urlopen(u["p0"] + "/v1/models"))["data"][0]["id"]
+    body = {"model": model, "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "system", "content": text(60, 1)},
+                         {"role": "user", "content": text(30, 2)}]}
+    answers, usage = [], []
+    before = metrics(u["A"])["mooncake_te_conductor_prompt_tokens_total"]
+    for url, token in ((u["p0"], None), (u["A"], None), (u["B"], KEY)):
+        req = urllib.request.Request(url + "/v1/chat/completions",
+                                     data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": f"Bearer {token}"}
+                                                 if token else {})})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            a = json.load(r)
+        answers.append(a["choices"][0]["message"]["content"])
+        usage.append(a["usage"]["prompt_tokens"])
+    assert answers[1] == answers[0] and answers[2] == answers[0]
+    # the conductor tokenized the chat as vLLM did (same template, same count)
+    after = metrics(u["A"])["mooncake_te_conductor_prompt_tokens_total"]
+    assert after - before == usage[0]
 
 
 def test_prefix_follows_the_cache(deployment):
