@@ -83,8 +83,11 @@ class Procs:
 
 
 def vllm_argv(py: str, model: str, port: int, kv_port: int, role: str, md_url: str,
-              cfg_path: str, announce: bool = True, kv_mb: int = 8) -> list:
+              cfg_path: str, announce: bool = True, kv_mb: int = 8,
+              kvcache: "dict | None" = None) -> list:
     extra = {"mooncake_config_path": cfg_path, "metadata_server": md_url}
+    if kvcache:
+        extra["kvcache"] = kvcache
     if announce:
         extra["api_url"] = f"http://127.0.0.1:{port}"
     kvt = {"kv_connector": "MooncakeTEConnector",
@@ -243,6 +246,10 @@ def main() -> int:
     ap.add_argument("--overhead", type=int, default=40, help="requests for the overhead "
                                                             "measurement (0: skip)")
     ap.add_argument("--kv-mb", type=int, default=8, help="each instance's vLLM KV cache")
+    ap.add_argument("--pool", choices=["shared", "local", "off"], default="shared",
+                    help="shared: each instance's DRAM pool, read by the others through "
+                         "the owner index (default); local: no remote reads; off: vLLM's "
+                         "own prefix cache only")
     ap.add_argument("--json", metavar="FILE", help="write the results here too")
     a = ap.parse_args()
     py = sys.executable
@@ -262,8 +269,10 @@ def main() -> int:
         for i in range(a.instances):
             port = free_port()
             ports.append(port)
-            procs.start(f"vllm{i}", vllm_argv(py, model, port, free_port(), "kv_both", md, cfg,
-                                               kv_mb=a.kv_mb))
+            procs.start(f"vllm{i}", vllm_argv(
+                py, model, port, free_port(), "kv_both", md, cfg, kv_mb=a.kv_mb,
+                kvcache={"shared": None, "local": {"remote": False},
+                         "off": {"dram_cache_gb": 0}}[a.pool]))
         for i, port in enumerate(ports):
             wait_http(f"http://127.0.0.1:{port}/health", procs, f"vllm{i}", 600)
         urls = {}
@@ -281,7 +290,7 @@ def main() -> int:
                 chunks.append((pol, salted(trace[i:i + a.chunk], pi)))
         t0 = time.monotonic()
         res = asyncio.run(replay(urls, model, chunks, a.concurrency))
-        out = {"trace": os.path.basename(a.trace), "repeating": a.repeating,
+        out = {"trace": os.path.basename(a.trace), "repeating": a.repeating, "pool": a.pool,
                "requests_per_policy": len(trace),
                "instances": a.instances, "concurrency": a.concurrency,
                "replay_s": time.monotonic() - t0,
