@@ -6,8 +6,9 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
     ttft_i = queue_i + base_i + uncached_i * tok_i + sum_t blocks_i[t] * load_i[t]
 
 - ``queue_i``: the prefill work already routed to ``i`` and not answered yet
-  (``queued_tokens * tok_i + inflight * base_i``), plus vLLM's own waiting requests from
-  its ``/metrics`` (``waiting * base_i``) for work the conductor did not send;
+  (``queued_tokens * tok_i + inflight * served_i``), plus vLLM's own waiting requests from
+  its ``/metrics`` (``waiting * served_i``) for work the conductor did not send;
+  ``served_i`` is the moving average of the TTFT measured there (at least ``base_i``);
 - ``uncached_i``: tokens past the longest prefix ``i`` can reuse (at least 1: vLLM always
   computes the last token);
 - ``blocks_i[t]``: that prefix's blocks by where they are for ``i``: ``gpu`` (vLLM's own
@@ -63,6 +64,7 @@ class InstanceState:
     kv_usage: float = 0.0                    # 0..1
     max_running: int = 256
     cooldown_until: float = 0.0              # answered 429/503: skipped until then
+    served_s: float = 0.0                    # EWMA of measured TTFT here (0: none yet)
     samples: deque = field(default_factory=lambda: deque(maxlen=128))
     fit: "dict | None" = None                # measured terms (see Model.refit)
 
@@ -94,7 +96,10 @@ def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: 
     t = inst.terms(priors)
     cached = sum(blocks.get(k, 0) for k in TIERS)
     uncached = max(1, int(n_tokens) - cached * int(block_size))
-    queue = inst.queued_tokens * t["tok"] + (inst.inflight + inst.waiting) * t["base"]
+    # A request ahead costs at least what requests here have taken (they share the
+    # instance's compute), not only its own tokens.
+    per = max(t["base"], inst.served_s)
+    queue = inst.queued_tokens * t["tok"] + (inst.inflight + inst.waiting) * per
     load = sum(blocks.get(k, 0) * t.get(f"load_{k}", 0.0) for k in TIERS)
     return Estimate(inst.name, queue + t["base"] + uncached * t["tok"] + load, queue,
                     uncached, dict(blocks))

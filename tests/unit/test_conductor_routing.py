@@ -252,3 +252,17 @@ def test_top_shows_the_conductor():
         "routed": 3, "expected_s": 0.3, "measured_s": 0.6, "samples": 3, "inflight": 2,
         "healthy": 1}}}
     render(view, "http://x/metrics")
+
+
+def test_a_request_ahead_costs_what_requests_there_take():
+    # Requests on one instance share its compute: one in flight where requests have
+    # taken 300 ms outweighs a 20-block hit (the synthetic-trace run stacked requests on
+    # hit holders while least-loaded spread them).
+    c = cluster(2, FakeIndexStore())
+    toks = list(range(640))
+    c.shadows["e0"].add(block_keys(toks, BS, c.default_root)[:20])
+    assert c.rank_prefill(toks, ("plain",))[0][0].name == "e0"
+    c.states["e0"].inflight = 1
+    assert c.rank_prefill(toks, ("plain",))[0][0].name == "e0"     # priors: worth it
+    c.states["e0"].served_s = 0.3
+    assert c.rank_prefill(toks, ("plain",))[0][0].name == "e1"
