@@ -17,7 +17,8 @@ Usage::
         --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
 
 Several ``--prefill`` / ``--decode`` URLs are used round-robin. Not for production: no
-retries, no authentication, one thread per request.
+retries, no authentication, one thread per request. It shows the protocol; to serve, use
+``mooncake-te conductor`` (docs/conductor.md), which routes by where the KV is cached.
 """
 import argparse
 import itertools

@@ -22,6 +22,7 @@ COMMANDS = {
     "trace": "trace",
     "compat": "compat",
     "top": "top",
+    "conductor": "conductor",
 }
 
 

@@ -88,6 +88,11 @@ class KeyValueBackend(MetadataBackend):
         for k in keys:
             self.delete(k)
 
+    def keys(self, prefix: str) -> list[str]:
+        """Every key that starts with ``prefix`` (a listing: what joined a directory such as
+        the conductor's instances). Stores that cannot list raise ``NotImplementedError``."""
+        raise NotImplementedError(f"the {self.kind} metadata store cannot list keys")
+
     def records(self, desc: SegmentDescriptor) -> list[tuple[str, bytes]]:
         """The (key, value) pairs that publish ``desc``; stores with leases re-put them."""
         return [(ram_key(desc.name, self.cluster_id), desc.encode()),

@@ -140,9 +140,25 @@ def summarize(cur: dict, prev: dict | None = None, dt: float = 0.0) -> dict:
            _totals(cur, P + "p2p_bytes_uploaded", ("store",)).items()}
     for (s,), v in _totals(cur, P + "p2p_bytes_downloaded", ("store",)).items():
         p2p.setdefault(s, {})["bytes_downloaded"] = int(v)
+    cond: dict = {}
+    for (inst, _role), v in _totals(cur, P + "conductor_requests", ("instance", "role")).items():
+        c = cond.setdefault(inst, {})
+        c["routed"] = c.get("routed", 0) + int(v)
+    for fam, key in (("conductor_ttft_expected_seconds", "expected_s"),
+                     ("conductor_ttft_measured_seconds", "measured_s"),
+                     ("conductor_ttft_samples", "samples")):
+        for (inst,), v in _totals(cur, P + fam, ("instance",)).items():
+            cond.setdefault(inst, {})[key] = v
+    for fam, key in (("conductor_instance_inflight", "inflight"),
+                     ("conductor_instance_healthy", "healthy")):
+        for (inst,), v in _totals(cur, P + fam, ("instance",), "").items():
+            cond.setdefault(inst, {})[key] = int(v)
+    if cond:
+        cond = {"instances": cond, "retries": int(sum(_totals(
+            cur, P + "conductor_retries", ()).values()))}
     return {"time": time.time(), "interval_s": dt if rate else None, "transfers": transfers,
             "latency": latency, "failures": failures, "engines": engines, "kvcache": kv,
-            "p2p_store": p2p}
+            "p2p_store": p2p, "conductor": cond}
 
 
 def _bytes(n: float) -> str:
@@ -226,6 +242,19 @@ def render(view: dict, url: str, expand: bool = True):
             kv.add_row(name, str(k["lookup_blocks"]), str(k["hit_blocks"]),
                        f"{k['hit_rate']:.1%}")
         parts.append(kv)
+    if view.get("conductor"):
+        c = view["conductor"]
+        t = Table(title=f"conductor (retries {c['retries']})", expand=True)
+        for col in ("instance", "healthy", "routed", "in flight", "TTFT expected",
+                    "TTFT measured"):
+            t.add_column(col)
+        for name, i in sorted(c["instances"].items()):
+            n = i.get("samples", 0)
+            t.add_row(name, "yes" if i.get("healthy") else "no", str(i.get("routed", 0)),
+                      str(i.get("inflight", 0)),
+                      _secs(i.get("expected_s", 0) / n) if n else "-",
+                      _secs(i.get("measured_s", 0) / n) if n else "-")
+        parts.append(t)
     return Group(*parts)
 
 

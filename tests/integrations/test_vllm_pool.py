@@ -390,6 +390,31 @@ def test_scheduler_loads_the_pools_prefix_after_vllms_own_hit():
     assert save.keys == keys and save.block_ids == [9, 10, 11, 12, 13, 14]
 
 
+def test_scheduler_does_not_plan_a_failed_pool_load_again():
+    # A peer killed with its blocks still in the owner index: the load fails, vLLM
+    # (kv_load_failure_policy "recompute") asks again for the same request. Reporting the
+    # same hit again looped the request through failing loads (found by
+    # tests/integrations/test_conductor_e2e.py, an instance killed mid-trace).
+    root = namespace_root("m", BS)
+    toks = list(range(200))
+    keys = block_keys(toks, BS, root)
+    look = FakeLookupAnswer(dram=keys)
+    sch = SchedulerSide(block_size=BS, is_producer=False, is_consumer=False, engine_name="e",
+                        host="h", port=1, pool=look, pool_root=root)
+    r = Req("r", toks)
+    assert sch.get_num_new_matched_tokens(r, 0) == (6 * BS, True)
+    sch.update_state_after_alloc(r, Blocks(list(range(7)), cached=0), 6 * BS)
+    assert len(sch.take_work().pool_loads) == 1
+    # the load failed: asked again, the request is computed, no load planned
+    assert sch.get_num_new_matched_tokens(r, 0) == (0, False)
+    sch.update_state_after_alloc(r, Blocks(list(range(7)), cached=0), 0)
+    assert sch.take_work().pool_loads == []
+    r.num_computed_tokens = 199
+    sch.request_finished(r, (list(range(7)),))
+    # a new request of the same id (vLLM reuses none, but the set is cleared) loads again
+    assert sch.get_num_new_matched_tokens(Req("r", toks), 0) == (6 * BS, True)
+
+
 def test_scheduler_pd_takes_the_pool_first_and_the_rest_from_the_producer():
     root = namespace_root("m", BS)
     toks = list(range(150))                                # 4 full blocks + 22 tokens

@@ -32,7 +32,7 @@ LAYER = {
     "segments": FACADE, "submit": FACADE, "auth": FACADE, "netif": FACADE,
     "prepared": FACADE,
     "kvcache": SERVICES, "p2p_store": SERVICES, "integrations": SERVICES,
-    "compat": SERVICES,
+    "compat": SERVICES, "conductor": SERVICES,
     "cli": TOOLS, "bench": TOOLS, "doctor": TOOLS, "lab": TOOLS, "__main__": TOOLS,
     "_spawn": TOOLS, "arguments": CORE, "metrics": CORE, "hugepages": CORE,
 }

@@ -40,7 +40,7 @@ from .settings import parse_extra_config
 
 # Our messages go through vLLM's logging setup (format, level, VLLM_LOGGING_* settings).
 from . import worker as _worker  # noqa: E402
-_worker.log = init_logger("vllm.mooncake_te")
+_worker.log = log = init_logger("vllm.mooncake_te")
 
 
 @dataclass
@@ -129,6 +129,33 @@ class MooncakeTEConnector(KVConnectorBase_V1):
                                   tp_rank, self.is_producer, self.is_consumer)
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
         self._worker.register_kv_caches(kv_caches, num_blocks)
+        self._announced = None
+        if self.settings.api_url and tp_rank == 0:
+            self._announce()
+
+    def _announce(self) -> None:
+        """Tell the conductor (``mooncake-te conductor --metadata``) where this instance
+        serves, its role and its pool's key root and namespace (docs/conductor.md)."""
+        from ...conductor.registry import InstanceRecord, publish_instance, role_of
+        w = self._worker
+        rec = InstanceRecord(
+            url=self.settings.api_url, role=role_of(self.is_producer, self.is_consumer),
+            engine=w.engine.name, model=str(self._vllm_config.model_config.model),
+            block_size=self.block_size, root=pool_root(self._vllm_config).hex(),
+            namespace=w.pool_namespace or "")
+        try:
+            self._announced = publish_instance(w.engine.metadata, rec)
+        except Exception as e:              # the conductor is optional: serve anyway
+            log.warning("mooncake_te connector: not announced to the conductor: %s", e)
+            return
+        if self._announced is None:
+            log.warning("mooncake_te connector: api_url is set but the metadata store (%s) "
+                        "cannot hold the conductor's records; use etcd, redis or http "
+                        "metadata, or list this instance in the conductor's config",
+                        getattr(w.engine.metadata, "kind", "?"))
+        else:
+            log.info("mooncake_te connector: announced to the conductor as %s (%s)",
+                     rec.url, rec.role)
 
     @property
     def kv_caches(self) -> dict:
@@ -237,6 +264,10 @@ class MooncakeTEConnector(KVConnectorBase_V1):
         if self._scheduler is not None and self._scheduler.pool is not None:
             self._scheduler.pool.close()
         if self._worker is not None:
+            if getattr(self, "_announced", None):
+                from ...conductor.registry import withdraw_instance
+                withdraw_instance(self._worker.engine.metadata, self._announced)
+                self._announced = None
             if self._worker.pool is not None:
                 self._worker.pool.flush()
                 self.get_kv_connector_stats()

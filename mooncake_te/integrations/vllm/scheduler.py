@@ -162,6 +162,7 @@ class SchedulerSide:
         # The key root (model / layout / rank namespace); used only with a pool.
         self.pool_root = pool_root if pool_root is not None else ROOT
         self._looked: dict = {}         # request id -> (first block, TierCounts)
+        self._pool_planned: set = set()  # request ids whose pool load was planned
         self._keys: dict = {}           # request id -> keys of its prompt's full blocks
         # Requests running with prompt blocks still to save layer-wise:
         # request id -> [prompt token ids, block ids, prompt blocks already handed out]
@@ -235,6 +236,15 @@ class SchedulerSide:
     def _pool_hit(self, request, num_computed_tokens: int) -> int:
         """Blocks after vLLM's own prefix hit that the pool holds (0 without a pool)."""
         if self.pool is None:
+            return 0
+        if request.request_id in self._pool_planned:
+            # Asked again after its pool load was planned: that load failed (vLLM
+            # recomputes) or the request was preempted. The index may still name a dead
+            # peer's blocks, so loading again could fail the same way, round after round:
+            # recompute instead.
+            from .pool.lookup import TierCounts
+            self._looked[request.request_id] = (num_computed_tokens // self.block_size,
+                                                TierCounts.zero())
             return 0
         n_prompt = len(request.prompt_token_ids or ())
         # As vLLM's own prefix cache: at least the prompt's last token is computed, so a
@@ -336,6 +346,7 @@ class SchedulerSide:
                 from .pool import PoolLoadSpec
                 keys = self._prompt_keys(request)[skip:skip + pool_n]
                 self._work.pool_loads.append(PoolLoadSpec(rid, keys, fresh[:pool_n], tiers))
+                self._pool_planned.add(rid)
             # Counted once per request, as vLLM counts its own prefix hits.
             self._work.lookups.append((n_prompt // self.block_size, first,
                                        tiers.clip(pool_n)))
@@ -364,6 +375,7 @@ class SchedulerSide:
         ids_all = list(block_ids[0] if block_ids and isinstance(block_ids[0], (list, tuple))
                        else block_ids or ())
         self._looked.pop(request.request_id, None)
+        self._pool_planned.discard(request.request_id)
         self._keys.pop(request.request_id, None)
         self._layered.pop(request.request_id, None)
         accepted = request.request_id in self._accepted

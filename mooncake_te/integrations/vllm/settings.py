@@ -41,6 +41,7 @@ ALIASES = {
     "idle_wait_s": ("idle_wait_s",),
     "enforce_handshake_compat": ("enforce_handshake_compat",),
     "hugepages": ("hugepages",),
+    "api_url": ("api_url",),
     "kvcache": ("kvcache",),
     "use_gpu_direct": ("use_gpu_direct",),
     "enable_multi_nic": ("enable_multi_nic",),
@@ -73,6 +74,7 @@ class ConnectorSettings:
     hugepages: bool = True                     # host KV cache onto 2 MiB pages (hugepages.py)
     use_gpu_direct: "bool | None" = None        # [transfer_engine] override
     enable_multi_nic: "bool | None" = None      # [transfer_engine] override
+    api_url: "str | None" = None               # where clients reach this vllm serve
     pool: "object | None" = None                # pool.PoolSettings ([kvcache])
     pool_lookup_address: str = ""              # set by the connector (engine id, rank)
 
@@ -213,6 +215,13 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
             raise ConfigError(f"kv_connector_extra_config.hugepages = {v!r}: expected true or "
                               f"false")
         s.hugepages = v
+    if "api_url" in get:
+        v = get["api_url"]
+        if not isinstance(v, str) or not v.startswith(("http://", "https://")):
+            raise ConfigError(f"kv_connector_extra_config.api_url = {v!r}: expected the URL "
+                              f"clients reach this vLLM server at, e.g. "
+                              f"\"http://10.0.0.1:8100\" (the conductor finds it there)")
+        s.api_url = v.rstrip("/")
     over = {}
     for key in ENGINE_SWITCHES:
         if key in get:

@@ -146,6 +146,15 @@ class EtcdStore(LeasedStore):
     def delete(self, key: str) -> None:
         self._call(f"delete {key!r}", lambda c: c.delete(key))
 
+    def keys(self, prefix: str) -> list[str]:
+        raw = prefix.encode()
+        end = raw[:-1] + bytes([raw[-1] + 1]) if raw and raw[-1] < 255 else b"\0"
+        body = {"key": base64.b64encode(raw).decode(), "range_end":
+                base64.b64encode(end).decode(), "keys_only": True}
+        resp = self._call(f"list {prefix!r}*", lambda c: c.post(c.get_url("/kv/range"),
+                                                                json=body))
+        return sorted(base64.b64decode(kv["key"]).decode() for kv in resp.get("kvs", ()))
+
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         # One transaction of range requests per 128 keys (etcd's default --max-txn-ops),
         # so watching many peers costs one round trip per renewal period, not one each.

