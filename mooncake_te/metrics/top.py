@@ -177,7 +177,7 @@ def _secs(s: float) -> str:
     return f"{s * 1e6:.0f} us"
 
 
-NAMES = ("engine", "peer", "cache")
+NAMES = ("engine", "peer", "cache", "instance")
 
 
 def _table(title: str, columns, names, right=(), expand: bool = True):
@@ -244,10 +244,11 @@ def render(view: dict, url: str, expand: bool = True):
         parts.append(kv)
     if view.get("conductor"):
         c = view["conductor"]
-        t = Table(title=f"conductor (retries {c['retries']})", expand=True)
-        for col in ("instance", "healthy", "routed", "in flight", "TTFT expected",
-                    "TTFT measured"):
-            t.add_column(col)
+        t = _table(f"conductor (retries {c['retries']})",
+                   ("instance", "healthy", "routed", "in flight", "TTFT expected",
+                    "TTFT measured"), list(c["instances"]),
+                   right=("routed", "in flight", "TTFT expected", "TTFT measured"),
+                   expand=expand)
         for name, i in sorted(c["instances"].items()):
             n = i.get("samples", 0)
             t.add_row(name, "yes" if i.get("healthy") else "no", str(i.get("routed", 0)),
