@@ -244,9 +244,10 @@ def test_objects_shared_between_processes(which, redis_server, http_metadata_ser
                                          monkeypatch):
     """Process B puts; this process finds (is_exist, get_size, replica desc naming B's
     segment) and reads the objects one-sided from B's DRAM tier; removing one here
-    removes B's copy too. Both have the cluster token: without one, objects are shared
-    only as Mooncake Store shares them, unauthenticated (docs/compat.md)."""
-    monkeypatch.setenv("MC_AUTH_TOKEN", "compat-store-test")
+    removes B's copy too. Neither has a token: objects are shared as Mooncake Store
+    shares them, unauthenticated (docs/compat.md)."""
+    monkeypatch.delenv("MC_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("MC_KVCACHE_SHARE_WITHOUT_TOKEN", raising=False)
     url = redis_server.url if which == "redis" else http_metadata_server.url
     shim = str(tmp_path / "shim")
     r = subprocess.run([sys.executable, "-m", "mooncake_te", "compat", "install", "--target",

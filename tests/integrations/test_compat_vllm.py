@@ -143,9 +143,7 @@ def test_builtin_mooncake_store_connector(shim, vllm_python, tiny_model, prompts
         env = {"MOONCAKE_CONFIG_PATH": cfg, "MC_STORE_MAX_OBJECT_SIZE": "256KB",
                # With a metadata server the RPC endpoint is MC_TCP_BIND_ADDRESS (else the
                # first LAN address, as in Mooncake): keep it on loopback.
-               "MC_TCP_BIND_ADDRESS": "127.0.0.1",
-               # Objects are shared between instances only with the token (issue 35).
-               "MC_AUTH_TOKEN": "store-connector-test"}
+               "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
         run = _Run(vllm_python, tiny_model, str(tmp_path), prompts)
         try:
             run.start("store-put", env)
