@@ -147,7 +147,7 @@ def test_cli_refuses_a_busy_port(http_metadata_server):
     p = subprocess.run([sys.executable, "-m", "mooncake_te", "metadata-server", "--host",
                         "127.0.0.1", "--port", str(http_metadata_server.port)],
                        capture_output=True, text=True, timeout=30, env=env)
-    assert p.returncode == 1
+    assert p.returncode == 2            # a bad value (README: exit 2), in one line
     assert f"127.0.0.1:{http_metadata_server.port}" in p.stderr
 
 
