@@ -290,15 +290,20 @@ class HttpMetadataServer(_Server):
     ----------
     persist : bool
         Keep the keys in a file in the work directory (survives ``kill()``/``start()``).
+    token : str, optional
+        The cluster's auth token: requests must be signed with it and replies are signed
+        (engines with a token refuse unsigned replies).
     """
 
     name = "http-metadata"
     label = "HTTP"
     extras = (("aiohttp", "http"), ("requests", "http"))
 
-    def __init__(self, workdir: str | None = None, persist: bool = True):
+    def __init__(self, workdir: str | None = None, persist: bool = True,
+                 token: str | None = None):
         super().__init__(workdir)
         self.persist_path = os.path.join(self.workdir, "metadata.json") if persist else None
+        self.token = token
 
     @property
     def url(self) -> str:
@@ -309,6 +314,11 @@ class HttpMetadataServer(_Server):
                "--port", str(self.port), "--log-level", "WARNING"]
         if self.persist_path:
             cmd += ["--persist", self.persist_path]
+        if self.token:
+            path = os.path.join(self.workdir, "token")
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                f.write(self.token)
+            cmd += ["--auth-token-file", path]
         return cmd
 
     def env(self):

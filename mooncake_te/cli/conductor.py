@@ -41,7 +41,8 @@ def add_parser(subparsers) -> None:
                    help="require 'Authorization: Bearer <key in FILE>' (default: "
                         "MTE_CONDUCTOR_API_KEY, else no authentication)")
     p.add_argument("--log-level", default="INFO",
-                   choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                   choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                   help="log level of the conductor's own log (on stderr)")
     p.add_argument("--json", action="store_true",
                    help="print the listening address as one JSON line on start")
     p.set_defaults(func=run)

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from servers import http_metadata_server  # noqa: F401  (fixture)
+from servers import HttpMetadataServer, _serve
 from test_vllm_e2e import _env, _free_port, tiny_model, vllm_python  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,6 +39,13 @@ MAX_TOKENS = 8
 BS = 32
 SSD_GB = 0.02
 TOKEN = "pool-e2e-token"
+
+
+@pytest.fixture(scope="module")
+def http_metadata_server():
+    """Our metadata server with the instances' token: it signs its replies, which engines
+    with a token require (docs/security.md)."""
+    yield from _serve(HttpMetadataServer, token=TOKEN)
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -137,7 +144,7 @@ def _corrupt_block(cache_dir, key_hex):
 
 
 @pytest.fixture(scope="module")
-def scenario(vllm_python, tiny_model, http_metadata_server, tmp_path_factory):  # noqa: F811
+def scenario(vllm_python, tiny_model, http_metadata_server, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("pool"))
     prompts = _prompts()
     with open(os.path.join(d, "plan.json"), "w") as f:
@@ -261,7 +268,7 @@ def test_f_refused_configurations_name_the_values(scenario):
 
 # --- (e) P/D with the pool ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def pd_pool(vllm_python, tiny_model, http_metadata_server, tmp_path_factory):  # noqa: F811
+def pd_pool(vllm_python, tiny_model, http_metadata_server, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("pdpool"))
     r = random.Random(5)
     prompts = [[r.randrange(3, 512) for _ in range(n)] for n in (300, 75)]

@@ -130,7 +130,7 @@ def test_owner_index_from_the_event_loop(store_server):
     keys = [bytes([i]) * 16 for i in range(6)]
     idx = OwnerIndex(store, "127.0.0.1:14600", "vllm-abc-tp0")
     for k in keys[:4]:
-        idx.publish(k, 4096, 1024)
+        idx.publish(k, 4096, 1024, 0)
     assert idx.flush()
     idx.close()
     c = Cluster(store=store)

@@ -54,6 +54,9 @@ SMOKE: "dict[str, list[str] | None]" = {
     # Needs the vLLM virtualenv (.venv-vllm, a model download, minutes); no test runs it,
     # so only its command line is checked here (imports, argument parsing).
     "vllm_ttft.py": ["--help"],
+    # Also needs the vLLM virtualenv and three vLLM instances; the conductor's E2E test
+    # (tests/integrations/test_conductor_e2e.py) runs real instances: here, the command line.
+    "conductor_ttft.py": ["--help"],
 }
 # Run only as a child of another script, whose smoke run starts it.
 CHILDREN = {"compare_peer.py": "compare.py", "conftest.py": "test_latency.py"}
