@@ -309,7 +309,20 @@ def test_target_death_is_a_clean_failure():
             kids = _children(p.pid)
             time.sleep(0.1)
         assert kids
-        time.sleep(1.5)
+        # Kill the target while transfers flow, not while it is still starting (on a busy
+        # machine that takes longer than any fixed pause): once it listens it holds 3
+        # sockets, and each connection the client makes to it adds one.
+        def sockets(pid):
+            n = 0
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+                except OSError:
+                    pass
+            return n
+        while time.monotonic() < deadline and min(sockets(k) for k in kids) < 4:
+            time.sleep(0.05)
+        time.sleep(0.5)
         for k in kids:
             os.kill(k, signal.SIGKILL)
         _, err = p.communicate(timeout=60)      # well inside the engine's deadline
