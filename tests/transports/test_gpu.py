@@ -119,6 +119,54 @@ def test_slot_table_keeps_importers_out_after_retire():
     assert not os.path.exists(table.path)
 
 
+def test_slot_view_takes_many_slots_at_once():
+    """acquire_many/release_many (one lock per run of slots) keep the rules of
+    acquire/release: wrong or stale epochs refused, counts per slot, a retiring slot
+    refused while its neighbours in the run are taken, retire waits for every holder."""
+    table = SlotTable(f"many{os.getpid()}")
+    try:
+        se = [table.add() for _ in range(6)]
+        view = SlotView(table.path)
+        slots = [s for s, _ in se]
+        epochs = [e for _, e in se]
+        epochs[2] += 2                                       # a stale epoch: refused
+        assert view.acquire_many(slots, epochs) == [True, True, False, True, True, True]
+        assert view.acquire(slots[0], se[0][1])              # counted with acquire's
+        assert view.acquire_many([slots[1], slots[1]], [se[1][1]] * 2) == [True, True]
+        assert table.retire(slots[2], timeout=0.2)           # never taken: quiet at once
+        done = []
+        t = threading.Thread(target=lambda: done.append(table.retire(slots[1], timeout=10)))
+        t.start()
+        time.sleep(0.2)
+        view.release_many([slots[1], slots[1]])
+        time.sleep(0.1)
+        assert not done                                      # still held once
+        view.release_many([slots[0], slots[1], slots[3], slots[4], slots[5]])
+        t.join(5)
+        assert done == [True]
+        assert not view.acquire_many([slots[1]], [se[1][1]])[0]   # retired: refused
+        view.release(slots[0])                               # the acquire() above
+        for s in (0, 3, 4, 5):                               # nothing left held
+            assert table.retire(slots[s], timeout=0.2)
+        # A run with a slot being retired: its neighbours are still taken.
+        s7, e7 = table.add()
+        s8, e8 = table.add()
+        other = SlotView(table.path)
+        assert other.acquire(s8, e8)
+        t = threading.Thread(target=lambda: done.append(table.retire(s8, timeout=10)))
+        t.start()
+        time.sleep(0.2)                          # epoch 0 written, waiting for `other`
+        assert view.acquire_many([s7, s8], [e7, e8]) == [True, False]
+        other.release(s8)
+        t.join(5)
+        view.release_many([s7])
+        assert table.retire(s7, timeout=0.2)
+        view.close()
+        other.close()
+    finally:
+        table.close()
+
+
 def test_slot_retire_gives_up_on_a_stuck_importer():
     table = SlotTable(f"stuck{os.getpid()}")
     try:

@@ -72,13 +72,13 @@ class _Group:
 
 
 class _SlotRelease:
-    """A peer's IPC slot held for a group, released with the group's other pins."""
+    """A peer's IPC slots held for a group, released with the group's other pins."""
 
     def __init__(self, slots):
         self.slots = slots
 
-    def unpin(self, slot) -> None:
-        self.slots.release(slot)
+    def unpin(self, slots) -> None:
+        self.slots.release_many(slots)
 
 
 def driver_present() -> bool:
@@ -472,15 +472,23 @@ class CudaIpcTransport(Transport):
         extra: list = []                          # (table, handle) released after the copies
         cand = np.flatnonzero(codes == 0)
         used = np.flatnonzero(np.bincount(k[cand], minlength=nb))
+        want = []
         for bk in used.tolist():
-            b = view.buffers[bk]
-            if op == _WRITE and b.access != "rw":
+            if op == _WRITE and view.buffers[bk].access != "rw":
                 bcode[bk] = _E_REMOTE_ACCESS
-                continue
-            if not view.slots.acquire(b.slot, b.epoch):
+            else:
+                want.append(bk)
+        # Every buffer's slot in one go (a lock per run of slots, not one per buffer).
+        held = view.slots.acquire_many([view.buffers[bk].slot for bk in want],
+                                       [view.buffers[bk].epoch for bk in want])
+        got = [bk for bk, h in zip(want, held) if h]
+        if got:
+            extra.append((_SlotRelease(view.slots), [view.buffers[bk].slot for bk in got]))
+        for bk, h in zip(want, held):
+            b = view.buffers[bk]
+            if not h:
                 bcode[bk] = _E_REMOTE_NOT_REG     # unregistered by its owner
                 continue
-            extra.append((_SlotRelease(view.slots), b.slot))
             try:
                 base, other = self._open(view, b)
             except MooncakeError as e:

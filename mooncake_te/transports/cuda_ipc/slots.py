@@ -29,10 +29,12 @@ _F_RDLCK, _F_WRLCK, _F_UNLCK = fcntl.F_RDLCK, fcntl.F_WRLCK, fcntl.F_UNLCK
 _F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 
 
-def _lock(fd: int, kind: int, slot: int) -> bool:
+def _lock(fd: int, kind: int, slot: int, count: int = 1) -> bool:
+    """Lock (or unlock) ``count`` slots from ``slot`` on; False when another open file
+    holds a conflicting lock on any of them."""
     # struct flock (x86-64 and aarch64 layout): short type, short whence, off_t start,
     # off_t len, pid_t pid (0 for OFD locks), padding.
-    arg = struct.pack("hhqqi4x", kind, os.SEEK_SET, slot * SLOT, SLOT, 0)
+    arg = struct.pack("hhqqi4x", kind, os.SEEK_SET, slot * SLOT, SLOT * count, 0)
     try:
         fcntl.fcntl(fd, _F_OFD_SETLK, arg)
         return True
@@ -113,6 +115,75 @@ class SlotView:
                     return False
             self._held[slot] = (n + 1, epoch)
             return True
+
+    def acquire_many(self, slots: "list[int]", epochs: "list[int]") -> "list[bool]":
+        """:meth:`acquire` for many slots at once (a group's remote buffers): the slots
+        not yet held here are locked one contiguous run at a time, and their epochs read
+        with one ``pread`` of the run, rather than a lock and a read each. Whether each
+        slot is now held; a slot named twice is held twice."""
+        got = [False] * len(slots)
+        with self._mu:
+            fresh: dict = {}                      # slot -> epoch wanted, not held yet
+            for i, (slot, epoch) in enumerate(zip(slots, epochs)):
+                n, held = self._held.get(slot, (0, 0))
+                if n:
+                    got[i] = held == epoch
+                elif fresh.setdefault(slot, epoch) != epoch:
+                    fresh[slot] = -1              # two epochs for one slot: one is stale
+            live: set = set()
+            order = sorted(fresh)
+            i = 0
+            while i < len(order):
+                j = i
+                while j + 1 < len(order) and order[j + 1] == order[j] + 1:
+                    j += 1
+                first, count = order[i], j - i + 1
+                i = j + 1
+                if _lock(self._fd, _F_RDLCK, first, count):
+                    took = list(range(first, first + count))
+                else:                             # the owner retires one of them: one by one
+                    took = [x for x in range(first, first + count)
+                            if _lock(self._fd, _F_RDLCK, x)]
+                raw = os.pread(self._fd, SLOT * count, first * SLOT)
+                for x in took:
+                    o = (x - first) * SLOT
+                    ep = struct.unpack_from("<Q", raw, o)[0] if o + SLOT <= len(raw) else 0
+                    if ep == fresh[x]:
+                        live.add(x)
+                    else:
+                        _lock(self._fd, _F_UNLCK, x)
+            for i, (slot, epoch) in enumerate(zip(slots, epochs)):
+                if slot in fresh:
+                    got[i] = slot in live and fresh[slot] == epoch
+            for i, slot in enumerate(slots):
+                if got[i]:
+                    n, _ = self._held.get(slot, (0, 0))
+                    self._held[slot] = (n + 1, epochs[i])
+        return got
+
+    def release_many(self, slots: "list[int]") -> None:
+        """:meth:`release` for each of ``slots``; the slots no longer held are unlocked
+        one contiguous run at a time."""
+        with self._mu:
+            free = []
+            for slot in slots:
+                held = self._held.get(slot)
+                if held is None:
+                    continue
+                n, epoch = held
+                if n <= 1:
+                    del self._held[slot]
+                    free.append(slot)
+                else:
+                    self._held[slot] = (n - 1, epoch)
+            order = sorted(set(free))
+            i = 0
+            while i < len(order):
+                j = i
+                while j + 1 < len(order) and order[j + 1] == order[j] + 1:
+                    j += 1
+                _lock(self._fd, _F_UNLCK, order[i], j - i + 1)
+                i = j + 1
 
     def release(self, slot: int) -> None:
         with self._mu:
