@@ -105,6 +105,7 @@ class TransferEngine:
 
         self._book = RegionBook()
         self._regions = self._book.table
+        self._tx.book = self._book
         self._instance = secrets.randbits(63) | 1
         self._rpc = RpcServer(self.host, port, self._describe_bytes, self._on_rpc_notify,
                               token=self._token, max_connections=te["rpc_max_connections"],
@@ -427,9 +428,10 @@ class TransferEngine:
         version = self._book.version
         desc = self._peers.resolve(name)
         t, route = self._tx.pick(desc, op, src, dst)
-        # Only TCP's transfer_sync takes a metrics cell; with metrics on, the others go
-        # through a batch.
-        sync = t.capabilities.sync and (tm is None or t.name == "tcp")
+        # With metrics on, only a transport whose transfer_sync counts in a metrics cell
+        # carries the request itself; the others go through a batch (which counts).
+        caps = t.capabilities
+        sync = caps.sync and (tm is None or caps.sync_metrics)
         e = (desc, version, tm, t if sync else None,
              tm.cell(name, route, op) if sync and tm is not None else 0)
         if self._tx.cacheable(desc, t):

@@ -56,6 +56,9 @@ class Transports:
         self.routing: list = []       # those that carry data for this protocol
         self.notifier = None          # the one with Capabilities.notifications
         self.new_batch = NativeBatch  # (n, deadline_ns) -> the native batch every transport finishes
+        # The engine's registered memory (has_gpu, on_gpu(addresses)): a group whose local
+        # memory is on a GPU goes only to transports that declare gpu_memory.
+        self.book = None
 
     # --- set-up ----------------------------------------------------------------------
     def _general(self):
@@ -121,12 +124,36 @@ class Transports:
         return next((t for t in self.running.values() if getattr(t.capabilities, what)),
                     None)
 
+    def _gpu_skips(self, t, local, gpu: list) -> bool:
+        """Whether ``t`` must not carry a group with local addresses ``local``: it does
+        not declare gpu_memory and some of them are GPU memory (``gpu``: the answer,
+        worked out once per pick)."""
+        if t.capabilities.gpu_memory or self.book is None or not self.book.has_gpu:
+            return False
+        if not gpu:
+            gpu.append(self.book.on_gpu(local))
+        return gpu[0]
+
     def pick(self, desc, op: int, local, remote):
         """(transport, route) that carries ``op`` requests to ``desc``."""
+        gpu: list = []
+        skipped = []
         for t in self.routing:
+            if self._gpu_skips(t, local, gpu):
+                skipped.append(t.name)
+                continue
             r = t.route(desc, op, local, remote)
             if r:
                 return t, r
+        if skipped:
+            movers = [t.name for t in self.routing if t.capabilities.gpu_memory]
+            raise E.TransportUnavailableError(
+                f"the local memory of these requests to {desc.name} is GPU memory, which "
+                f"{', '.join(skipped)} cannot move (it declares no gpu_memory) and "
+                + (f"no transport that can ({', '.join(movers)}) reaches {desc.name}"
+                   if movers else "no transport of this engine that moves GPU memory runs")
+                + "; use protocol='auto' (TCP stages GPU memory) or copy the bytes to a "
+                  "registered host buffer first")
         if self.protocol == "shm":
             raise E.TransportUnavailableError(
                 f"protocol='shm' reaches peers on this host only; {desc.name} is elsewhere "
@@ -138,9 +165,12 @@ class Transports:
 
     def cacheable(self, desc, t) -> bool:
         """Whether ``pick(desc, ...)`` answers ``t`` for every address: neither ``t`` nor
-        any transport asked before it routes ``desc`` by address."""
+        any transport asked before it routes ``desc`` by address (or, with GPU memory
+        registered, lacks gpu_memory)."""
         for r in self.routing:
-            if r.route_by_address(desc):
+            if r.route_by_address(desc) or (
+                    not r.capabilities.gpu_memory and self.book is not None
+                    and self.book.has_gpu):
                 return False
             if r is t:
                 return True

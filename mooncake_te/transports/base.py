@@ -38,9 +38,12 @@ class Capabilities:
     """What a transport can do, declared by the transport (as NIXL backends declare
     theirs: ``supportsNotif``, ``getSupportedMems``); the engine reads these."""
     sync: bool = False           # transfer_sync(): one request carried on the calling thread
+    sync_metrics: bool = False   # transfer_sync(..., cell) counts in a metrics cell (else,
+    #                              with metrics on, single requests go through a batch)
     notifications: bool = False  # add_notify() / notifications() / deliver_notification()
     storage: bool = False        # storage segments: add_storage / remove_storage / storage
-    gpu_memory: bool = False     # moves GPU memory (directly or staged)
+    gpu_memory: bool = False     # moves GPU memory (directly or staged); selection never
+    #                              hands a group with local GPU memory to one without it
     same_host: bool = False      # reaches peers of this host only
     wants_keys: bool = False     # publishes per-buffer rkey/lkey lists (buffer_keys)
 
@@ -135,7 +138,9 @@ class Transport(ABC):
     def transfer_sync(self, desc, op: int, local: int, remote: int, length: int,
                       deadline_ns: int) -> tuple:
         """One request carried on the calling thread (transports with ``sync``):
-        (route, 0 or a status code)."""
+        (route, 0 or a status code). Transports with ``sync_metrics`` also take a last
+        argument ``cell``: the address of the metrics cell (src/core/metrics.h) the
+        request counts in."""
         raise NotImplementedError
 
     def counters(self) -> dict:

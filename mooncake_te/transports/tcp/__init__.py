@@ -53,7 +53,10 @@ class TcpTransport(Transport):
     """
 
     name = "tcp"
-    capabilities = Capabilities(sync=True, notifications=True)
+    # GPU memory: staged through pinned host memory on our side (src/tcp/client.c,
+    # src/core/stage.h); the peer's side is its own transport's business.
+    capabilities = Capabilities(sync=True, sync_metrics=True, notifications=True,
+                                gpu_memory=True)
     serves = ("auto", "tcp", "shm")
     priority = 40
 
