@@ -48,6 +48,16 @@ class Capabilities:
     wants_keys: bool = False     # publishes per-buffer rkey/lkey lists (buffer_keys)
 
 
+@dataclass(frozen=True)
+class DeviceCounter:
+    """One per-device counter a transport reports (``Transport.device_counter_defs``):
+    ``key`` in its ``device_counters()`` dicts, exported to Prometheus as
+    ``mooncake_te_<transport>_<metric>_total`` with ``help``."""
+    key: str
+    metric: str
+    help: str
+
+
 @dataclass
 class TransportContext:
     """What an engine hands each of its transports: data and services, not itself."""
@@ -143,9 +153,20 @@ class Transport(ABC):
         request counts in."""
         raise NotImplementedError
 
+    #: The per-device counters :meth:`device_counters` reports (DeviceCounter each);
+    #: ``engine.metrics()`` lists them under the transport's name.
+    device_counter_defs: tuple = ()
+
     def counters(self) -> dict:
-        """Server and client counters for metrics, read on demand (``connections``,
-        ``notifications_dropped``, ...); transports without any return {}."""
+        """Engine-wide counters for metrics, read on demand; ``engine.metrics()`` adds up
+        every transport's. Keys: ``connections``, ``connections_accepted``,
+        ``connections_refused``, ``auth_failures``, ``notifications_received``,
+        ``notifications_dropped`` (ints) and ``queued`` ({peer: slices}); transports
+        without any return {}."""
+        return {}
+
+    def device_counters(self) -> dict:
+        """{device: {key: value}} of :attr:`device_counter_defs`, read on demand."""
         return {}
 
     @property

@@ -194,3 +194,41 @@ def test_register_refuses_a_class_that_is_not_a_transport():
         transports.register("x", object)
     with pytest.raises(ValueError, match="tcp"):
         transports.register("tcp", fake_class("tcp2"))
+
+
+def test_metrics_read_every_transport_through_its_counters(offer, engines):
+    # Before issue 40, metrics looked transports up by the names "tcp" and "rdma".
+    pytest.importorskip("prometheus_client")
+    from mooncake_te.metrics import prometheus
+    from metrics_names import samples, total
+    offer(fake_class("fake"))
+    a, b = engines(), engines()
+    for _ in range(3):
+        _roundtrip(a, b)
+    m = a.metrics()
+    tcp = a._transports["tcp"].counters()
+    assert m["notifications"]["received"] == tcp["notifications_received"] + 3
+    assert m["queue_depth"]["fake-peer"] == 1
+    assert m["fake"] == {"memmove": {"copies": 3, "bytes": 3 * 4096}}
+    got = samples(prometheus.exposition().decode())
+    assert total(got, "mooncake_te_fake_copies_total", engine=a.name,
+                 device="memmove") == 3
+    assert total(got, "mooncake_te_fake_copied_bytes_total", engine=a.name) == 3 * 4096
+
+
+def test_metrics_and_prepared_use_the_engine_through_its_internal_door():
+    # No module of the package reaches into the engine's private fields any more.
+    import ast
+    pkg = Path(mte.__file__).parent
+    for rel in ("metrics/engine.py", "metrics/prometheus.py", "prepared.py",
+                "transports/cuda_ipc/host_dma.py"):
+        tree = ast.parse((pkg / rel).read_text())
+        bad = [f"{rel}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(tree)
+               if isinstance(n, ast.Attribute) and n.attr.startswith("_")
+               and not n.attr.startswith("__")
+               and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+        bad += [f"{rel}:{n.lineno} {ast.unparse(n)}" for n in ast.walk(tree)
+                if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "getattr"
+                and len(n.args) > 1 and isinstance(n.args[1], ast.Constant)
+                and str(n.args[1].value).startswith("_")]
+        assert not bad, bad

@@ -149,7 +149,7 @@ class CudaIpcTransport(Transport):
     def __init__(self, ctx):
         # Nothing here touches CUDA: an engine that never registers GPU memory never
         # loads the driver (see driver_present).
-        self._regions = ctx.regions
+        self.regions = ctx.regions
         self._timeout = max(ctx.config.get("timeout_ms", 30000), 1000) / 1000
         self._tag = f"{ctx.instance:016x}"
         self._host_id = ctx.host_id
@@ -174,6 +174,11 @@ class CudaIpcTransport(Transport):
         host_dma.add(ctx.name, ctx.instance, self)
 
     # --- our regions ---------------------------------------------------------------
+    def host_regions(self) -> list:
+        """This engine's registered host-memory regions (an engine of this process
+        copies to and from them directly: host_dma)."""
+        return list(self._host.values())
+
     def register(self, region) -> None:
         loc = region.location or ""
         if not loc.startswith("cuda:"):
@@ -341,15 +346,15 @@ class CudaIpcTransport(Transport):
         need = _ACC_WRITE if op == _WRITE else _ACC_READ
         extra: list = []                # (table, pin) released after the copies
         for rk in np.unique(k[codes == 0]).tolist():
-            h = other._regions.pin(mrs[rk].address, 1, need)
+            h = other.regions.pin(mrs[rk].address, 1, need)
             if h:
-                extra.append((other._regions, h))
+                extra.append((other.regions, h))
             else:                       # the right is missing, or the region just went
                 codes[(k == rk) & (codes == 0)] = _E_REMOTE_ACCESS
         for li in np.unique(lk[codes == 0]).tolist():
-            h = self._regions.pin(dstarts[li], 1)
+            h = self.regions.pin(dstarts[li], 1)
             if h:
-                extra.append((self._regions, h))
+                extra.append((self.regions, h))
             else:
                 codes[(lk == li) & (codes == 0)] = _E_LOCAL_NOT_REG
         for j in np.flatnonzero(codes).tolist():
@@ -507,16 +512,16 @@ class CudaIpcTransport(Transport):
         lcand = np.flatnonzero(on_gpu & (codes == 0))
         lcode = np.zeros(max(len(ds), 1), np.int32)
         for li in np.flatnonzero(np.bincount(lk[lcand], minlength=len(lcode))).tolist():
-            h = self._regions.pin(dstarts[li], 1)
+            h = self.regions.pin(dstarts[li], 1)
             if h:
-                extra.append((self._regions, h))
+                extra.append((self.regions, h))
             else:                                 # unregistered meanwhile
                 lcode[li] = _E_LOCAL_NOT_REG
         codes[lcand] = lcode[lk[lcand]]
         for j in np.flatnonzero(~on_gpu & (codes == 0)).tolist():
-            h = self._regions.pin(int(local[j]), int(lens[j]))
+            h = self.regions.pin(int(local[j]), int(lens[j]))
             if h:
-                extra.append((self._regions, h))
+                extra.append((self.regions, h))
             else:
                 codes[j] = _E_LOCAL_NOT_REG
         for j in np.flatnonzero(codes).tolist():
@@ -600,7 +605,7 @@ class CudaIpcTransport(Transport):
                                   np.zeros(len(items.idx), np.uint64), err)
                 continue
             for i, _, _, ln, pin, slot in items:
-                self._regions.unpin(pin)
+                self.regions.unpin(pin)
                 slots.release(slot)
                 batch.finish(i, 0 if err else ln, err)
 

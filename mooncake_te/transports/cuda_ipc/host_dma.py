@@ -45,15 +45,16 @@ def lookup(desc):
     if eng is None:
         return None
     try:
-        eng._regions                     # noqa: B018 (a dead proxy raises here)
+        eng.regions                      # noqa: B018 (a dead proxy raises here)
         return eng
     except ReferenceError:
         return None
 
 
 def host_regions(t):
-    """(starts, ends, regions) of the host-memory regions of ``t``'s engine, sorted."""
-    mrs = sorted(list(t._host.values()), key=lambda r: r.address)
+    """(starts, ends, regions) of the host-memory regions of ``t``'s engine, sorted
+    (``t.host_regions()``: the transport's public list)."""
+    mrs = sorted(t.host_regions(), key=lambda r: r.address)
     starts = np.array([r.address for r in mrs], np.uint64)
     ends = np.array([r.address + r.length for r in mrs], np.uint64)
     return starts, ends, mrs

@@ -121,8 +121,8 @@ class TcpTransport(Transport):
         peer = self._peer(desc)
         rc = batch.submit(peer, op, local, remote, lens, first, run_inline)
         if rc != 0:
-            raise TransferError(f"cannot queue {len(local)} requests to {desc.name} "
-                                f"(error {rc})", status=rc if rc < 0 else None)
+            raise error_class(rc)(f"cannot queue {len(local)} requests to {desc.name} "
+                                  f"(status {rc})", status=rc)
         return "shm" if peer.uds else "tcp"
 
     def transfer_sync(self, desc, op, local, remote, length, deadline_ns, cell=0) -> tuple:
