@@ -194,17 +194,10 @@ class PreparedTransfer:
 
 def _check_remote(desc, addrs: np.ndarray, lens: np.ndarray) -> None:
     """Every [addr, addr+len) inside one buffer the peer publishes, or a typed error."""
-    bufs = sorted((b.address, b.length) for b in desc.buffers)
-    if not bufs:
+    if not desc.buffers:
         raise E.AddressNotRegisteredError(f"{desc.name} publishes no buffers")
-    starts = np.array([b[0] for b in bufs], np.uint64)
-    ends = starts + np.array([b[1] for b in bufs], np.uint64)
-    k = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
-    ok = (k >= 0)
-    kk = np.where(ok, k, 0)
-    ok &= addrs + lens <= ends[kk]
-    if not ok.all():
-        i = int(np.flatnonzero(~ok)[0])
+    i = desc.buffer_table().first_outside(addrs, lens)
+    if i >= 0:
         raise E.AddressNotRegisteredError(
             f"remote block {i} [{int(addrs[i]):#x}, +{int(lens[i])}) is not inside a buffer "
             f"{desc.name} published; check the peer's KV cache layout")

@@ -616,7 +616,7 @@ class MooncakeDistributedStore:
         eng = self._eng
         if eng is not None:
             regions += list(getattr(eng, "regions", ()))
-        return any(r.address <= ptr and ptr + n <= r.address + r.length for r in regions)
+        return any(r.contains(ptr, n) for r in regions)
 
     # --- the core: put and get of gathered / scattered objects ---------------------------
     def _check_config(self, config) -> None:

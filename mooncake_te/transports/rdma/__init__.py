@@ -157,17 +157,7 @@ def _covers(desc, remote, lens) -> bool:
     """Every [remote_i, +len_i) lies in one buffer of ``desc`` (vectorized)."""
     if len(remote) == 0:
         return True
-    bufs = sorted((b.address, b.address + b.length) for b in desc.buffers)
-    if not bufs:
-        return False
-    starts = np.array([b[0] for b in bufs], dtype=np.uint64)
-    ends = np.array([b[1] for b in bufs], dtype=np.uint64)
-    r = np.asarray(remote, dtype=np.uint64)
-    ln = np.asarray(lens, dtype=np.uint64)
-    i = np.searchsorted(starts, r, side="right").astype(np.int64) - 1
-    ok = i >= 0
-    ic = np.where(ok, i, 0)
-    return bool((ok & (r + (ln if len(ln) == len(r) else ln[0]) <= ends[ic])).all())
+    return desc.buffer_table().covers(remote, lens)
 
 
 # --------------------------------------------------------------------------- devices
