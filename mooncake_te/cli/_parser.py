@@ -127,7 +127,7 @@ def metadata_url(text: str) -> str:
 def size(text: str) -> int:
     """A byte size such as 128M, 4K or 1G (checked against this machine's memory by the
     command that allocates it)."""
-    from ..bench.stats import parse_size
+    from ..units import parse_size
     try:
         return parse_size(text)
     except ValueError as e:

@@ -86,7 +86,7 @@ def _fail(msg: str) -> int:
 
 def _cannot_run(args, buffer_size: int) -> str | None:
     """Why these flags cannot work on this machine (said before anything starts), or None."""
-    from ..bench.stats import format_size
+    from ..units import format_size
     from ._parser import memory_bytes
     sides = 2 if args.mode == "loopback" else 1
     mem = memory_bytes()
@@ -121,7 +121,7 @@ def run(args) -> int:
     130 interrupted)."""
     from ..bench import BenchConfig, VerifyError
     from ..bench import report
-    from ..bench.stats import parse_size, parse_sizes
+    from ..units import parse_size, parse_sizes
     from ..errors import MooncakeError
 
     buffer_size = args.buffer_size
@@ -141,7 +141,7 @@ def run(args) -> int:
         return _fail(str(e))
     big = max(cfg.block_sizes)
     if args.mode == "loopback" and big > buffer_size:   # known before the target starts
-        from ..bench.stats import format_size
+        from ..units import format_size
         return _fail(f"block size {format_size(big)} is larger than --buffer-size "
                      f"{format_size(buffer_size)}; raise --buffer-size or drop that block size")
     if args.plot:
@@ -188,7 +188,7 @@ def _measure(args, cfg, buffer_size: int, report) -> int:
 def _serve(args, buffer_size: int) -> int:
     import threading
     from ..bench.target import BenchTarget
-    from ..bench.stats import format_size
+    from ..units import format_size
     t = BenchTarget(buffer_size, host=args.host, port=args.port, metadata=args.metadata,
                     protocol=args.protocol, devices=args.device)
     stop = threading.Event()

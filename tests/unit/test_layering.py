@@ -24,7 +24,7 @@ NAMES = ("core", "transports", "facade", "services/integrations", "tools")
 LAYER = {
     # core: the native core and the plain libraries every transport may use
     "core": CORE, "errors": CORE, "batch": CORE, "memory": CORE, "cuda": CORE,
-    "config": CORE, "metadata": CORE, "addresses": CORE, "topology": CORE, "nvmeof_admin": CORE,
+    "config": CORE, "metadata": CORE, "addresses": CORE, "units": CORE, "topology": CORE, "nvmeof_admin": CORE,
     "nvmeof": CORE,
     "transports": TRANSPORTS,
     # the facade: TransferEngine and the modules it is made of
