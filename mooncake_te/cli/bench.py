@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 
+from ..config import PROTOCOLS
 from ._parser import HelpFormatter, metadata_url, port, size
 
 _DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M"
@@ -41,7 +42,7 @@ def add_parser(subparsers) -> None:
     g.add_argument("--metadata", "--metadata_server", default=None, type=metadata_url,
                    help="metadata backend: p2p (no server), etcd://h:2379, redis://h:6379, "
                         "http://h:8080/metadata (default: the config's, else p2p)")
-    g.add_argument("--protocol", default=None, choices=["auto", "tcp", "shm", "rdma"],
+    g.add_argument("--protocol", default=None, choices=PROTOCOLS,
                    help="transport to measure (default: auto, the best this machine has)")
     g.add_argument("--device", default=None, metavar="NIC[,NIC]",
                    help="RDMA devices of this engine (default: all; also MC_TE_FILTERS)")
