@@ -154,10 +154,10 @@ class Transports:
                    if movers else "no transport of this engine that moves GPU memory runs")
                 + "; use protocol='auto' (TCP stages GPU memory) or copy the bytes to a "
                   "registered host buffer first")
-        if self.protocol == "shm":
-            raise E.TransportUnavailableError(
-                f"protocol='shm' reaches peers on this host only; {desc.name} is elsewhere "
-                f"(or serves no same-host listener): use protocol='auto'")
+        for t in self.routing:
+            why = t.no_route_reason(desc)
+            if why:
+                raise E.TransportUnavailableError(why)
         names = ", ".join(t.name for t in self.routing)
         raise E.TransportUnavailableError(
             f"no transport of this engine ({names}) reaches {desc.name}, which serves "

@@ -112,6 +112,12 @@ class Transport(ABC):
         ``remote`` addresses (numpy uint64 arrays; look their regions up to learn where
         the memory is), or None if it cannot carry them."""
 
+    def no_route_reason(self, desc) -> str:
+        """Why :meth:`route` answers None for ``desc`` when that is this engine's
+        settings rather than the peer (``protocol="shm"`` and a peer elsewhere): the
+        error then says it; "" for no such reason."""
+        return ""
+
     def route_by_address(self, desc) -> bool:
         """Whether :meth:`route` to ``desc`` may answer differently for other local or
         remote addresses (GPU memory, regions a NIC could not take). False lets the

@@ -232,3 +232,13 @@ def test_metrics_and_prepared_use_the_engine_through_its_internal_door():
                 and len(n.args) > 1 and isinstance(n.args[1], ast.Constant)
                 and str(n.args[1].value).startswith("_")]
         assert not bad, bad
+
+
+def test_a_transport_says_why_it_does_not_route():
+    # The engine used to test protocol == "shm" itself; now TCP says it (no_route_reason).
+    with mte.TransferEngine(host="127.0.0.1", protocol="shm") as a:
+        far = _desc()
+        far.tcp_data_port = 9                 # a TCP peer on another host (never dialed)
+        with pytest.raises(mte.TransportUnavailableError,
+                           match="protocol='shm' reaches peers on this host only; peer"):
+            a.internal.pick(far, 1, np.array([0], np.uint64), np.array([0], np.uint64))

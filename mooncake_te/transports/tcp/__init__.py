@@ -95,6 +95,12 @@ class TcpTransport(Transport):
             return None
         return "tcp"
 
+    def no_route_reason(self, desc) -> str:
+        if self.only_same_host and self.route(desc) is None:
+            return (f"protocol='shm' reaches peers on this host only; {desc.name} is "
+                    f"elsewhere (or serves no same-host listener): use protocol='auto'")
+        return ""
+
     def _peer(self, desc) -> Peer:
         inst = int(desc.instance_id, 16) if desc.instance_id else 0
         key = (desc.name, inst, desc.host, desc.tcp_data_port)
