@@ -9,6 +9,7 @@ serves peers and carries notifications) even where it moves no data (``protocol=
 from __future__ import annotations
 
 import logging
+from typing import NoReturn
 
 from . import errors as E
 from .transports import probe as probe_transports
@@ -59,6 +60,7 @@ class Transports:
         # The engine's registered memory (has_gpu, on_gpu(addresses)): a group whose local
         # memory is on a GPU goes only to transports that declare gpu_memory.
         self.book = None
+        self.host_only = False        # set by start(): some routing transport lacks gpu_memory
 
     # --- set-up ----------------------------------------------------------------------
     def _general(self):
@@ -110,6 +112,9 @@ class Transports:
                 self.notifier = t
             if _serves(cls, asked):
                 self.routing.append(t)
+        # Some transport that carries data moves no GPU memory: pick() then looks at
+        # where each group's local memory is (every built-in transport moves it).
+        self.host_only = any(not t.capabilities.gpu_memory for t in self.routing)
         if self.protocol not in self.running and asked == "auto":
             # The best one could not start here: the next that did.
             self.protocol = next(n for n, _ in self._general() if n in self.running)
@@ -124,22 +129,24 @@ class Transports:
         return next((t for t in self.running.values() if getattr(t.capabilities, what)),
                     None)
 
-    def _gpu_skips(self, t, local, gpu: list) -> bool:
-        """Whether ``t`` must not carry a group with local addresses ``local``: it does
-        not declare gpu_memory and some of them are GPU memory (``gpu``: the answer,
-        worked out once per pick)."""
-        if t.capabilities.gpu_memory or self.book is None or not self.book.has_gpu:
-            return False
-        if not gpu:
-            gpu.append(self.book.on_gpu(local))
-        return gpu[0]
-
     def pick(self, desc, op: int, local, remote):
         """(transport, route) that carries ``op`` requests to ``desc``."""
-        gpu: list = []
+        if self.host_only:
+            return self._pick_by_memory(desc, op, local, remote)
+        for t in self.routing:
+            r = t.route(desc, op, local, remote)
+            if r:
+                return t, r
+        self._no_route(desc)
+
+    def _pick_by_memory(self, desc, op: int, local, remote):
+        """:meth:`pick` when some transport does not declare gpu_memory: a group whose
+        local memory is on a GPU skips it."""
+        book = self.book
+        gpu = book is not None and book.has_gpu and book.on_gpu(local)
         skipped = []
         for t in self.routing:
-            if self._gpu_skips(t, local, gpu):
+            if gpu and not t.capabilities.gpu_memory:
                 skipped.append(t.name)
                 continue
             r = t.route(desc, op, local, remote)
@@ -154,6 +161,9 @@ class Transports:
                    if movers else "no transport of this engine that moves GPU memory runs")
                 + "; use protocol='auto' (TCP stages GPU memory) or copy the bytes to a "
                   "registered host buffer first")
+        self._no_route(desc)
+
+    def _no_route(self, desc) -> NoReturn:
         for t in self.routing:
             why = t.no_route_reason(desc)
             if why:
