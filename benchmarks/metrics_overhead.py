@@ -21,7 +21,7 @@ import sys
 
 from mooncake_te.bench.runner import BenchConfig
 from mooncake_te.bench.session import BenchSession
-from mooncake_te.bench.stats import parse_sizes
+from mooncake_te.units import parse_sizes
 from mooncake_te.metrics.engine import set_enabled
 
 

@@ -17,7 +17,7 @@ import textwrap
 import time
 
 import mooncake_te as mte
-from mooncake_te.bench.stats import parse_sizes
+from mooncake_te.units import parse_sizes
 
 RECEIVER = textwrap.dedent("""
     import sys, mooncake_te as mte

@@ -137,7 +137,7 @@ def run_once(size, n, decentralized, chunk_size, metadata, parallelism, verify):
 
 
 def main(argv=None) -> int:
-    from mooncake_te.bench.stats import parse_size
+    from mooncake_te.units import parse_size
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="1G")
     ap.add_argument("--getters", default="2,4,8")

@@ -103,62 +103,29 @@ def _message(code, what, target, op, local, remote, length) -> str:
     if code == E.ERR_MEMORY:
         return (f"{what}: memory (or pinned staging memory for GPU buffers) ran out on one "
                 f"side")
-    if E.ERR_RDMA_PORT_DOWN <= code <= E.ERR_RDMA_WC_BASE - 1:
-        return _rdma_message(code, what, target, op, remote, length)
-    if code == E.ERR_OUT_OF_RANGE or E.ERR_STORAGE_BASE - 199 <= code <= E.ERR_STORAGE_BASE:
-        text = _status_text.get("storage")              # storage segments' own words
-        msg = text(code) if text else None
-        if msg:
-            return f"{what}: {msg}"
+    for lo, hi, text in _status_texts:
+        if lo <= code <= hi:
+            msg = text(code, what, target, op, remote, length)
+            if msg:
+                return msg
     return f"{what} failed (status {code})"
 
 
-# Texts that only a transport knows (libibverbs' work-completion strings, a storage
-# segment's errors). A transport registers them when it loads; nothing here imports a
-# transport (layering: the batch sits below the transports). A completion can only carry
-# such a code if that transport ran, so it has registered.
-_status_text: dict = {}
+# Texts that only a transport knows (RDMA work completions, a storage segment's errors),
+# for the codes of src/core/status.h that transport owns. A transport registers them
+# when it loads; nothing here imports a transport (layering: the batch sits below the
+# transports). A completion can only carry such a code if that transport ran, so it has
+# registered.
+_status_texts: list = []      # [(lowest code, highest code, text function)]
 
 
-def register_status_text(kind: str, fn) -> None:
-    """``kind``: "wc" (``fn(ibv_wc_status) -> str``) or "storage" (``fn(code) -> str|None``)."""
-    _status_text[kind] = fn
-
-
-def wc_status_text(status: int) -> str:
-    """libibverbs' own text for a work-completion status (``ibv_wc_status_str``)."""
-    fn = _status_text.get("wc")
-    return fn(status) if fn else f"status {status}"
-
-
-def _rdma_message(code, what, target, op, remote, length) -> str:
-    """The RDMA data path's codes (src/core/status.h): -1100 - ibv_wc_status, and -115x."""
-    if code == E.ERR_RDMA_NO_RAIL:
-        return (f"{what}: no RDMA rail to {target} can carry it (every rail is down or "
-                f"paused, or no NIC pair has keys for both buffers)")
-    if code == E.ERR_RDMA_POST:
-        return (f"{what}: the RDMA NIC refused the work request (ibv_post_send failed; the "
-                f"queue pair is in error)")
-    if code == E.ERR_RDMA_LOCAL_KEY:
-        return f"{what}: the local buffer is not registered with the RDMA NICs"
-    if code == E.ERR_RDMA_PORT_DOWN:
-        return (f"{what}: the port of the local RDMA NIC went down (link or netdev down; "
-                f"ibv_devinfo shows the port state) and no other rail could take over")
-    st = E.ERR_RDMA_WC_BASE - code
-    text = wc_status_text(st)
-    if st == 10:       # IBV_WC_REM_ACCESS_ERR
-        return (f"{what} was refused by the NIC of {target}: {text} (IBV_WC_REM_ACCESS_ERR): "
-                f"[{remote:#x}, {remote + length:#x}) is outside the memory region it "
-                f"registered (stale address or rkey?) or the region forbids remote "
-                f"{'writes' if op == Op.WRITE else 'reads'}")
-    if st in (2, 12, 13, 20):
-        hint = ("the peer's NIC did not answer: link down, peer gone, or an MTU/GID mismatch "
-                "on the path (docs/rdma.md, troubleshooting)")
-    elif st == 5:
-        hint = "flushed after an earlier error on the same queue pair"
-    else:
-        hint = "see docs/rdma.md, troubleshooting"
-    return f"{what} failed over RDMA: {text} (ibv_wc_status {st}); {hint}"
+def register_status_text(lo: int, hi: int, text) -> None:
+    """Describe the status codes in [``lo``, ``hi``] with ``text(code, what, target, op,
+    remote, length) -> str | None`` (``what``: "write of 64 bytes to ...", already
+    worded; None: the generic text)."""
+    if lo > hi:
+        raise ValueError(f"empty code range [{lo}, {hi}]")
+    _status_texts[:] = [r for r in _status_texts if r[:2] != (lo, hi)] + [(lo, hi, text)]
 
 
 class Batch:

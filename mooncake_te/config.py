@@ -29,6 +29,11 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
 
 from .errors import ConfigError
 
+#: The values ``protocol`` may take (the engine's ``protocol=``, ``[transfer_engine]
+#: protocol``, the vLLM connector's and the CLI's ``--protocol``): the one list. Each
+#: name but "auto" is served by a transport (``Transport.serves``; a test checks it).
+PROTOCOLS = ("auto", "tcp", "shm", "rdma")
+
 # section -> key -> (accepted types, default, allowed values or None)
 _STR, _INT, _BOOL, _NUM = (str,), (int,), (bool,), (int, float)
 
@@ -50,7 +55,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "server_address": (_STR, "", None),
     },
     "transfer_engine": {
-        "protocol": (_STR, "auto", ("auto", "tcp", "shm", "rdma")),
+        "protocol": (_STR, "auto", PROTOCOLS),
         "device_names": ((list,), [], None),
         "use_gpu_direct": (_BOOL, True, None),
         "enable_multi_nic": (_BOOL, True, None),

@@ -26,6 +26,7 @@ from .memory import MemoryRegion
 from .metadata import SegmentDescriptor, open_backend
 from .metadata.rpc import RpcServer
 from .metadata.url import from_config as _metadata_from_config, parse as parse_metadata_url
+from .metrics.cells import TransferMetrics
 from .metrics.engine import attach as _attach_metrics, detach as _detach_metrics, engine_metrics
 from .netif import default_host
 from .regions import RegionBook
@@ -105,6 +106,7 @@ class TransferEngine:
 
         self._book = RegionBook()
         self._regions = self._book.table
+        self._tx.book = self._book
         self._instance = secrets.randbits(63) | 1
         self._rpc = RpcServer(self.host, port, self._describe_bytes, self._on_rpc_notify,
                               token=self._token, max_connections=te["rpc_max_connections"],
@@ -119,6 +121,8 @@ class TransferEngine:
         self.name = own if (self._p2p or not name) else name
         self._transports = self._tx.running      # name -> Transport, by priority
         self._peers = None
+        self._tmetrics = self._tmetrics_kept = self._metrics_server = None
+        self.internal = EngineInternal(self)
         self._sync_routes: dict = {}    # (name, op) -> _sync_route's entry
         try:
             self._tx.start(self._tx.context(
@@ -131,7 +135,11 @@ class TransferEngine:
                                          token=self._token)
             self._peers = Peers(self._backend, self._tx.forget, self.timeout)
             self._closed = False
-            _attach_metrics(self, te)      # eng.metrics(), /metrics on metrics_port
+            # Transfer counters (``metrics``, on by default), then export: eng.metrics(),
+            # /metrics on metrics_port.
+            self._tmetrics = TransferMetrics() if te.get("metrics", True) else None
+            self._tmetrics_kept = self._tmetrics
+            self._metrics_server = _attach_metrics(self, te, self._token)
             self._publish()
             self._published = True       # from now on close() withdraws the descriptor
         except BaseException:
@@ -165,7 +173,8 @@ class TransferEngine:
             # A forked child's copy: the sockets, threads and published keys are the
             # parent's; tearing them down here would break the parent (pyzmq does the same).
             return
-        _detach_metrics(self)
+        _detach_metrics(self, self._metrics_server)
+        self._metrics_server = None
         backend = getattr(self, "_backend", None)
         if backend is not None:
             try:
@@ -427,9 +436,10 @@ class TransferEngine:
         version = self._book.version
         desc = self._peers.resolve(name)
         t, route = self._tx.pick(desc, op, src, dst)
-        # Only TCP's transfer_sync takes a metrics cell; with metrics on, the others go
-        # through a batch.
-        sync = t.capabilities.sync and (tm is None or t.name == "tcp")
+        # With metrics on, only a transport whose transfer_sync counts in a metrics cell
+        # carries the request itself; the others go through a batch (which counts).
+        caps = t.capabilities
+        sync = caps.sync and (tm is None or caps.sync_metrics)
         e = (desc, version, tm, t if sync else None,
              tm.cell(name, route, op) if sync and tm is not None else 0)
         if self._tx.cacheable(desc, t):
@@ -482,8 +492,8 @@ class TransferEngine:
         from .prepared import PreparedTransfer
         return PreparedTransfer(self, target, local, remote, block_size)
 
-    def _submit_prepared(self, tr, route, desc, op, src, dst, lens, n, nbytes, notify,
-                         timeout) -> Batch:
+    def _submit_group(self, tr, route, desc, op, src, dst, lens, n, nbytes, notify,
+                      timeout) -> Batch:
         """One group, already checked and routed (PreparedTransfer.post): queued as
         ``submit.queue`` does, without its generality (one group, no caller order)."""
         if self._closed or _getpid() != self._pid:
@@ -559,3 +569,70 @@ class TransferEngine:
                 raise E.InvalidArgumentError(f"timeout must be >= 0 seconds, got {timeout!r}")
             self._notifier.wait_notifications(float(timeout))
         return [Notification(s, m) for s, m in self._notifier.notifications()]
+
+
+class EngineInternal:
+    """The engine's workings that this package's own layers build on (prepared
+    transfers, metrics, the Mooncake compatibility layer): one narrow door instead of
+    private fields. ``TransferEngine.internal``; not public API, it may change.
+    """
+
+    __slots__ = ("_e",)
+
+    def __init__(self, engine: TransferEngine):
+        self._e = engine
+
+    @property
+    def closed(self) -> bool:
+        return self._e._closed
+
+    @property
+    def regions(self):
+        """The native region table every transport checks requests against."""
+        return self._e._regions
+
+    def resolve(self, name: str) -> SegmentDescriptor:
+        """The descriptor of peer ``name`` (cached; a storage segment with a '/')."""
+        return self._e._peers.resolve(name)
+
+    def cached(self, name: str) -> "SegmentDescriptor | None":
+        """The descriptor of ``name`` the cache holds now (None: dropped, e.g. the peer
+        failed or restarted), without asking anyone."""
+        return self._e._peers.cache.entries.get(name)
+
+    def pick(self, desc, op: int, local, remote) -> tuple:
+        """(transport, route) that carries ``op`` requests to ``desc``."""
+        return self._e._tx.pick(desc, op, local, remote)
+
+    def submit_group(self, tr, route, desc, op, src, dst, lens, n, nbytes, notify,
+                     timeout) -> Batch:
+        """Queue one group already checked and routed (by :meth:`pick`)."""
+        return self._e._submit_group(tr, route, desc, op, src, dst, lens, n, nbytes,
+                                     notify, timeout)
+
+    def transports(self) -> list:
+        """The running transports, by priority."""
+        return list(self._e._transports.values())
+
+    @property
+    def rpc_auth_failures(self) -> int:
+        """Peers the RPC port refused because they could not prove the token."""
+        return int(self._e._rpc.auth_failures)
+
+    @property
+    def transfer_metrics(self) -> "TransferMetrics | None":
+        """The transfer counters, or None while transfers are not counted."""
+        return self._e._tmetrics
+
+    def count_transfers(self, on: bool) -> None:
+        """Turn the counting of transfers on or off while the engine runs (batches
+        already submitted keep their cells); what was counted stays readable."""
+        e = self._e
+        if e._tmetrics_kept is None:
+            e._tmetrics_kept = TransferMetrics()
+        e._tmetrics = e._tmetrics_kept if on else None
+
+    @property
+    def counted(self) -> "TransferMetrics | None":
+        """The counters, also while counting is off (None if never on)."""
+        return self._e._tmetrics_kept

@@ -63,7 +63,7 @@ class PreparedTransfer:
     """
 
     def __init__(self, engine, target, local, remote, block_size):
-        self._eng = engine
+        self._eng = core = engine.internal
         self.target = target_name(target)
         self._local = _table(local, "local")
         self._remote = _table(remote, "remote")
@@ -90,13 +90,13 @@ class PreparedTransfer:
         lens = (np.broadcast_to(bs[:, None], self._local.shape).ravel() if len(bs) > 1
                 else bs)
         src = self._local.ravel()
-        bad, _ = engine._regions.check_many(src, lens, 0)
+        bad, _ = core.regions.check_many(src, lens, 0)
         if bad >= 0:
             n = int(lens[bad] if len(lens) > 1 else lens[0])
             raise E.AddressNotRegisteredError(
                 f"local block {bad} [{int(src[bad]):#x}, +{n}) is not inside a region "
                 f"registered with this engine; register the KV cache first")
-        desc = engine._peers.resolve(self.target)
+        desc = core.resolve(self.target)
         rlens = (np.broadcast_to(bs[:, None], self._remote.shape).ravel() if len(bs) > 1
                  else np.full(self._remote.size, bs[0], np.uint64))
         _check_remote(desc, self._remote.ravel(), rlens)
@@ -139,8 +139,8 @@ class PreparedTransfer:
     def _route(self, op: int):
         r = self._routes.get(op)
         if r is None:
-            r = self._routes[op] = self._eng._tx.pick(self._desc, op, self._local.ravel(),
-                                                   self._remote.ravel())
+            r = self._routes[op] = self._eng.pick(self._desc, op, self._local.ravel(),
+                                               self._remote.ravel())
         return r
 
     def post(self, op, local_ids, remote_ids, notify: bytes | None = None,
@@ -180,31 +180,24 @@ class PreparedTransfer:
         # The descriptor cache drops a peer whose connection failed or who restarted; take
         # the current one (one dict lookup when nothing changed).
         desc = self._desc
-        if "/" in self.target or eng._peers.cache.entries.get(self.target) is not desc:
-            desc = eng._peers.resolve(self.target)
+        if "/" in self.target or eng.cached(self.target) is not desc:
+            desc = eng.resolve(self.target)
             if desc is not self._desc:       # re-resolved (restarted peer): check again
                 _check_remote(desc, self._remote.ravel(), self._rlens)
                 self._desc, self._routes = desc, {}
         op = int(op)
         r = self._routes.get(op)
         tr, route = r if r is not None else self._route(op)
-        return eng._submit_prepared(tr, route, desc, op, src, dst, lens, n, nbytes,
-                                    notify, timeout)
+        return eng.submit_group(tr, route, desc, op, src, dst, lens, n, nbytes, notify,
+                                timeout)
 
 
 def _check_remote(desc, addrs: np.ndarray, lens: np.ndarray) -> None:
     """Every [addr, addr+len) inside one buffer the peer publishes, or a typed error."""
-    bufs = sorted((b.address, b.length) for b in desc.buffers)
-    if not bufs:
+    if not desc.buffers:
         raise E.AddressNotRegisteredError(f"{desc.name} publishes no buffers")
-    starts = np.array([b[0] for b in bufs], np.uint64)
-    ends = starts + np.array([b[1] for b in bufs], np.uint64)
-    k = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
-    ok = (k >= 0)
-    kk = np.where(ok, k, 0)
-    ok &= addrs + lens <= ends[kk]
-    if not ok.all():
-        i = int(np.flatnonzero(~ok)[0])
+    i = desc.buffer_table().first_outside(addrs, lens)
+    if i >= 0:
         raise E.AddressNotRegisteredError(
             f"remote block {i} [{int(addrs[i]):#x}, +{int(lens[i])}) is not inside a buffer "
             f"{desc.name} published; check the peer's KV cache layout")

@@ -7,6 +7,8 @@ import errno as _errno
 import os
 import threading
 
+import numpy as np
+
 from . import errors as E
 from .core import ACC_READ, ACC_WRITE, Regions
 from .memory import ACCESS, MemoryRegion, cpu_location, intake
@@ -30,6 +32,27 @@ class RegionBook:
         # Bumped after every add and remove: routes cached under an older version are
         # stale (a transport's route may depend on where local memory lives).
         self.version = 0
+        self._gpu: dict = {}     # start -> end of each region in GPU memory
+
+    @property
+    def has_gpu(self) -> bool:
+        """Whether any registered region is GPU memory."""
+        return bool(self._gpu)
+
+    def on_gpu(self, addresses) -> bool:
+        """Whether any of ``addresses`` (an int or a uint64 array) lies in a registered
+        region of GPU memory."""
+        gpu = self._gpu
+        if not gpu:
+            return False
+        a = np.atleast_1d(np.asarray(addresses, dtype=np.uint64))
+        with self._lock:
+            starts = np.fromiter(gpu, np.uint64, len(gpu))
+            ends = np.fromiter(gpu.values(), np.uint64, len(gpu))
+        hit = np.zeros(len(a), bool)
+        for s, e in zip(starts, ends):
+            hit |= (a >= s) & (a < e)
+        return bool(hit.any())
 
     def __len__(self) -> int:
         return len(self._mrs)
@@ -99,6 +122,8 @@ class RegionBook:
                                          f"{os.strerror(-rc)}")
         with self._lock:
             self._mrs[mr.address] = mr
+            if device >= 0:
+                self._gpu[mr.address] = mr.address + mr.length
         try:
             for t in self.transports:
                 t.register(mr)
@@ -117,6 +142,7 @@ class RegionBook:
             t.unregister(mr)
         with self._lock:
             del self._mrs[mr.address]
+            self._gpu.pop(mr.address, None)
             self.version += 1
         mr.release()           # the buffer export: the owner may resize it again
 

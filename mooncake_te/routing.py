@@ -9,6 +9,7 @@ serves peers and carries notifications) even where it moves no data (``protocol=
 from __future__ import annotations
 
 import logging
+from typing import NoReturn
 
 from . import errors as E
 from .transports import probe as probe_transports
@@ -56,6 +57,10 @@ class Transports:
         self.routing: list = []       # those that carry data for this protocol
         self.notifier = None          # the one with Capabilities.notifications
         self.new_batch = NativeBatch  # (n, deadline_ns) -> the native batch every transport finishes
+        # The engine's registered memory (has_gpu, on_gpu(addresses)): a group whose local
+        # memory is on a GPU goes only to transports that declare gpu_memory.
+        self.book = None
+        self.host_only = False        # set by start(): some routing transport lacks gpu_memory
 
     # --- set-up ----------------------------------------------------------------------
     def _general(self):
@@ -107,6 +112,9 @@ class Transports:
                 self.notifier = t
             if _serves(cls, asked):
                 self.routing.append(t)
+        # Some transport that carries data moves no GPU memory: pick() then looks at
+        # where each group's local memory is (every built-in transport moves it).
+        self.host_only = any(not t.capabilities.gpu_memory for t in self.routing)
         if self.protocol not in self.running and asked == "auto":
             # The best one could not start here: the next that did.
             self.protocol = next(n for n, _ in self._general() if n in self.running)
@@ -123,14 +131,43 @@ class Transports:
 
     def pick(self, desc, op: int, local, remote):
         """(transport, route) that carries ``op`` requests to ``desc``."""
+        if self.host_only:
+            return self._pick_by_memory(desc, op, local, remote)
         for t in self.routing:
             r = t.route(desc, op, local, remote)
             if r:
                 return t, r
-        if self.protocol == "shm":
+        self._no_route(desc)
+
+    def _pick_by_memory(self, desc, op: int, local, remote):
+        """:meth:`pick` when some transport does not declare gpu_memory: a group whose
+        local memory is on a GPU skips it."""
+        book = self.book
+        gpu = book is not None and book.has_gpu and book.on_gpu(local)
+        skipped = []
+        for t in self.routing:
+            if gpu and not t.capabilities.gpu_memory:
+                skipped.append(t.name)
+                continue
+            r = t.route(desc, op, local, remote)
+            if r:
+                return t, r
+        if skipped:
+            movers = [t.name for t in self.routing if t.capabilities.gpu_memory]
             raise E.TransportUnavailableError(
-                f"protocol='shm' reaches peers on this host only; {desc.name} is elsewhere "
-                f"(or serves no same-host listener): use protocol='auto'")
+                f"the local memory of these requests to {desc.name} is GPU memory, which "
+                f"{', '.join(skipped)} cannot move (it declares no gpu_memory) and "
+                + (f"no transport that can ({', '.join(movers)}) reaches {desc.name}"
+                   if movers else "no transport of this engine that moves GPU memory runs")
+                + "; use protocol='auto' (TCP stages GPU memory) or copy the bytes to a "
+                  "registered host buffer first")
+        self._no_route(desc)
+
+    def _no_route(self, desc) -> NoReturn:
+        for t in self.routing:
+            why = t.no_route_reason(desc)
+            if why:
+                raise E.TransportUnavailableError(why)
         names = ", ".join(t.name for t in self.routing)
         raise E.TransportUnavailableError(
             f"no transport of this engine ({names}) reaches {desc.name}, which serves "
@@ -138,9 +175,12 @@ class Transports:
 
     def cacheable(self, desc, t) -> bool:
         """Whether ``pick(desc, ...)`` answers ``t`` for every address: neither ``t`` nor
-        any transport asked before it routes ``desc`` by address."""
+        any transport asked before it routes ``desc`` by address (or, with GPU memory
+        registered, lacks gpu_memory)."""
         for r in self.routing:
-            if r.route_by_address(desc):
+            if r.route_by_address(desc) or (
+                    not r.capabilities.gpu_memory and self.book is not None
+                    and self.book.has_gpu):
                 return False
             if r is t:
                 return True

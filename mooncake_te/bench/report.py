@@ -6,7 +6,7 @@ import csv
 import json
 
 from .runner import Progress
-from .stats import format_bytes, format_size
+from ..units import format_bytes, format_size
 
 CSV_FIELDS = ["op", "block_size", "batch_size", "threads", "inflight", "batches", "requests",
               "bytes", "seconds", "gbps", "requests_per_s", "us_per_request",

@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from . import pattern
-from .stats import format_size, gbps, summarize_ns
+from ..units import format_size
+from .stats import gbps, summarize_ns
 
 DEFAULT_BLOCK_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 MAX_BATCH = 64                  # requests per batch for small blocks (Mooncake's bench: 128)

@@ -105,21 +105,21 @@ METADATA_FORMS = "p2p, etcd://HOST:2379, redis://HOST:6379, http://HOST:8080/met
 
 def metadata_url(text: str) -> str:
     """A metadata backend as ``TransferEngine(metadata=...)`` takes it."""
+    from ..metadata.url import STORE_SCHEMES, parse
     t = text.strip()
-    low = t.lower()
-    if low in ("p2p", "p2phandshake"):
+    u = parse(t)
+    if u.is_p2p and t:
         return t
-    scheme, sep, rest = t.partition("://")
-    if not sep:
+    if not u.explicit:
         if re.fullmatch(r"[\w.\-\[\]:]+:\d+(,[\w.\-\[\]:]+:\d+)*", t):
             return t        # a bare host:port is etcd, as in Mooncake
         raise argparse.ArgumentTypeError(f"unknown metadata backend {text!r}; use one of "
                                          f"{METADATA_FORMS}")
-    if scheme.lower() not in ("etcd", "redis", "http", "https") or not rest:
-        hint = _close(scheme.lower(), ["etcd", "redis", "http", "https"])
+    if not u.known or not u.address:
+        hint = _close(u.scheme, list(STORE_SCHEMES))
         raise argparse.ArgumentTypeError(
             f"unknown metadata backend {text!r}"
-            + (f" (did you mean {hint}://{rest}?)" if hint else "")
+            + (f" (did you mean {hint}://{u.address}?)" if hint else "")
             + f"; use one of {METADATA_FORMS}")
     return t
 
@@ -127,7 +127,7 @@ def metadata_url(text: str) -> str:
 def size(text: str) -> int:
     """A byte size such as 128M, 4K or 1G (checked against this machine's memory by the
     command that allocates it)."""
-    from ..bench.stats import parse_size
+    from ..units import parse_size
     try:
         return parse_size(text)
     except ValueError as e:

@@ -12,6 +12,7 @@ import json
 import signal
 import sys
 
+from ..config import PROTOCOLS
 from ._parser import HelpFormatter, metadata_url, port, size
 
 _DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M"
@@ -41,7 +42,7 @@ def add_parser(subparsers) -> None:
     g.add_argument("--metadata", "--metadata_server", default=None, type=metadata_url,
                    help="metadata backend: p2p (no server), etcd://h:2379, redis://h:6379, "
                         "http://h:8080/metadata (default: the config's, else p2p)")
-    g.add_argument("--protocol", default=None, choices=["auto", "tcp", "shm", "rdma"],
+    g.add_argument("--protocol", default=None, choices=PROTOCOLS,
                    help="transport to measure (default: auto, the best this machine has)")
     g.add_argument("--device", default=None, metavar="NIC[,NIC]",
                    help="RDMA devices of this engine (default: all; also MC_TE_FILTERS)")
@@ -86,7 +87,7 @@ def _fail(msg: str) -> int:
 
 def _cannot_run(args, buffer_size: int) -> str | None:
     """Why these flags cannot work on this machine (said before anything starts), or None."""
-    from ..bench.stats import format_size
+    from ..units import format_size
     from ._parser import memory_bytes
     sides = 2 if args.mode == "loopback" else 1
     mem = memory_bytes()
@@ -121,7 +122,7 @@ def run(args) -> int:
     130 interrupted)."""
     from ..bench import BenchConfig, VerifyError
     from ..bench import report
-    from ..bench.stats import parse_size, parse_sizes
+    from ..units import parse_size, parse_sizes
     from ..errors import MooncakeError
 
     buffer_size = args.buffer_size
@@ -141,7 +142,7 @@ def run(args) -> int:
         return _fail(str(e))
     big = max(cfg.block_sizes)
     if args.mode == "loopback" and big > buffer_size:   # known before the target starts
-        from ..bench.stats import format_size
+        from ..units import format_size
         return _fail(f"block size {format_size(big)} is larger than --buffer-size "
                      f"{format_size(buffer_size)}; raise --buffer-size or drop that block size")
     if args.plot:
@@ -188,7 +189,7 @@ def _measure(args, cfg, buffer_size: int, report) -> int:
 def _serve(args, buffer_size: int) -> int:
     import threading
     from ..bench.target import BenchTarget
-    from ..bench.stats import format_size
+    from ..units import format_size
     t = BenchTarget(buffer_size, host=args.host, port=args.port, metadata=args.metadata,
                     protocol=args.protocol, devices=args.device)
     stop = threading.Event()

@@ -15,20 +15,14 @@ import os
 import sys
 
 from ._parser import port as _port
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
 def _size(text: str) -> int:
-    """``65536``, ``64K``, ``16M``, ``1G``: bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _UNITS else ""
+    """``65536``, ``64K``, ``16M``, ``1G``: bytes (:func:`mooncake_te.units.parse_size`)."""
+    from ..units import parse_size
     try:
-        n = int(float(t[:len(t) - len(unit)]) * _UNITS[unit])
+        return parse_size(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 65536, 64K, 16M, 1G)")
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: a size must be positive")
-    return n
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a positive size (e.g. 65536, 64K, 16M, 1G)") from None
 
 
 def add_parser(subparsers) -> None:

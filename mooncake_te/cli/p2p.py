@@ -134,7 +134,7 @@ def _progress(enabled: bool, description: str, total: int):
 
 
 def _publish(args) -> int:
-    from ..bench.stats import parse_size
+    from ..units import parse_size
     path = args.file
     name = args.name or os.path.basename(path)
     size = os.path.getsize(path)

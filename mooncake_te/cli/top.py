@@ -44,9 +44,9 @@ def _url(arg) -> str:
 
 def run(args) -> int:
     from ..errors import MooncakeError
-    from ..metrics.prometheus import _require
+    from ..metrics.prometheus import require
     try:
-        _require("mooncake-te top")          # it reads the text format with its parser
+        require("mooncake-te top")          # it reads the text format with its parser
     except MooncakeError as e:
         print(f"mooncake-te top: {e}", file=sys.stderr)
         return 1

@@ -56,6 +56,7 @@ import weakref
 
 import numpy as np
 
+from ..units import parse_size
 from .. import errors as E
 from ..kvcache.keys import as_key
 from ..kvcache.record import HEADER_SIZE, slot_size_for
@@ -95,14 +96,15 @@ def n_chunks(total: int, chunk: int) -> int:
 
 
 def _parse_size(value) -> int:
-    """``4194304``, ``"4MB"``, ``"64 KB"`` -> bytes (the units vLLM's config accepts)."""
+    """``4194304``, ``"4MB"``, ``"64 KB"`` -> bytes (the units vLLM's config accepts;
+    :func:`mooncake_te.units.parse_size`)."""
     if isinstance(value, int):
         return value
-    m = re.fullmatch(r"\s*([\d.]+)\s*(gb|mb|kb|b)?\s*", str(value).lower())
-    if not m:
-        raise E.InvalidArgumentError(f"size {value!r} is not a number of bytes (e.g. 4MB)")
-    mult = {"gb": 1 << 30, "mb": 1 << 20, "kb": 1 << 10, "b": 1, None: 1}[m.group(2)]
-    return int(float(m.group(1)) * mult)
+    try:
+        return parse_size(value, minimum=0)
+    except ValueError:
+        raise E.InvalidArgumentError(f"size {value!r} is not a number of bytes (e.g. 4MB)"
+                                     ) from None
 
 
 class ReplicaStatus(enum.IntEnum):
@@ -616,7 +618,7 @@ class MooncakeDistributedStore:
         eng = self._eng
         if eng is not None:
             regions += list(getattr(eng, "regions", ()))
-        return any(r.address <= ptr and ptr + n <= r.address + r.length for r in regions)
+        return any(r.contains(ptr, n) for r in regions)
 
     # --- the core: put and get of gathered / scattered objects ---------------------------
     def _check_config(self, config) -> None:

@@ -18,6 +18,7 @@ import re
 import resource
 
 from ..errors import ConfigError, DeviceNotFoundError
+from ..metadata.url import P2P_NAMES, parse as parse_metadata_url
 from .base import GiB, check, error, ok, skip, warning
 from .probe import identify, parse_endpoints
 
@@ -294,7 +295,7 @@ def _metadata_targets(ctx):
     yield label, md["server_type"], md["server_address"]
     ps = cfg["p2p_store"]
     kind = (ps["metadata_server"] or "p2p").lower()
-    if kind not in ("p2p", "p2phandshake", ""):
+    if kind and kind not in P2P_NAMES:
         yield "[p2p_store]", kind, ps["metadata_address"]
 
 
@@ -303,7 +304,7 @@ def _metadata_targets(ctx):
 def check_metadata(ctx):
     for section, kind, address in _metadata_targets(ctx):
         kind = kind.lower()
-        if kind in ("p2p", "p2phandshake"):
+        if kind in P2P_NAMES:
             yield skip("MTE301", f"{section} server_type = \"p2p\": no metadata server (peers "
                                  f"exchange descriptors over the handshake port)")
             continue
@@ -317,8 +318,9 @@ def check_metadata(ctx):
                         f"set {section} {addr_key} = \"host:port\" (e.g. "
                         f"\"127.0.0.1:{ {'etcd': 2379, 'redis': 6379, 'http': 8080}[kind]}\")")
             continue
-        if "://" in address:
-            scheme = address.split("://", 1)[0].lower()
+        given = parse_metadata_url(address)
+        if given.explicit:
+            scheme = given.scheme
             if scheme != kind and not (kind == "http" and scheme == "https") \
                     and not (kind == "etcd" and scheme in ("http", "https")):
                 yield error("MTE300", f"{section} server_type = {kind!r} but {addr_key} = "

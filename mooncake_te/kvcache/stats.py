@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .tiers import names as tier_names
 from .tiers import registered
+from ..units import format_binary
 
 # Counters that name no tier. Each registered tier adds ``hit_blocks_<tier>`` (lookups),
 # ``served_<tier>``, ``served_<tier>_bytes`` and the timer ``<tier>_read_s`` (reads); each
@@ -68,12 +69,8 @@ def derive(c: dict, tiers=None) -> dict:
 
 
 def human(n: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at or above 1."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024.0
-    return f"{n:.2f} TiB"
+    """Bytes in the largest binary unit (up to GiB) that keeps the number at or above 1."""
+    return format_binary(n, 2, "GiB")
 
 
 def log_line(s: dict) -> str:

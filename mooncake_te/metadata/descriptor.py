@@ -15,6 +15,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from ..addresses import AddressTable
 from ..errors import MetadataError, ERR_MALFORMED_JSON
 
 
@@ -59,6 +60,14 @@ class SegmentDescriptor:
     protocols: list = field(default_factory=list)        # every transport this engine serves
     extra: dict = field(default_factory=dict)            # transport-specific fields
     timestamp: str = ""
+
+    def buffer_table(self) -> AddressTable:
+        """Which published buffer holds an address (:class:`AddressTable` over
+        :attr:`buffers`), built once per list of buffers."""
+        t = self.__dict__.get("_buffer_table")
+        if t is None or t[0] is not self.buffers or len(t[1]) != len(self.buffers):
+            t = self.__dict__["_buffer_table"] = (self.buffers, AddressTable(self.buffers))
+        return t[1]
 
     def to_json(self) -> dict:
         d = {

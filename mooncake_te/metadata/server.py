@@ -73,6 +73,7 @@ from dataclasses import dataclass
 from urllib.parse import urlencode
 
 from ..errors import MetadataError
+from .http_protocol import AUTH_HEADER, MAX_BATCH, NOT_FOUND_TEXT, SERVER_HEADER, TTL_HEADER
 from ..metrics.metadata import ServerCounters
 from ..metrics.prometheus import track
 
@@ -83,10 +84,6 @@ except ImportError:     # pragma: no cover - depends on the installed extras
 
 log = logging.getLogger("mooncake_te.metadata.server")
 
-TTL_HEADER = "X-Mooncake-TTL"
-SERVER_HEADER = "X-Mooncake-Metadata-Server"
-NOT_FOUND_TEXT = "metadata not found"
-AUTH_HEADER = "X-MTE-Auth"
 #: largest accepted value (--max-value-bytes); a descriptor of thousands of buffers is
 #: well under a megabyte
 MAX_VALUE = 64 << 20
@@ -98,8 +95,6 @@ KEY_OVERHEAD = 128
 MAX_TTL = 365 * 86400.0
 #: a signed request is accepted this many seconds either side of the server's clock
 AUTH_WINDOW = 60.0
-#: most keys one ``POST /metadata/batch`` may ask for
-MAX_BATCH = 4096
 #: most bytes of (base64) values one batch read answers (``max_batch_reply``): a small
 #: request naming one big key many times must not build a reply of gigabytes (issue 35,
 #: item 7)

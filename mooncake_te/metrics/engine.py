@@ -25,17 +25,20 @@ def engine_metrics(eng) -> dict:
         (``rpc``, ``data``); ``notifications`` (``received``, ``dropped``);
         ``queue_depth`` ({peer: slices queued, not yet on a TCP lane});
         ``registered_bytes`` ({location: bytes}, e.g. ``cpu:0``, ``cuda:1``);
-        ``regions``; ``rdma`` ({device: slices, bytes, completions, errors, retries}).
+        ``regions``; and per transport that declares device counters
+        (``Transport.device_counter_defs``), under its name, {device: {counter: value}}
+        (``rdma``: slices, bytes, completions, errors, retries).
     """
-    tm = getattr(eng, "_tmetrics", None)
+    core = eng.internal
+    tm = core.transfer_metrics
     out = {"engine": eng.name, "enabled": tm is not None,
            "transfers": tm.snapshot() if tm is not None else []}
-    tcp = eng._transports.get("tcp")
-    c = tcp.counters() if tcp is not None else {}
+    running = core.transports()
+    c = transport_counters(running)
     out["connections"] = {"open": int(c.get("connections", 0)),
                           "accepted": int(c.get("connections_accepted", 0)),
                           "refused": int(c.get("connections_refused", 0))}
-    out["auth_failures"] = {"rpc": int(eng._rpc.auth_failures),
+    out["auth_failures"] = {"rpc": core.rpc_auth_failures,
                             "data": int(c.get("auth_failures", 0))}
     out["notifications"] = {"received": int(c.get("notifications_received", 0)),
                             "dropped": int(c.get("notifications_dropped", 0))}
@@ -47,61 +50,71 @@ def engine_metrics(eng) -> dict:
         by_loc[loc] = by_loc.get(loc, 0) + int(r.length)
     out["registered_bytes"] = by_loc
     out["regions"] = len(regions)
-    rdma = eng._transports.get("rdma")
-    out["rdma"] = {}
-    if rdma is not None and hasattr(rdma, "stats"):
+    for t in running:
+        if not t.device_counter_defs:
+            continue
         try:
-            out["rdma"] = {dev: {k: int(v) for k, v in s.items()}
-                           for dev, s in rdma.stats().items()}
+            out[t.name] = {dev: {k: int(v) for k, v in s.items()}
+                           for dev, s in t.device_counters().items()}
         except Exception:           # a closing transport must not break a scrape
-            log.debug("rdma stats unavailable", exc_info=True)
+            log.debug("%s device counters unavailable", t.name, exc_info=True)
+            out[t.name] = {}
     return out
 
 
-def attach(eng, te: dict) -> None:
-    """Set up an engine's metrics from its ``[transfer_engine]`` settings: the transfer
-    counters (``metrics``, on by default), export through the registry, and the /metrics
-    listener (``metrics_port``, 0: none)."""
-    from .cells import TransferMetrics
-    eng._tmetrics = TransferMetrics() if te.get("metrics", True) else None
-    eng._metrics_server = None
+def transport_counters(transports) -> dict:
+    """The engine-wide counters of every transport (``Transport.counters()``) added up:
+    numbers summed, dicts of numbers (``queued``: {peer: slices}) merged and summed."""
+    total: dict = {}
+    for t in transports:
+        for k, v in t.counters().items():
+            if isinstance(v, dict):
+                d = total.setdefault(k, {})
+                for kk, vv in v.items():
+                    d[kk] = d.get(kk, 0) + vv
+            else:
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+def attach(eng, te: dict, token: "bytes | None" = None):
+    """Export an engine's metrics through the registry and start the /metrics listener
+    of its ``[transfer_engine]`` settings (``metrics_port``, 0: none; ``token``: the
+    engine's auth token, which the listener asks scrapers for); returns that listener
+    (or None), which :func:`detach` stops."""
     try:
         from . import prometheus
         prometheus.track("engine", eng)
     except ModuleNotFoundError:          # pragma: no cover - part of the package
-        return
+        return None
     port = int(te.get("metrics_port", 0) or 0)
-    if port:
-        # Asked for and impossible: an error (the engine is closed), not a warning in a
-        # log nobody reads while /metrics serves nothing.
-        prometheus._require(f"metrics_port = {port} (/metrics)")
-        try:
-            eng._metrics_server = prometheus.serve(port, "127.0.0.1",
-                                                   getattr(eng, "_token", None))
-        except MooncakeError as e:
-            # Metrics must not stop an engine from moving bytes; a busy port is common
-            # when processes inherit MC_METRICS_PORT (bench targets, vLLM workers).
-            log.warning("engine %s: %s", eng.name, e)
-            return
-        log.info("metrics of %s at %s", eng.name, eng._metrics_server.url)
+    if not port:
+        return None
+    # Asked for and impossible: an error (the engine is closed), not a warning in a
+    # log nobody reads while /metrics serves nothing.
+    prometheus.require(f"metrics_port = {port} (/metrics)")
+    try:
+        server = prometheus.serve(port, "127.0.0.1", token)
+    except MooncakeError as e:
+        # Metrics must not stop an engine from moving bytes; a busy port is common
+        # when processes inherit MC_METRICS_PORT (bench targets, vLLM workers).
+        log.warning("engine %s: %s", eng.name, e)
+        return None
+    log.info("metrics of %s at %s", eng.name, server.url)
+    return server
 
 
 def set_enabled(eng, on: bool) -> None:
     """Turn the counting of ``eng``'s transfers on or off while it runs (batches already
     submitted keep their cells); what was counted stays readable. For A/B measurements
     of the overhead in one process (benchmarks/metrics_overhead.py)."""
-    from .cells import TransferMetrics
-    keep = getattr(eng, "_tmetrics_kept", None) or getattr(eng, "_tmetrics", None) \
-        or TransferMetrics()
-    eng._tmetrics_kept = keep
-    eng._tmetrics = keep if on else None
+    eng.internal.count_transfers(on)
 
 
-def detach(eng) -> None:
-    """Stop exporting ``eng`` (its counters stay readable)."""
+def detach(eng, server=None) -> None:
+    """Stop exporting ``eng`` (its counters stay readable) and release ``server`` (what
+    :func:`attach` returned)."""
     from . import prometheus
     prometheus.untrack(eng)
-    server = getattr(eng, "_metrics_server", None)
     if server is not None:
-        eng._metrics_server = None
         server.release()

@@ -143,7 +143,7 @@ def _merge_hist(a: dict | None, b: dict) -> dict:
 
 # --- exporters, one per kind of component ---------------------------------------------
 def _export_engine(f: _Families, eng) -> None:
-    if getattr(eng, "_closed", False):
+    if eng.internal.closed:
         return
     m = eng.metrics()
     e = {"engine": m["engine"]}
@@ -193,19 +193,11 @@ def _export_engine(f: _Families, eng) -> None:
         f.gauge("mooncake_te_registered_bytes", "Bytes of registered memory, by location",
                 dict(e, location=loc), n)
     f.gauge("mooncake_te_registered_regions", "Registered memory regions", e, m["regions"])
-    for dev, s in m["rdma"].items():
-        lab = dict(e, device=dev)
-        for key, name, doc in _RDMA:
-            f.counter(f"mooncake_te_rdma_{name}", doc, lab, s.get(key, 0))
-
-
-# (key in the transport's stats, metric name, help) of the RDMA device counters.
-_RDMA = (("slices", "slices", "RDMA slices posted"),
-         ("bytes", "posted_bytes", "Bytes posted to the NIC"),
-         ("completions", "completions", "RDMA work completions"),
-         ("errors", "errors", "RDMA work completions with an error"),
-         ("retries", "retries", "Slices posted again on another rail after a transport "
-                                "error (rail failovers)"))
+    for t in eng.internal.transports():      # the per-device counters each declares
+        for dev, s in m.get(t.name, {}).items():
+            lab = dict(e, device=dev)
+            for d in t.device_counter_defs:
+                f.counter(f"mooncake_te_{t.name}_{d.metric}", d.help, lab, s.get(d.key, 0))
 
 # (key in KVCache.stats() = metric name, help) of the KV cache's plain counters.
 _KV_COUNTERS = (
@@ -318,7 +310,7 @@ _collector = Collector()
 def registry():
     """The registry /metrics serves (created on first use; needs prometheus-client)."""
     global _registry
-    _require()
+    require()
     if _registry is None:
         from prometheus_client import CollectorRegistry
         reg = CollectorRegistry(auto_describe=False)
@@ -330,7 +322,7 @@ def registry():
 def install(target=None) -> None:
     """Also export through ``target`` (default prometheus_client's global REGISTRY), e.g.
     so a process that already serves /metrics (vLLM) shows ours beside its own."""
-    _require()
+    require()
     if target is None:
         from prometheus_client import REGISTRY as target
     try:
@@ -350,7 +342,7 @@ MISSING = ("prometheus-client is not installed (a dependency of mooncake_te that
            "'prometheus-client>=0.20', or pip install '.[metrics]' in a mooncake_te clone")
 
 
-def _require(what: str = "Prometheus metrics") -> None:
+def require(what: str = "Prometheus metrics") -> None:
     try:
         import prometheus_client  # noqa: F401
     except ModuleNotFoundError:

@@ -14,6 +14,7 @@ import urllib.request
 
 from .. import errors as E
 from .cells import quantile
+from ..units import format_binary
 
 P = "mooncake_te_"
 
@@ -162,11 +163,7 @@ def summarize(cur: dict, prev: dict | None = None, dt: float = 0.0) -> dict:
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return ""
+    return format_binary(n, 1)
 
 
 def _secs(s: float) -> str:

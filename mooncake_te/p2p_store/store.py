@@ -104,7 +104,7 @@ def _inside(regions, obj):
     except MooncakeError:
         return None          # not memory we can read: register() says why
     for r in regions:
-        if r.address <= it.address and it.address + it.length <= r.address + r.length:
+        if r.contains(it.address, it.length):
             return it.address, it.length, r.access
     return None
 

@@ -6,10 +6,34 @@ from __future__ import annotations
 
 from .base import Transport, UnavailableTransport
 
+# Transports added from outside this package (a plug-in, the tests' in-process fake):
+# name -> class. probe() lists them after the built-in ones.
+_registered: dict = {}
+
+
+def register(name: str, cls) -> None:
+    """Offer transport class ``cls`` (a :class:`Transport`) to engines created from now on,
+    under ``name`` (its ``protocol=`` value); the built-in transports need no call."""
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TypeError(f"transport {name!r} must be a Transport subclass, got {cls!r}")
+    if not isinstance(name, str) or not name or name in _BUILTIN:
+        raise ValueError(f"transport name must be a new non-empty str (not one of "
+                         f"{', '.join(_BUILTIN)}), got {name!r}")
+    _registered[name] = cls
+
+
+def unregister(name: str) -> None:
+    """Withdraw a transport offered with :func:`register` (engines running keep theirs)."""
+    _registered.pop(name, None)
+
+
+#: The transports of this package, in the order probe() lists them.
+_BUILTIN = ("tcp", "shm", "cuda_ipc", "rdma", "nvmeof")
+
 
 def probe() -> dict:
     """name -> transport class, or UnavailableTransport saying why not."""
-    out = {}
+    out: dict = {}
     try:
         from .tcp import TcpTransport
         out["tcp"] = TcpTransport
@@ -35,7 +59,8 @@ def probe() -> dict:
     except ImportError as e:
         out["nvmeof"] = UnavailableTransport("nvmeof", f"native module not built: {e} "
                                                        f"(python setup.py build_ext --inplace)")
+    out.update(_registered)
     return out
 
 
-__all__ = ["Transport", "UnavailableTransport", "probe"]
+__all__ = ["Transport", "UnavailableTransport", "probe", "register", "unregister"]

@@ -38,11 +38,24 @@ class Capabilities:
     """What a transport can do, declared by the transport (as NIXL backends declare
     theirs: ``supportsNotif``, ``getSupportedMems``); the engine reads these."""
     sync: bool = False           # transfer_sync(): one request carried on the calling thread
+    sync_metrics: bool = False   # transfer_sync(..., cell) counts in a metrics cell (else,
+    #                              with metrics on, single requests go through a batch)
     notifications: bool = False  # add_notify() / notifications() / deliver_notification()
     storage: bool = False        # storage segments: add_storage / remove_storage / storage
-    gpu_memory: bool = False     # moves GPU memory (directly or staged)
+    gpu_memory: bool = False     # moves GPU memory (directly or staged); selection never
+    #                              hands a group with local GPU memory to one without it
     same_host: bool = False      # reaches peers of this host only
     wants_keys: bool = False     # publishes per-buffer rkey/lkey lists (buffer_keys)
+
+
+@dataclass(frozen=True)
+class DeviceCounter:
+    """One per-device counter a transport reports (``Transport.device_counter_defs``):
+    ``key`` in its ``device_counters()`` dicts, exported to Prometheus as
+    ``mooncake_te_<transport>_<metric>_total`` with ``help``."""
+    key: str
+    metric: str
+    help: str
 
 
 @dataclass
@@ -99,6 +112,12 @@ class Transport(ABC):
         ``remote`` addresses (numpy uint64 arrays; look their regions up to learn where
         the memory is), or None if it cannot carry them."""
 
+    def no_route_reason(self, desc) -> str:
+        """Why :meth:`route` answers None for ``desc`` when that is this engine's
+        settings rather than the peer (``protocol="shm"`` and a peer elsewhere): the
+        error then says it; "" for no such reason."""
+        return ""
+
     def route_by_address(self, desc) -> bool:
         """Whether :meth:`route` to ``desc`` may answer differently for other local or
         remote addresses (GPU memory, regions a NIC could not take). False lets the
@@ -135,12 +154,25 @@ class Transport(ABC):
     def transfer_sync(self, desc, op: int, local: int, remote: int, length: int,
                       deadline_ns: int) -> tuple:
         """One request carried on the calling thread (transports with ``sync``):
-        (route, 0 or a status code)."""
+        (route, 0 or a status code). Transports with ``sync_metrics`` also take a last
+        argument ``cell``: the address of the metrics cell (src/core/metrics.h) the
+        request counts in."""
         raise NotImplementedError
 
+    #: The per-device counters :meth:`device_counters` reports (DeviceCounter each);
+    #: ``engine.metrics()`` lists them under the transport's name.
+    device_counter_defs: tuple = ()
+
     def counters(self) -> dict:
-        """Server and client counters for metrics, read on demand (``connections``,
-        ``notifications_dropped``, ...); transports without any return {}."""
+        """Engine-wide counters for metrics, read on demand; ``engine.metrics()`` adds up
+        every transport's. Keys: ``connections``, ``connections_accepted``,
+        ``connections_refused``, ``auth_failures``, ``notifications_received``,
+        ``notifications_dropped`` (ints) and ``queued`` ({peer: slices}); transports
+        without any return {}."""
+        return {}
+
+    def device_counters(self) -> dict:
+        """{device: {key: value}} of :attr:`device_counter_defs`, read on demand."""
         return {}
 
     @property

@@ -2,7 +2,8 @@
 /* Every status code the native data paths return: the only list.
  *
  * A request's error (mte_batch_status, a synchronous transfer's return value) is 0 or one
- * of these. The small ones are Mooncake's (include/error.h); ours sit outside Mooncake's
+ * of these, and so is what every transport's submit returns (mte_tcp_submit,
+ * mte_rdma_submit, mte_nvf_submit): never an errno. The small ones are Mooncake's (include/error.h); ours sit outside Mooncake's
  * ranges. Python maps each to its own exception class (mooncake_te/errors.py); a test
  * (tests/unit/test_status_codes.py) parses this file and checks that every code below has
  * exactly one class with that `.status`, so a code added here without a class fails CI.
@@ -15,6 +16,7 @@
 #define MTE_STATUS_H
 
 /* --- Mooncake's codes ------------------------------------------------------------- */
+#define MTE_E_INVALID          (-1)     /* a caller's argument is wrong (bad op, index past the batch) */
 #define MTE_E_REMOTE_NOT_REG   (-3)     /* the peer's address is outside its registered regions */
 #define MTE_E_SOCKET           (-102)   /* a connection failed or was lost */
 #define MTE_E_NOMEM            (-302)   /* memory (or pinned staging memory) ran out */

@@ -371,26 +371,26 @@ int mte_nvf_submit(mte_nvf_t *f, mte_batch_t *b, int op, const uint64_t *local,
                    uint32_t first, uint32_t n)
 {
     if (op != MTE_OP_READ && op != MTE_OP_WRITE)
-        return -EINVAL;
+        return MTE_E_INVALID;
     uint64_t total = 0;
     for (uint32_t i = 0; i < n; i++) {
         uint64_t len = lens[len_stride ? i : 0];
         if (len == 0 || offs[i] > f->size || len > f->size - offs[i])
-            return -ERANGE;
+            return MTE_E_OUT_OF_RANGE;
         total += (len + f->slice - 1) / f->slice + 1;
     }
     /* Room for every slice first, so the batch is queued whole or not at all. */
     pthread_mutex_lock(&f->mu);
     if (f->stop) {
         pthread_mutex_unlock(&f->mu);
-        return -ESHUTDOWN;
+        return MTE_E_CLOSED;
     }
     while (f->qcap - f->qlen < total) {
         size_t cap = f->qcap * 2;
         slice_t *q = malloc(cap * sizeof(*q));
         if (!q) {
             pthread_mutex_unlock(&f->mu);
-            return -ENOMEM;
+            return MTE_E_NOMEM;
         }
         for (size_t i = 0; i < f->qlen; i++)
             q[i] = f->q[(f->qhead + i) % f->qcap];

@@ -44,8 +44,9 @@ int mte_nvf_direct(const mte_nvf_t *f);
 /* Memory alignment direct I/O needs, as learned so far (1: any address). */
 uint32_t mte_nvf_memalign(mte_nvf_t *f);
 /* Queues requests [first, first+n) of batch b: local addresses, device offsets, lengths
- * (len_stride 0: all lens[0]). Checks every range against the size first: -ERANGE and
- * nothing queued if one is out of range; -ESHUTDOWN once closed; else 0. */
+ * (len_stride 0: all lens[0]). Checks every range against the size first: status
+ * MTE_E_OUT_OF_RANGE and nothing queued if one is out of range; MTE_E_CLOSED once closed;
+ * MTE_E_INVALID for a bad op; MTE_E_NOMEM; else 0 (status codes of core/status.h). */
 int mte_nvf_submit(mte_nvf_t *f, mte_batch_t *b, int op, const uint64_t *local,
                    const uint64_t *offs, const uint64_t *lens, int len_stride,
                    uint32_t first, uint32_t n);

@@ -405,9 +405,9 @@ int mte_rdma_submit(mte_rdma_peer_t *p, mte_batch_t *b, int op, const uint64_t *
 {
     mte_rdma_t *r = p->r;
     if (op != MTE_OP_WRITE && op != MTE_OP_READ)
-        return -EINVAL;
+        return MTE_E_INVALID;
     if (atomic_load(&p->shutdown) || atomic_load(&r->stop))
-        return -ESHUTDOWN;
+        return MTE_E_CLOSED;
     int nrails = atomic_load(&p->nrails);
     gather_t g = {{0}};
     unsigned rr = atomic_fetch_add(&p->rr, n);

@@ -113,7 +113,8 @@ int mte_rdma_peer_outstanding(mte_rdma_peer_t *p);
 
 /* Queues requests [first, first+n) of batch b (op MTE_OP_WRITE / MTE_OP_READ). Requests
  * that cannot start (unregistered memory, no rail) are finished with their error right
- * away; returns 0, or a negative errno when nothing was queued. len_stride 0: every
+ * away; returns 0, or a status code of core/status.h when nothing was queued
+ * (MTE_E_INVALID: bad op; MTE_E_CLOSED: shut down). len_stride 0: every
  * request has length lens[0]. */
 int mte_rdma_submit(mte_rdma_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
                     const uint64_t *remote, const uint64_t *lens, int len_stride,

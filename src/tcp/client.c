@@ -587,9 +587,9 @@ int mte_tcp_submit(mte_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
                    uint32_t first, uint32_t n, int run_inline)
 {
     if (op != MTE_OP_WRITE && op != MTE_OP_READ)
-        return -1;
+        return MTE_E_INVALID;
     if ((uint64_t)first + n > mte_batch_size(b))
-        return -1;
+        return MTE_E_INVALID;
     uint64_t slice = p->slice;
     /* Single-slice request on an idle lane: carry it on this thread (no hand-off). */
     if (run_inline && n == 1 && lens[0] <= slice) {

@@ -93,7 +93,8 @@ size_t mte_peer_queued(mte_peer_t *p);       /* slices queued, not yet on a lane
 
 /* Queues requests [first, first+n) of batch b to peer p (op MTE_OP_WRITE/READ). len_stride
  * 0: all lens[0]. run_inline: a single-slice request may be carried by the calling
- * thread. 0, or a negative code when nothing was queued. */
+ * thread. 0, or a status code of core/status.h when nothing was queued (MTE_E_INVALID:
+ * bad op or range; MTE_E_NOMEM). */
 int mte_tcp_submit(mte_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
                    const uint64_t *remote, const uint64_t *lens, int len_stride,
                    uint32_t first, uint32_t n, int run_inline);

@@ -20,7 +20,8 @@ import pytest
 import mooncake_te as mte
 from mooncake_te.bench import BenchConfig, BenchTarget, Runner, TargetControl, VerifyError
 from mooncake_te.bench import auto_batch, pattern
-from mooncake_te.bench.stats import format_size, parse_size, parse_sizes, summarize_ns
+from mooncake_te.bench.stats import summarize_ns
+from mooncake_te.units import format_size, parse_size, parse_sizes
 
 HOST = "127.0.0.1"
 

@@ -56,7 +56,7 @@ def picks(c: collections.Counter) -> int:
 
 def test_sync_4k_python_calls_bounded(pair):
     a, b, ra, rb, src, dst = pair
-    assert a._tmetrics is not None                   # metrics on: the default
+    assert a.internal.transfer_metrics is not None   # metrics on: the default
     for _ in range(3):
         a.write(b.name, ra.address, rb.address, 4096)
         a.read(b.name, ra.address + 8192, rb.address, 4096)
@@ -105,7 +105,7 @@ def test_metrics_switched_off_and_on_between_calls(pair):
     w = lambda: a.write(b.name, ra.address, rb.address, 4096)    # noqa: E731
 
     def count():      # what was counted stays readable while counting is off
-        return sum(t["requests"] for t in a._tmetrics_kept.snapshot())
+        return sum(t["requests"] for t in a.internal.counted.snapshot())
     w()
     w()
     set_enabled(a, True)

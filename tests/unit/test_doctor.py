@@ -2,88 +2,24 @@
 """``mooncake-te doctor``: every check with a setup that trips it and one that does not.
 
 Machines are the fake sysfs trees of tests/data/sysfs/machines.py; driver versions come
-from a fake procfs folder; the metadata checks talk to a real redis-server, a real etcd
-and our real HTTP metadata server started by tests/servers.py, and to a closed port.
+from a fake procfs folder; the metadata checks, which talk to real servers, are in
+tests/metadata/test_doctor_metadata.py.
 """
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import os
 import resource
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
 from mooncake_te.doctor import Context, Severity, exit_code, report, run_checks
 from mooncake_te.doctor.base import CHECKS, check
-from mooncake_te.doctor.probe import identify, parse_endpoints
-from servers import etcd_server, free_port, http_metadata_server, redis_server  # noqa: F401
-
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/
-ROOT = os.path.dirname(HERE)
-
-
-def _load_machines():
-    spec = importlib.util.spec_from_file_location(
-        "sysfs_machines", os.path.join(HERE, "data", "sysfs", "machines.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-machines = _load_machines()
-
-
-@pytest.fixture(scope="module")
-def trees(tmp_path_factory):
-    base = tmp_path_factory.mktemp("sysfs")
-    out = {name: build(str(base / name)) for name, build in machines.MACHINES.items()}
-    out["onebox_down"] = machines.build_onebox(str(base / "onebox_down"), port_state="DOWN")
-    out["onebox_nogid"] = machines.build_onebox(str(base / "onebox_nogid"), with_gids=False)
-    return out
-
-
-OPEN_580 = ("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release "
-            "Build  (dvs-builder@U16-I3-B03-4-3)  Thu Apr  2 2026\nGCC version:  gcc 12.2.0\n")
-PROPRIETARY_535 = ("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 "
-                   "01:15:15 UTC 2023\nGCC version:  gcc version 12.2.0\n")
-
-
-def fake_proc(tmp_path, nvidia: "str | None" = OPEN_580, kernel: str = "6.8.0-45-generic"):
-    """A procfs folder with the two files the GPUDirect check reads."""
-    root = tmp_path / "proc"
-    (root / "sys" / "kernel").mkdir(parents=True, exist_ok=True)
-    (root / "sys" / "kernel" / "osrelease").write_text(kernel + "\n")
-    if nvidia is not None:
-        (root / "driver" / "nvidia").mkdir(parents=True, exist_ok=True)
-        (root / "driver" / "nvidia" / "version").write_text(nvidia)
-    return str(root)
-
-
-def toml(tmp_path, text, name="config.toml"):
-    p = tmp_path / name
-    p.write_text(textwrap.dedent(text))
-    return str(p)
-
-
-def run(trees, machine="empty", config=None, vllm=None, env=None, role=None, proc=None,
-        only=None, tmp_path=None, **kw):
-    ctx = Context(config_path=config, vllm_config_path=vllm, sysfs_root=trees[machine],
-                  proc_root=proc or (fake_proc(tmp_path) if tmp_path else "/nonexistent"),
-                  env=env or {}, role=role, timeout_s=1.0, **kw)
-    return run_checks(ctx, only=only)
-
-
-def problems(findings, code=None):
-    """(code, severity) of every error and warning, or the findings with ``code``."""
-    bad = [f for f in findings if f.severity in (Severity.ERROR, Severity.WARNING)]
-    if code is None:
-        return sorted((f.code, str(f.severity)) for f in bad)
-    return [f for f in bad if f.code == code]
+from doctor_support import (HERE, OPEN_580, PROPRIETARY_535, ROOT, _cli, _need,  # noqa: F401
+                            fake_proc, machines, problems, run, toml, trees)
 
 
 # ---- overall ---------------------------------------------------------------------
@@ -291,107 +227,6 @@ def test_mte206_gpudirect_registration(trees, tmp_path):
     assert f.severity == Severity.SKIP
 
 
-# ---- MTE3xx metadata server (real servers) -----------------------------------------
-
-def metadata_toml(tmp_path, kind, address, name="md.toml"):
-    return toml(tmp_path, f"[metadata]\nserver_type = '{kind}'\nserver_address = '{address}'\n",
-                name)
-
-
-def md_problems(trees, tmp_path, kind, address):
-    return problems(run(trees, config=metadata_toml(tmp_path, kind, address),
-                        only=["metadata"]))
-
-
-def test_mte300_address_missing_or_contradictory(trees, tmp_path):
-    (f,) = problems(run(trees, config=metadata_toml(tmp_path, "etcd", ""), only=["metadata"]),
-                    "MTE300")
-    assert "server_address is empty" in f.message and "127.0.0.1:2379" in f.fix
-    (f,) = problems(run(trees, config=metadata_toml(tmp_path, "redis", "etcd://h:2379", "b"),
-                        only=["metadata"]), "MTE300")
-    assert "is a etcd:// address" in f.message
-    (f,) = problems(run(trees, config=metadata_toml(tmp_path, "redis", "h:notaport", "c"),
-                        only=["metadata"]), "MTE300")
-    assert "port is not a number" in f.message
-
-
-def test_mte301_closed_port(trees, tmp_path):
-    port = free_port()
-    for kind in ("etcd", "redis", "http"):
-        findings = run(trees, config=metadata_toml(tmp_path, kind, f"127.0.0.1:{port}", kind),
-                       only=["metadata"])
-        (f,) = problems(findings, "MTE301")
-        assert f.severity == Severity.ERROR
-        assert f"127.0.0.1:{port}" in f.message and "refused" in f.message.lower()
-        assert f"--port {port}" in f.fix or f"0.0.0.0:{port}" in f.fix
-
-
-def test_metadata_matches_real_redis(trees, tmp_path, redis_server):
-    addr = f"127.0.0.1:{redis_server.port}"
-    assert md_problems(trees, tmp_path, "redis", addr) == []
-    assert md_problems(trees, tmp_path, "redis", redis_server.url) == []
-    for claimed in ("etcd", "http"):
-        (f,) = problems(run(trees, config=metadata_toml(tmp_path, claimed, addr, claimed),
-                            only=["metadata"]), "MTE302")
-        assert f.data["found"] == "redis" and f.data["expected"] == claimed
-        assert "a redis server answers" in f.message
-        assert 'server_type = "redis"' in f.fix
-
-
-def test_metadata_matches_real_etcd(trees, tmp_path, etcd_server):
-    addr = f"127.0.0.1:{etcd_server.port}"
-    assert md_problems(trees, tmp_path, "etcd", addr) == []
-    assert md_problems(trees, tmp_path, "etcd", f"http://{addr}") == []
-    # The classic mistake: etcd's address with server_type "redis" (or "http").
-    for claimed in ("redis", "http"):
-        (f,) = problems(run(trees, config=metadata_toml(tmp_path, claimed, addr, claimed),
-                            only=["metadata"]), "MTE302")
-        assert f.data["found"] == "etcd"
-        assert "an etcd server answers" in f.message and "etcd 3." in f.message
-        assert f"not {'a redis' if claimed == 'redis' else 'an HTTP'} server" in f.message
-
-
-def test_mte303_one_etcd_member_down(trees, tmp_path, etcd_server):
-    dead = free_port()
-    addr = f"127.0.0.1:{etcd_server.port},127.0.0.1:{dead}"
-    (f,) = problems(run(trees, config=metadata_toml(tmp_path, "etcd", addr), only=["metadata"]))
-    assert f == ("MTE303", "warning")
-
-
-def test_metadata_matches_real_http_server(trees, tmp_path, http_metadata_server):
-    url = http_metadata_server.url
-    assert md_problems(trees, tmp_path, "http", url) == []
-    assert md_problems(trees, tmp_path, "http", f"127.0.0.1:{http_metadata_server.port}") == []
-    (f,) = problems(run(trees, config=metadata_toml(
-        tmp_path, "etcd", f"127.0.0.1:{http_metadata_server.port}", "e"), only=["metadata"]),
-        "MTE302")
-    assert f.data["found"] == "http" and "an HTTP server answers" in f.message
-
-
-def test_p2p_store_section_is_probed_too(trees, tmp_path, redis_server):
-    cfg = toml(tmp_path, f"""
-        [p2p_store]
-        metadata_server = "etcd"
-        metadata_address = "127.0.0.1:{redis_server.port}"
-    """)
-    (f,) = problems(run(trees, config=cfg, only=["metadata"]), "MTE302")
-    assert f.message.startswith("[p2p_store]") and f.data["found"] == "redis"
-
-
-def test_probe_helpers(redis_server):
-    r = identify("127.0.0.1", redis_server.port, 1.0, expect="etcd")
-    assert (r.kind, r.reachable) == ("redis", True)
-    r = identify("no-such-host.invalid", 2379, 1.0)
-    assert not r.reachable and "cannot resolve" in r.detail
-    assert parse_endpoints("etcd", "etcd://a:1, https://b:2") == [("a", 1, "", False),
-                                                                 ("b", 2, "", True)]
-    assert parse_endpoints("redis", "h") == [("h", 6379, "", False)]
-    assert parse_endpoints("http", "h:8080") == [("h", 8080, "/metadata", False)]
-    assert parse_endpoints("http", "https://h/md") == [("h", 443, "/md", True)]
-    with pytest.raises(ValueError):
-        parse_endpoints("etcd", ",")
-
-
 # ---- MTE4xx local resources --------------------------------------------------------
 
 def cache_toml(tmp_path, cache_dir, ssd=0, dram=0, name="cache.toml"):
@@ -478,15 +313,6 @@ def test_cache_dir_and_memlock_in_a_real_unprivileged_process(trees, tmp_path):
 
 
 # ---- MTE5xx vLLM -----------------------------------------------------------------
-
-def _need(what: str, fix: str):
-    """Skip for lack of ``what`` on a developer machine; fail under CI=true, where the
-    setup installs it, so a broken setup cannot hide behind a skip (as tests/servers.py)."""
-    msg = f"{what} is needed: {fix}"
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(msg)
-    pytest.skip(msg)
-
 
 def _yaml():
     try:
@@ -615,15 +441,6 @@ def test_mte505_the_seed_deployments_vllm_settings(trees, tmp_path):
 
 # ---- the command -------------------------------------------------------------------
 
-def _cli(*argv):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    for k in [k for k in env if k.startswith("MC_")]:
-        del env[k]
-    p = subprocess.run([sys.executable, "-m", "mooncake_te", "doctor", *argv], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=60)
-    return p.returncode, p.stdout
-
-
 def _with_thp(base: str, dest, mode: str) -> str:
     """A copy of a sysfs tree whose transparent_hugepage/enabled says ``mode``."""
     import shutil
@@ -682,82 +499,6 @@ def test_cli_exit_status_0_1_2(trees, tmp_path):
     f = next(f for f in doc["findings"] if f["code"] == "MTE201")
     assert set(f) >= {"code", "severity", "message", "fix", "check", "data"}
     assert f["severity"] == "error" and f["check"] == "rdma_devices"
-
-
-# ---- probes against servers that are neither ----------------------------------------
-
-@pytest.fixture
-def silent_server():
-    """A TCP listener that accepts (the kernel does, from the backlog) and never answers."""
-    import socket
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(8)
-    yield s.getsockname()[1]
-    s.close()
-
-
-def test_mte302_silent_server(trees, tmp_path, silent_server):
-    ctx = Context(config_path=metadata_toml(tmp_path, "etcd", f"127.0.0.1:{silent_server}"),
-                  sysfs_root=trees["empty"], env={}, timeout_s=0.3)
-    (f,) = problems(run_checks(ctx, only=["metadata"]), "MTE302")
-    assert f.data["found"] == "unknown"
-    assert "answered neither a redis PING nor an HTTP request within 0.3 s" in f.message
-
-
-@pytest.fixture(scope="module")
-def https_server(tmp_path_factory):
-    """A minimal HTTPS server (self-signed certificate) answering every GET with 404."""
-    import http.server
-    import shutil
-    import ssl
-    import threading
-    if not shutil.which("openssl"):
-        _need("the openssl command (makes a test certificate)", "apt-get install openssl")
-    d = tmp_path_factory.mktemp("tls")
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=127.0.0.1", "-keyout", str(d / "k.pem"),
-                    "-out", str(d / "c.pem")], check=True, capture_output=True, timeout=60)
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.load_cert_chain(d / "c.pem", d / "k.pem")
-    srv.socket = ctx.wrap_socket(srv.socket, server_side=True)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv.server_address[1]
-    srv.shutdown()
-    srv.server_close()
-    t.join(10)
-
-
-def test_https_metadata_server(trees, tmp_path, https_server, http_metadata_server):
-    assert md_problems(trees, tmp_path, "http", f"https://127.0.0.1:{https_server}/metadata") == []
-    # TLS spoken to a plain-HTTP server: named, not reported as "refused".
-    (f,) = problems(run(trees, config=metadata_toml(
-        tmp_path, "http", f"https://127.0.0.1:{http_metadata_server.port}/metadata", "t"),
-        only=["metadata"]), "MTE302")
-    assert "TLS handshake failed" in f.message
-
-
-def test_cli_metadata_flag_overrides_config(trees, tmp_path, redis_server):
-    cfg = metadata_toml(tmp_path, "etcd", "127.0.0.1:1")
-    rc, out = _cli("--sysfs-root", trees["empty"], "--config", cfg, "--check", "metadata",
-                   "--metadata", redis_server.url, "--json")
-    assert rc == 0, out
-    rc, out = _cli("--sysfs-root", trees["empty"], "--check", "metadata",
-                   "--metadata", f"etcd://127.0.0.1:{redis_server.port}", "--json")
-    (f,) = [f for f in json.loads(out)["findings"] if f["code"] == "MTE302"]
-    assert rc == 2 and f["message"].startswith("--metadata etcd://")
 
 
 def test_device_checks_skip_for_tcp(trees, tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -24,7 +25,7 @@ NAMES = ("core", "transports", "facade", "services/integrations", "tools")
 LAYER = {
     # core: the native core and the plain libraries every transport may use
     "core": CORE, "errors": CORE, "batch": CORE, "memory": CORE, "cuda": CORE,
-    "config": CORE, "metadata": CORE, "topology": CORE, "nvmeof_admin": CORE,
+    "config": CORE, "metadata": CORE, "addresses": CORE, "units": CORE, "topology": CORE, "nvmeof_admin": CORE,
     "nvmeof": CORE,
     "transports": TRANSPORTS,
     # the facade: TransferEngine and the modules it is made of
@@ -194,3 +195,167 @@ def test_the_cycle_check_finds_a_cycle():
     assert _cycles([("a.x", "a.y", 1), ("a.y", "a.z", 2), ("a.z", "a.x", 3)]) == [
         ["a.x", "a.y", "a.z"]]
     assert _cycles([("a", "a.b", 1), ("a.b", "a", 2)]) == []
+
+
+# --- Cython cimports, C includes, transport names as strings (issue 40, item 4) --------
+SRC = PKG.parent / "src"
+CIMPORT = re.compile(r"^[ \t]*(?:from\s+(mooncake_te[\w.]*)\s+cimport\b|cimport\s+(mooncake_te[\w.]*))",
+                     re.M)
+EXTERN = re.compile(r'^[ \t]*cdef\s+extern\s+from\s+"([^"]+)"', re.M)
+INCLUDE = re.compile(r'^[ \t]*#[ \t]*include\s+"([^"]+)"', re.M)
+
+
+def _cython_files():
+    for path in sorted(list(PKG.rglob("*.pyx")) + list(PKG.rglob("*.pxd"))):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        yield ".".join(rel.parts), path
+
+
+def _cimports():
+    """(module, cimported module, line) of every .pyx/.pxd of the package."""
+    out = []
+    for module, path in _cython_files():
+        text = path.read_text()
+        for m in CIMPORT.finditer(text):
+            out.append((module, m.group(1) or m.group(2), text.count("\n", 0, m.start()) + 1))
+    return out
+
+
+def _externs():
+    """(module, header, line) of every ``cdef extern from "<dir>/<header>"``."""
+    out = []
+    for module, path in _cython_files():
+        text = path.read_text()
+        for m in EXTERN.finditer(text):
+            out.append((module, m.group(1), text.count("\n", 0, m.start()) + 1))
+    return out
+
+
+def _includes():
+    """(source dir under src/, included file resolved under src/ or None, file, line)."""
+    out = []
+    for path in sorted(SRC.rglob("*.[ch]")) + sorted(SRC.rglob("*.cu")):
+        text = path.read_text()
+        for m in INCLUDE.finditer(text):
+            target = (path.parent / m.group(1)).resolve()
+            if not target.exists():
+                target = (SRC / m.group(1)).resolve()
+            rel = target.relative_to(SRC.resolve()) if target.exists() else None
+            out.append((path.relative_to(SRC).parts[0], rel, path.relative_to(SRC),
+                        text.count("\n", 0, m.start()) + 1))
+    return out
+
+
+def test_the_cython_and_c_walks_see_the_sources():
+    assert ("mooncake_te.transports.tcp._tcp", "mooncake_te.core._core", 14) in \
+        [(m, t, n) for m, t, n in _cimports()]
+    assert any(h == "tcp/tcp.h" for _, h, _ in _externs())
+    assert any(d == "tcp" and str(t) == "core/api.h" for d, t, _, _ in _includes())
+
+
+def test_no_upward_or_cross_transport_cimports():
+    bad = []
+    for m, target, line in _cimports():
+        if _layer(target) > _layer(m):
+            bad.append(f"{m}:{line} cimports {target} ({NAMES[_layer(target)]})")
+        mine, theirs = _transport(m), _transport(target)
+        if mine and theirs is not None and theirs not in ("", mine):
+            bad.append(f"{m}:{line} cimports {target} (another transport)")
+    assert not bad, "\n".join(bad)
+
+
+def test_a_transport_declares_only_its_own_and_the_cores_headers():
+    bad = []
+    for m, header, line in _externs():
+        top = header.split("/")[0] if "/" in header else None
+        mine = _transport(m)
+        if top is None or top not in {p.name for p in SRC.iterdir()}:
+            continue                                     # a system header
+        if mine is None:
+            ok = top == "core"
+        else:
+            ok = top in ("core", mine)
+        if not ok:
+            bad.append(f"{m}:{line} declares {header}")
+    assert not bad, "\n".join(bad)
+
+
+def test_c_sources_include_only_their_own_dir_and_the_core_api():
+    """src/core includes only src/core; a transport's C code includes its own dir and,
+    of the core, only core/api.h (the function table), never another transport."""
+    bad = []
+    for src_dir, target, path, line in _includes():
+        if target is None:
+            bad.append(f"src/{path}:{line} includes a file that does not exist")
+            continue
+        top = target.parts[0]
+        if top == src_dir:
+            continue
+        if src_dir != "core" and src_dir != "cuda" and str(target) == "core/api.h":
+            continue
+        bad.append(f"src/{path}:{line} includes src/{target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_include_check_can_fail(tmp_path, monkeypatch):
+    bad = SRC / "tcp" / "_layering_probe.c"
+    bad.write_text('#include "../rdma/rdma.h"\n')
+    try:
+        hits = [(d, str(t)) for d, t, p, _ in _includes() if p.name == bad.name]
+        assert hits == [("tcp", "rdma/rdma.h")]
+        with pytest.raises(AssertionError, match="includes src/rdma/rdma.h"):
+            test_c_sources_include_only_their_own_dir_and_the_core_api()
+    finally:
+        bad.unlink()
+
+
+# Transport names that code outside transports/ must not spell: the engine and the core
+# learn what a transport does from its declarations, never from its name.
+TRANSPORT_NAMES = {"tcp", "shm", "rdma", "nvmeof", "cuda_ipc", "cuda_dma"}
+# Modules of the core and the facade that may spell one, and why. Keep it short.
+NAME_ALLOWED = {
+    # the one list of protocol= values users may write (config.PROTOCOLS), and Mooncake's
+    # MC_FORCE_TCP / MC_FORCE_HCA variables, which set the protocol by name
+    "mooncake_te.config",
+    # storage segments publish which transport serves them (a descriptor field)
+    "mooncake_te.metadata.storage",
+    # NVMe-oF fabric transports (nvmet's "tcp"/"rdma" trtype), not ours
+    "mooncake_te.nvmeof_admin.host", "mooncake_te.nvmeof_admin.segment",
+    "mooncake_te.nvmeof_admin.target",
+}
+
+
+def _docstrings(tree) -> set:
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                and n.body and isinstance(n.body[0], ast.Expr) \
+                and isinstance(n.body[0].value, ast.Constant):
+            out.add(id(n.body[0].value))
+    return out
+
+
+def _names_as_strings(layers=(CORE, FACADE)):
+    out = []
+    for m, _, path in _modules():
+        if _transport(m) is not None or _layer(m) not in layers:
+            continue
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) \
+                    and n.value in TRANSPORT_NAMES and id(n) not in docs:
+                out.append((m, n.lineno, n.value))
+    return out
+
+
+def test_core_and_facade_do_not_name_transports():
+    bad = [f"{m}:{line} names {v!r}" for m, line, v in _names_as_strings()
+           if m not in NAME_ALLOWED]
+    assert not bad, ("the core and the facade read capabilities, not transport names "
+                     "(or add the module to NAME_ALLOWED with the reason):\n" + "\n".join(bad))
+
+
+def test_allowed_transport_names_are_still_needed():
+    seen = {m for m, _, _ in _names_as_strings()}
+    assert not (NAME_ALLOWED - seen), f"remove from NAME_ALLOWED: {NAME_ALLOWED - seen}"

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import os
 
@@ -19,15 +18,7 @@ from mooncake_te.topology.sysfs import format_cpulist, parse_cpulist, pci_chain
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # tests/
 
 
-def _load_machines():
-    spec = importlib.util.spec_from_file_location(
-        "sysfs_machines", os.path.join(HERE, "data", "sysfs", "machines.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-machines = _load_machines()
+from sysfs_trees import machines  # noqa: E402
 
 
 @pytest.fixture(scope="module")

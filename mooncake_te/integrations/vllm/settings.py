@@ -15,10 +15,10 @@ import difflib
 import os
 from dataclasses import dataclass, field
 
-from ...config import Config
+from ...config import PROTOCOLS, Config
+from ...metadata.url import parse as parse_metadata_url
 from ...errors import ConfigError
 
-PROTOCOLS = ("auto", "tcp", "shm", "rdma")
 # Mooncake's protocol names for GPU memory -> the engine's protocol that carries it here.
 # Same-host GPU memory moves by CUDA IPC (transports/cuda_ipc), which serves "shm" and
 # "auto"; there is no multi-node NVLink (fabric memory) transport, so Mooncake's "nvlink"
@@ -155,7 +155,7 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
             raise ConfigError(f"kv_connector_extra_config.metadata_server = {md!r}: expected "
                               f"'P2PHANDSHAKE' or a URL (etcd://h:2379, redis://h:6379, "
                               f"http://h:8080/metadata)")
-        s.metadata = "p2p" if md.strip().lower() in ("p2p", "p2phandshake") else md
+        s.metadata = "p2p" if parse_metadata_url(md).is_p2p else md
 
     proto = get.get("protocol")
     if proto is not None:

@@ -34,6 +34,7 @@ import os
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit, urlencode
 
 from ...errors import AuthenticationError, MetadataError, ERR_SOCKET
+from ..http_protocol import AUTH_HEADER, MAX_BATCH, NOT_FOUND_TEXT, SERVER_HEADER, TTL_HEADER
 from ._leased import LeasedStore, is_rpc_meta, port_hint, split_options, ttl_from
 
 try:
@@ -42,17 +43,6 @@ except ImportError:     # pragma: no cover - depends on the installed extras
     _requests = None
 
 log = logging.getLogger("mooncake_te.metadata")
-
-#: request header carrying the TTL we ask for, and the reply header confirming it
-TTL_HEADER = "X-Mooncake-TTL"
-#: reply header by which our server marks its own answers (a 404 from it means "no key")
-SERVER_HEADER = "X-Mooncake-Metadata-Server"
-#: the body Mooncake's servers send for a missing key
-NOT_FOUND_TEXT = "metadata not found"
-#: request signature and reply MAC (mooncake_te.metadata.server)
-AUTH_HEADER = "X-MTE-Auth"
-#: most keys per batch read (the server's ``MAX_BATCH``)
-MAX_BATCH = 4096
 
 
 class HttpStore(LeasedStore):

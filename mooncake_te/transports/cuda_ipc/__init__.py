@@ -37,6 +37,7 @@ from ...cuda import kvcopy
 from ...errors import MooncakeError
 from ..base import Capabilities, Transport
 from . import host_dma
+from ...addresses import AddressTable
 from .slots import SlotTable, SlotView
 
 log = logging.getLogger("mooncake_te")
@@ -117,25 +118,18 @@ class _PeerView:
         self.name = desc.name
         self.instance = desc.instance_id
         self.same_process = info.get("pid") == os.getpid()
-        self.buffers = sorted((_Buffer(r) for r in info.get("buffers", [])), key=lambda b: b.addr)
-        self.starts = np.array([b.addr for b in self.buffers], dtype=np.uint64)
-        self.ends = np.array([b.end for b in self.buffers], dtype=np.uint64)
+        bufs = [_Buffer(r) for r in info.get("buffers", [])]
+        self.table = AddressTable(bufs, [(b.addr, b.end) for b in bufs])
+        self.buffers = self.table.items          # sorted by address
         self.slots_path = info.get("slots", "")
         self.slots = None
 
     def covers(self, remote) -> bool:
         """Every address lies in a published GPU region."""
-        if not len(self.buffers):
-            return False
-        k = np.searchsorted(self.starts, remote, side="right").astype(np.int64) - 1
-        return bool((k >= 0).all() and (remote < self.ends[np.maximum(k, 0)]).all())
+        return self.table.covers(remote)
 
     def find(self, address: int, length: int):
-        k = int(np.searchsorted(self.starts, np.uint64(address), side="right")) - 1
-        if k < 0:
-            return None
-        b = self.buffers[k]
-        return b if address + length <= b.end else None
+        return self.table.find(address, length)
 
 
 class CudaIpcTransport(Transport):
@@ -149,7 +143,7 @@ class CudaIpcTransport(Transport):
     def __init__(self, ctx):
         # Nothing here touches CUDA: an engine that never registers GPU memory never
         # loads the driver (see driver_present).
-        self._regions = ctx.regions
+        self.regions = ctx.regions
         self._timeout = max(ctx.config.get("timeout_ms", 30000), 1000) / 1000
         self._tag = f"{ctx.instance:016x}"
         self._host_id = ctx.host_id
@@ -174,6 +168,11 @@ class CudaIpcTransport(Transport):
         host_dma.add(ctx.name, ctx.instance, self)
 
     # --- our regions ---------------------------------------------------------------
+    def host_regions(self) -> list:
+        """This engine's registered host-memory regions (an engine of this process
+        copies to and from them directly: host_dma)."""
+        return list(self._host.values())
+
     def register(self, region) -> None:
         loc = region.location or ""
         if not loc.startswith("cuda:"):
@@ -216,6 +215,14 @@ class CudaIpcTransport(Transport):
             self._bus = cuda.pci_bus_ids()
         return self._bus[ordinal] if ordinal < len(self._bus) else ""
 
+    def _devices(self) -> tuple:
+        """(starts, [(end, ordinal)], AddressTable) of our GPU regions, sorted."""
+        with self._mu:
+            dstarts = list(self._dev_starts)
+            dinfo = [self._dev_info[x] for x in dstarts]
+        return dstarts, dinfo, AddressTable(dstarts, [(s, e) for s, (e, _) in
+                                                      zip(dstarts, dinfo)])
+
     def _local_device(self, address: int) -> int:
         """CUDA ordinal of a local registered address, -1 for host memory."""
         k = bisect.bisect_right(self._dev_starts, address) - 1
@@ -255,9 +262,7 @@ class CudaIpcTransport(Transport):
         if other is not None:
             loc = np.atleast_1d(np.asarray(local, dtype=np.uint64))
             if len(loc) and self._local_device(int(loc[0])) >= 0:
-                starts, ends, _ = host_dma.host_regions(other)
-                r = np.atleast_1d(np.asarray(remote, dtype=np.uint64))
-                if host_dma.covers(starts, ends, r, np.ones(len(r), np.uint64)) is not None:
+                if host_dma.host_regions(other).covers(remote):
                     return "cuda_dma"
         info = desc.extra.get("cuda_ipc")
         if not info:
@@ -322,34 +327,25 @@ class CudaIpcTransport(Transport):
         n = len(local)
         lens = lens if len(lens) == n else np.full(n, lens[0], dtype=np.uint64)
         codes = np.zeros(n, np.int32)
-        starts, ends, mrs = host_dma.host_regions(other)
-        k = np.searchsorted(starts, remote, side="right").astype(np.int64) - 1
-        ok = k >= 0
-        if len(starts):
-            ok &= remote + lens <= ends[np.where(ok, k, 0)]
-        codes[~ok] = _E_REMOTE_NOT_REG
-        with self._mu:
-            dstarts = list(self._dev_starts)
-            dinfo = [self._dev_info[x] for x in dstarts]
-        ds = np.array(dstarts, np.uint64)
-        de = np.array([e for e, _ in dinfo], np.uint64)
-        lk = np.searchsorted(ds, local, side="right").astype(np.int64) - 1
-        lok = lk >= 0
-        if len(ds):
-            lok &= local + lens <= de[np.where(lok, lk, 0)]
-        codes[~lok & (codes == 0)] = _E_LOCAL_NOT_REG
+        host = host_dma.host_regions(other)
+        mrs = host.items
+        k = host.index(remote, lens)
+        codes[k < 0] = _E_REMOTE_NOT_REG
+        dstarts, dinfo, devs = self._devices()
+        lk = devs.index(local, lens)
+        codes[(lk < 0) & (codes == 0)] = _E_LOCAL_NOT_REG
         need = _ACC_WRITE if op == _WRITE else _ACC_READ
         extra: list = []                # (table, pin) released after the copies
         for rk in np.unique(k[codes == 0]).tolist():
-            h = other._regions.pin(mrs[rk].address, 1, need)
+            h = other.regions.pin(mrs[rk].address, 1, need)
             if h:
-                extra.append((other._regions, h))
+                extra.append((other.regions, h))
             else:                       # the right is missing, or the region just went
                 codes[(k == rk) & (codes == 0)] = _E_REMOTE_ACCESS
         for li in np.unique(lk[codes == 0]).tolist():
-            h = self._regions.pin(dstarts[li], 1)
+            h = self.regions.pin(dstarts[li], 1)
             if h:
-                extra.append((self._regions, h))
+                extra.append((self.regions, h))
             else:
                 codes[(lk == li) & (codes == 0)] = _E_LOCAL_NOT_REG
         for j in np.flatnonzero(codes).tolist():
@@ -435,8 +431,7 @@ class CudaIpcTransport(Transport):
     def submit(self, batch, desc, op, local, remote, lens, first, run_inline):
         other = self._host_peer(desc)
         if other is not None and len(local) and self._local_device(int(local[0])) >= 0:
-            starts, ends, _ = host_dma.host_regions(other)
-            if host_dma.covers(starts, ends, remote[:1], np.ones(1, np.uint64)) is not None:
+            if host_dma.host_regions(other).covers(remote[:1]):
                 return self._submit_host(other, batch, op, local, remote, lens, first)
         view = self._view(desc)
         if view.slots is None:
@@ -460,11 +455,8 @@ class CudaIpcTransport(Transport):
         remote = np.asarray(remote, dtype=np.uint64)
         lens = np.asarray(lens if len(lens) == n else np.full(n, lens[0]), dtype=np.uint64)
         codes = np.zeros(n, np.int32)
-        k = np.searchsorted(view.starts, remote, side="right").astype(np.int64) - 1
-        ok = k >= 0
-        if len(view.starts):
-            ok &= remote + lens <= view.ends[np.where(ok, k, 0)]
-        codes[~ok] = _E_REMOTE_NOT_REG
+        k = view.table.index(remote, lens)
+        codes[k < 0] = _E_REMOTE_NOT_REG
         nb = max(len(view.buffers), 1)
         delta = np.zeros(nb, np.int64)            # peer address -> address here
         rord = np.full(nb, -1, np.int64)          # our ordinal of each buffer's GPU
@@ -500,31 +492,24 @@ class CudaIpcTransport(Transport):
         codes[cand] = bcode[k[cand]]
         # Local side: GPU regions of ours pinned once each; anything else (host memory)
         # pinned per request.
-        with self._mu:
-            dstarts = list(self._dev_starts)
-            dinfo = [self._dev_info[x] for x in dstarts]
-        ds = np.array(dstarts, np.uint64)
-        de = np.array([e for e, _ in dinfo], np.uint64)
+        dstarts, dinfo, devs = self._devices()
+        ds = dstarts
         dord = np.array([o for _, o in dinfo] or [-1], np.int64)
-        lk = np.searchsorted(ds, local, side="right").astype(np.int64) - 1
+        lk = devs.index(local, lens)
         on_gpu = lk >= 0
-        if len(ds):
-            on_gpu &= local + lens <= de[np.where(on_gpu, lk, 0)]
-        else:
-            on_gpu[:] = False
         lcand = np.flatnonzero(on_gpu & (codes == 0))
         lcode = np.zeros(max(len(ds), 1), np.int32)
         for li in np.flatnonzero(np.bincount(lk[lcand], minlength=len(lcode))).tolist():
-            h = self._regions.pin(dstarts[li], 1)
+            h = self.regions.pin(dstarts[li], 1)
             if h:
-                extra.append((self._regions, h))
+                extra.append((self.regions, h))
             else:                                 # unregistered meanwhile
                 lcode[li] = _E_LOCAL_NOT_REG
         codes[lcand] = lcode[lk[lcand]]
         for j in np.flatnonzero(~on_gpu & (codes == 0)).tolist():
-            h = self._regions.pin(int(local[j]), int(lens[j]))
+            h = self.regions.pin(int(local[j]), int(lens[j]))
             if h:
-                extra.append((self._regions, h))
+                extra.append((self.regions, h))
             else:
                 codes[j] = _E_LOCAL_NOT_REG
         for j in np.flatnonzero(codes).tolist():
@@ -608,7 +593,7 @@ class CudaIpcTransport(Transport):
                                   np.zeros(len(items.idx), np.uint64), err)
                 continue
             for i, _, _, ln, pin, slot in items:
-                self._regions.unpin(pin)
+                self.regions.unpin(pin)
                 slots.release(slot)
                 batch.finish(i, 0 if err else ln, err)
 

@@ -18,9 +18,8 @@ from __future__ import annotations
 import threading
 import weakref
 
-import numpy as np
-
 from ... import cuda
+from ...addresses import AddressTable
 
 _mu = threading.Lock()
 _engines: dict = {}        # (name, instance hex) -> weak ref. to that engine's cuda_ipc transport
@@ -45,18 +44,16 @@ def lookup(desc):
     if eng is None:
         return None
     try:
-        eng._regions                     # noqa: B018 (a dead proxy raises here)
+        eng.regions                      # noqa: B018 (a dead proxy raises here)
         return eng
     except ReferenceError:
         return None
 
 
-def host_regions(t):
-    """(starts, ends, regions) of the host-memory regions of ``t``'s engine, sorted."""
-    mrs = sorted(list(t._host.values()), key=lambda r: r.address)
-    starts = np.array([r.address for r in mrs], np.uint64)
-    ends = np.array([r.address + r.length for r in mrs], np.uint64)
-    return starts, ends, mrs
+def host_regions(t) -> AddressTable:
+    """The host-memory regions of ``t``'s engine (``t.host_regions()``: the transport's
+    public list) as an :class:`AddressTable` (``items``: the MemoryRegions, sorted)."""
+    return AddressTable(t.host_regions())
 
 
 def lock(region, ordinal: int) -> None:
@@ -82,14 +79,4 @@ def unlock(region) -> None:
             pass
 
 
-def covers(starts, ends, addrs, lens) -> "np.ndarray | None":
-    """Region index of each [addr, addr+len), or None if one is not inside a region."""
-    k = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
-    if len(starts) == 0 or (k < 0).any():
-        return None
-    if not (addrs + lens <= ends[k]).all():
-        return None
-    return k
-
-
-__all__ = ["add", "remove", "lookup", "host_regions", "lock", "unlock", "covers"]
+__all__ = ["add", "remove", "lookup", "host_regions", "lock", "unlock"]

@@ -21,7 +21,6 @@ device copy of one chunk overlaps the storage I/O of the previous one.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
@@ -56,7 +55,13 @@ def error_message(code: int) -> str | None:
 
 
 
-register_status_text("storage", error_message)
+def _status_text(code, what, target, op, remote, length) -> str | None:
+    msg = error_message(code)
+    return f"{what}: {msg}" if msg else None
+
+
+register_status_text(OUT_OF_RANGE, OUT_OF_RANGE, _status_text)
+register_status_text(STORAGE_BASE - 199, STORAGE_BASE, _status_text)
 
 class StorageSegment:
     """A storage segment this engine publishes (returned by ``register_storage``)."""
@@ -302,8 +307,9 @@ class NvmeofTransport(Transport):
         self._ordinals(local)          # GPU memory: the core's staging (src/core/stage.h)
         rc = dev.submit(batch, op, local, remote, lens, first)
         if rc != 0:
-            raise E.TransferError(f"cannot queue {len(local)} requests to {desc.name}: "
-                                  f"{os.strerror(-rc)}", errno=-rc)
+            why = error_message(rc)
+            raise E.error_class(rc)(f"cannot queue {len(local)} requests to {desc.name}"
+                                    f"{': ' + why if why else ''} (status {rc})", status=rc)
         return "nvmeof"
 
     def transfer_sync(self, desc, op, local, remote, length, deadline_ns) -> tuple:
@@ -320,7 +326,7 @@ class NvmeofTransport(Transport):
         if rc != 0:
             b.abandon(0, 1)
             b.seal()
-            return "nvmeof", OUT_OF_RANGE if rc == -errno.ERANGE else E.ERR_CLOSED
+            return "nvmeof", rc
         b.seal()
         if not b.wait(deadline_ns):
             b.expire()

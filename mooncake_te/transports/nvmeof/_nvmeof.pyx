@@ -4,7 +4,7 @@
 import os
 import warnings
 
-from libc.errno cimport EIO, ESHUTDOWN
+from libc.errno cimport EIO
 from libc.stdint cimport uint32_t, uint64_t, int64_t
 from mooncake_te.core._core cimport Regions, NativeBatch, Resource, check_errno
 from mooncake_te.core.capi cimport mte_core_import
@@ -60,9 +60,10 @@ cdef class Device(Resource):
 
     def submit(self, NativeBatch batch, int op, const uint64_t[::1] local, const uint64_t[::1] offs,
                const uint64_t[::1] lens, uint32_t first):
-        """Queue requests [first, first+len(local)) of ``batch`` (a NativeBatch); 0 or -errno."""
+        """Queue requests [first, first+len(local)) of ``batch`` (a NativeBatch); 0 or a
+        status code (nothing queued)."""
         if self.f == NULL:
-            return -ESHUTDOWN
+            return MTE_E_CLOSED
         cdef mte_batch_t *b = batch.b
         cdef uint32_t n = local.shape[0]
         cdef int stride = 1 if lens.shape[0] > 1 else 0

@@ -26,19 +26,57 @@ import numpy as np
 from ... import errors as E
 from ...metadata import framing
 from ...batch import register_status_text
-from ..base import Capabilities, Transport
+from ..base import Capabilities, DeviceCounter, Transport
 
 log = logging.getLogger("mooncake_te.rdma")
 
 try:
     from . import _verbs
     _IMPORT_ERROR = ""
-    register_status_text("wc", _verbs.wc_status_str)
 except ImportError as e:           # built without libibverbs-dev, or libibverbs.so missing
     _verbs = None
     _IMPORT_ERROR = str(e)
 
 ROUTE = "rdma"
+
+
+def wc_status_text(status: int) -> str:
+    """libibverbs' own text for a work-completion status (``ibv_wc_status_str``)."""
+    return _verbs.wc_status_str(status) if _verbs is not None else f"status {status}"
+
+
+def error_message(code, what, target, op, remote, length) -> str:
+    """What the RDMA data path's codes mean (src/core/status.h: MTE_E_RDMA_WC_BASE -
+    ibv_wc_status, and -115x); batch.error_for asks."""
+    if code == E.ERR_RDMA_NO_RAIL:
+        return (f"{what}: no RDMA rail to {target} can carry it (every rail is down or "
+                f"paused, or no NIC pair has keys for both buffers)")
+    if code == E.ERR_RDMA_POST:
+        return (f"{what}: the RDMA NIC refused the work request (ibv_post_send failed; the "
+                f"queue pair is in error)")
+    if code == E.ERR_RDMA_LOCAL_KEY:
+        return f"{what}: the local buffer is not registered with the RDMA NICs"
+    if code == E.ERR_RDMA_PORT_DOWN:
+        return (f"{what}: the port of the local RDMA NIC went down (link or netdev down; "
+                f"ibv_devinfo shows the port state) and no other rail could take over")
+    st = E.ERR_RDMA_WC_BASE - code
+    text = wc_status_text(st)
+    if st == 10:       # IBV_WC_REM_ACCESS_ERR
+        return (f"{what} was refused by the NIC of {target}: {text} (IBV_WC_REM_ACCESS_ERR): "
+                f"[{remote:#x}, {remote + length:#x}) is outside the memory region it "
+                f"registered (stale address or rkey?) or the region forbids remote "
+                f"{'writes' if op == 1 else 'reads'}")
+    if st in (2, 12, 13, 20):
+        hint = ("the peer's NIC did not answer: link down, peer gone, or an MTU/GID mismatch "
+                "on the path (docs/rdma.md, troubleshooting)")
+    elif st == 5:
+        hint = "flushed after an earlier error on the same queue pair"
+    else:
+        hint = "see docs/rdma.md, troubleshooting"
+    return f"{what} failed over RDMA: {text} (ibv_wc_status {st}); {hint}"
+
+
+register_status_text(E.ERR_RDMA_PORT_DOWN, E.ERR_RDMA_WC_BASE - 1, error_message)
 _ACC = {"rw": 1 | 2, "r": 1, "local": 0}         # MTE_ACC_REMOTE_READ | _WRITE
 
 
@@ -119,17 +157,7 @@ def _covers(desc, remote, lens) -> bool:
     """Every [remote_i, +len_i) lies in one buffer of ``desc`` (vectorized)."""
     if len(remote) == 0:
         return True
-    bufs = sorted((b.address, b.address + b.length) for b in desc.buffers)
-    if not bufs:
-        return False
-    starts = np.array([b[0] for b in bufs], dtype=np.uint64)
-    ends = np.array([b[1] for b in bufs], dtype=np.uint64)
-    r = np.asarray(remote, dtype=np.uint64)
-    ln = np.asarray(lens, dtype=np.uint64)
-    i = np.searchsorted(starts, r, side="right").astype(np.int64) - 1
-    ok = i >= 0
-    ic = np.where(ok, i, 0)
-    return bool((ok & (r + (ln if len(ln) == len(r) else ln[0]) <= ends[ic])).all())
+    return desc.buffer_table().covers(remote, lens)
 
 
 # --------------------------------------------------------------------------- devices
@@ -440,8 +468,8 @@ class RdmaTransport(Transport):
         st = self._peer(desc)
         rc = st.peer.submit(batch, op, local, remote, lens, first)
         if rc != 0:
-            raise E.TransferError(f"cannot queue {len(local)} requests to {desc.name} over "
-                                  f"RDMA (error {rc})", status=rc if rc < 0 else None)
+            raise E.error_class(rc)(f"cannot queue {len(local)} requests to {desc.name} "
+                                    f"over RDMA (status {rc})", status=rc)
         batch.keep(st.peer)
         return ROUTE
 
@@ -577,6 +605,17 @@ class RdmaTransport(Transport):
             raise
 
     # --- stats, lifetime -------------------------------------------------------------
+    device_counter_defs = (
+        DeviceCounter("slices", "slices", "RDMA slices posted"),
+        DeviceCounter("bytes", "posted_bytes", "Bytes posted to the NIC"),
+        DeviceCounter("completions", "completions", "RDMA work completions"),
+        DeviceCounter("errors", "errors", "RDMA work completions with an error"),
+        DeviceCounter("retries", "retries", "Slices posted again on another rail after a "
+                                            "transport error (rail failovers)"))
+
+    def device_counters(self) -> dict:
+        return self.stats()
+
     def stats(self) -> dict:
         """Per local device: slices and bytes posted, completions, errors, retries."""
         out = {}

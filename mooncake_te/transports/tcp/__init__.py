@@ -53,7 +53,10 @@ class TcpTransport(Transport):
     """
 
     name = "tcp"
-    capabilities = Capabilities(sync=True, notifications=True)
+    # GPU memory: staged through pinned host memory on our side (src/tcp/client.c,
+    # src/core/stage.h); the peer's side is its own transport's business.
+    capabilities = Capabilities(sync=True, sync_metrics=True, notifications=True,
+                                gpu_memory=True)
     serves = ("auto", "tcp", "shm")
     priority = 40
 
@@ -92,6 +95,12 @@ class TcpTransport(Transport):
             return None
         return "tcp"
 
+    def no_route_reason(self, desc) -> str:
+        if self.only_same_host and self.route(desc) is None:
+            return (f"protocol='shm' reaches peers on this host only; {desc.name} is "
+                    f"elsewhere (or serves no same-host listener): use protocol='auto'")
+        return ""
+
     def _peer(self, desc) -> Peer:
         inst = int(desc.instance_id, 16) if desc.instance_id else 0
         key = (desc.name, inst, desc.host, desc.tcp_data_port)
@@ -118,8 +127,8 @@ class TcpTransport(Transport):
         peer = self._peer(desc)
         rc = batch.submit(peer, op, local, remote, lens, first, run_inline)
         if rc != 0:
-            raise TransferError(f"cannot queue {len(local)} requests to {desc.name} "
-                                f"(error {rc})", status=rc if rc < 0 else None)
+            raise error_class(rc)(f"cannot queue {len(local)} requests to {desc.name} "
+                                  f"(status {rc})", status=rc)
         return "shm" if peer.uds else "tcp"
 
     def transfer_sync(self, desc, op, local, remote, length, deadline_ns, cell=0) -> tuple:
