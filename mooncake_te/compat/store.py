@@ -44,6 +44,7 @@ key gets -600 ``INVALID_PARAMS`` and the log says which range was refused.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
 import logging
@@ -51,6 +52,7 @@ import os
 import re
 import socket
 import struct
+import sys
 import threading
 import weakref
 
@@ -117,20 +119,34 @@ class ReplicaStatus(enum.IntEnum):
 
 
 class SoftPinAction(enum.IntEnum):
-    """What a soft pin asks (``ReplicateConfig.soft_pin_action``). Accepted; this store
-    has no leases or pins: objects are evicted least recently used first."""
-    NONE = 0
-    PIN = 1
-    UNPIN = 2
+    """What a put asks of the object's soft pin (``ReplicateConfig.soft_pin_action``),
+    with Mooncake's names and values (``mooncake-store/include/replica.h``). Accepted;
+    this store has no pins: objects are evicted least recently used first."""
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
 
 
 class ObjectDataType(enum.IntEnum):
-    """What an object holds (vLLM's EC connector tags embeddings with it). Accepted
-    and not stored: every object is bytes here."""
+    """What an object holds, with Mooncake's names and values
+    (``mooncake-store/include/types.h``; vLLM's EC connector tags embeddings with it).
+    Accepted and not stored: every object is bytes here."""
     UNKNOWN = 0
-    KV_CACHE = 1
+    KVCACHE = 1
     TENSOR = 2
-    EMBEDDING = 3
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
+# Mooncake's binding exports these two enums' values at module level too.
+globals().update({m.name: m for m in ObjectDataType})
+globals().update({m.name: m for m in ReplicaStatus})
+_U64 = 1 << 64
 
 
 class BufferHandle(np.ndarray):
@@ -167,12 +183,28 @@ class ReplicateConfig:
         self.preferred_segments: list = []
         self.prefer_alloc_in_same_node = False
         self.group_ids: list = []
-        self.soft_pin_action = SoftPinAction.NONE
-        self.soft_pin_ttl_ms = 0
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self._soft_pin_ttl_ms: "int | None" = None
+        self.data_type = ObjectDataType.UNKNOWN
+        self.preferred_nof_segments: list = []
+
+    @property
+    def soft_pin_ttl_ms(self) -> "int | None":
+        """None (the default TTL) or milliseconds, 0 to 2**64-1; anything else is a
+        TypeError, as in Mooncake's binding."""
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, value) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < _U64):
+            raise TypeError(f"soft_pin_ttl_ms must be None or an integer in [0, 2**64), "
+                            f"not {value!r}")
+        self._soft_pin_ttl_ms = value
 
     def __repr__(self) -> str:
         return (f"ReplicateConfig(replica_num={self.replica_num}, preferred_segment="
-                f"{self.preferred_segment!r}, group_ids={len(self.group_ids)} ids)")
+                f"{self.preferred_segment!r}, group_ids={len(self.group_ids or ())} ids)")
 
 
 class MemoryDescriptor:
@@ -335,6 +367,7 @@ class MooncakeDistributedStore:
             log.error("setup: %s: %s", type(e).__name__, e)
             self.close()
             return -1
+        _LIVE.add(self)
         return 0
 
     def _setup(self, hostname, metadata, segment_size, protocol, devices, master, engine,
@@ -505,6 +538,7 @@ class MooncakeDistributedStore:
         """Withdraw this process's objects from the index, release the pool and the
         engine this store started. 0. Idempotent."""
         self._dir_stop.set()
+        _LIVE.discard(self)
         svc, self._service = self._service, None
         if svc is not None:
             try:
@@ -539,6 +573,11 @@ class MooncakeDistributedStore:
         # metrics registry's). A thread of its own closes the store (which that thread
         # keeps alive until then); inline only where no thread can start (shutdown).
         if self._cache is None and self._te is None:
+            return
+        if sys.is_finalizing():
+            # No thread starts now (Thread.start would wait forever: the interpreter
+            # is exiting) and atexit has closed every store that was open; what is
+            # left goes with the process.
             return
         try:
             threading.Thread(target=_close_quietly, args=(self,), name="store-finalizer",
@@ -1276,6 +1315,17 @@ def _mapped_rw(address: int, length: int) -> bool:
         if at >= end:
             return True
     return at >= end
+
+
+#: stores set up and not closed: closed at interpreter exit (their finalizers cannot
+#: start the closing thread then), so an unclosed store never keeps a process alive.
+_LIVE: "weakref.WeakSet[MooncakeDistributedStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    for store in list(_LIVE):
+        _close_quietly(store)
 
 
 def _close_quietly(store) -> None:

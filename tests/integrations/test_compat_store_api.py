@@ -10,9 +10,14 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve  # noqa: F401
 from mooncake_te.compat.store import (PORT_RANGE, BufferHandle, MooncakeDistributedStore,
@@ -43,10 +48,48 @@ def _store(url, tenant, segment=32 * MIB):
 
 def test_types_and_config_fields():
     cfg = ReplicateConfig()
-    assert cfg.soft_pin_action == SoftPinAction.NONE and cfg.soft_pin_ttl_ms == 0
-    cfg.soft_pin_action, cfg.soft_pin_ttl_ms = SoftPinAction.PIN, 5000
+    assert cfg.soft_pin_action == SoftPinAction.PRESERVE and cfg.soft_pin_ttl_ms is None
+    cfg.soft_pin_action, cfg.soft_pin_ttl_ms = SoftPinAction.ENABLE, 5000
     assert ReplicaStatus.COMPLETE.name == "COMPLETE"
-    assert ObjectDataType.KV_CACHE != ObjectDataType.EMBEDDING
+    assert ObjectDataType.KVCACHE != ObjectDataType.TENSOR
+    # Mooncake's values (mooncake-store/include/types.h, replica.h), so code that stores
+    # them as ints or compares with Mooncake's meaning gets the same answer.
+    assert [(m.name, int(m)) for m in SoftPinAction] == [("PRESERVE", 0), ("ENABLE", 1),
+                                                         ("DISABLE", 2)]
+    assert [m.name for m in ObjectDataType] == [
+        "UNKNOWN", "KVCACHE", "TENSOR", "WEIGHT", "SAMPLE", "ACTIVATION", "GRADIENT",
+        "OPTIMIZER_STATE", "METADATA", "GENERAL"]
+    assert [int(m) for m in ObjectDataType] == list(range(10))
+    assert [(m.name, int(m)) for m in ReplicaStatus][3] == ("COMPLETE", 3)
+    from mooncake_te.compat import store as store_mod
+    assert store_mod.KVCACHE is ObjectDataType.KVCACHE and store_mod.COMPLETE == 3
+    cfg.soft_pin_ttl_ms = None
+    assert cfg.soft_pin_ttl_ms is None
+    for bad in (-1, 1 << 64, 1.5):
+        with pytest.raises(TypeError):
+            cfg.soft_pin_ttl_ms = bad
+    assert cfg.data_type == ObjectDataType.UNKNOWN
+    cfg.group_ids = None
+    assert "group_ids=0" in repr(cfg)
+
+
+def test_unclosed_store_does_not_keep_the_process_alive(index_url):
+    """A store never closed (Mooncake's own tests leave theirs open) is closed at exit:
+    its finalizer, run while the interpreter exits, waited forever on a thread that
+    could not start (the process hung after its last line)."""
+    code = ("from mooncake_te.compat.store import MooncakeDistributedStore as S\n"
+            "a, b = S(), S()\n"
+            f"assert a.setup('127.0.0.1', 'P2PHANDSHAKE', 16 << 20, 4 << 20, 'tcp', '', "
+            f"'127.0.0.1:50051') == 0\n"
+            f"assert b.setup('127.0.0.1', {index_url!r}, 16 << 20, 4 << 20, 'tcp', '', "
+            f"'127.0.0.1:50051', tenant_id='exit') == 0\n"
+            "assert b.put('k', b'v') == 0\n"
+            "print('done', flush=True)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 30
 
 
 # LMCache 0.5.6's chunk metadata ahead of the KV bytes (save_chunk_meta): a fixed header
