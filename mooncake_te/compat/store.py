@@ -1044,6 +1044,75 @@ class MooncakeDistributedStore:
         return self.batch_get_into_multi_buffers(keys, [[p] for p in buffer_ptrs],
                                                  [[s] for s in sizes])
 
+    def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets,
+                        all_sizes) -> list:
+        """Byte ranges of objects into registered buffers, buffer by buffer (Mooncake's
+        ``get_into_ranges``): for buffer ``i`` and its ``j``-th key, range ``k`` copies
+        ``all_sizes[i][j][k]`` bytes from offset ``all_src_offsets[i][j][k]`` of the
+        object to offset ``all_dst_offsets[i][j][k]`` of the buffer.
+
+        Returns ``results[i][j][k]``: the bytes copied, or a negative code: -704 when the
+        key does not exist, -600 when the range runs past the object or past the
+        registered buffer the pointer lies in, when the key's three lists differ in
+        length, or when the pointer is not in a buffer registered with
+        ``register_buffer``. The result has one entry per destination offset."""
+        def shape():
+            return [[[INVALID_PARAMS] * len(d) for d in dsts] for dsts in all_dst_offsets]
+
+        def go():
+            res = shape()
+            n = len(buffer_ptrs)
+            if not (len(all_keys) == len(all_dst_offsets) == len(all_src_offsets)
+                    == len(all_sizes) == n):
+                log.error("get_into_ranges: %d buffers, %d key lists, %d/%d/%d offset and "
+                          "size lists; give one of each per buffer", n, len(all_keys),
+                          len(all_dst_offsets), len(all_src_offsets), len(all_sizes))
+                return res
+            wanted: list = []
+            for i in range(n):
+                keys = all_keys[i]
+                if len(keys) == len(all_dst_offsets[i]) == len(all_src_offsets[i]) == \
+                        len(all_sizes[i]):
+                    wanted += [k for k in keys if k not in wanted]
+            objs = dict(zip(wanted, self._get_many(wanted))) if wanted else {}
+            for i in range(n):
+                ptr = int(buffer_ptrs[i])
+                cap = self._capacity(ptr)
+                keys = all_keys[i]
+                if not ptr or not cap or not (len(keys) == len(all_dst_offsets[i]) ==
+                                              len(all_src_offsets[i]) == len(all_sizes[i])):
+                    if not cap:
+                        log.error("get_into_ranges: buffer %#x is not inside a buffer "
+                                  "registered with register_buffer()", ptr)
+                    continue
+                for j, key in enumerate(keys):
+                    dsts, srcs, lens = (all_dst_offsets[i][j], all_src_offsets[i][j],
+                                        all_sizes[i][j])
+                    if not len(dsts) == len(srcs) == len(lens):
+                        continue
+                    obj = objs.get(key, OBJECT_NOT_FOUND)
+                    if isinstance(obj, int):
+                        res[i][j] = [obj] * len(dsts)
+                        continue
+                    for k, (d, sr, ln) in enumerate(zip(dsts, srcs, lens)):
+                        d, sr, ln = int(d), int(sr), int(ln)
+                        if min(d, sr, ln) < 0 or d + ln > cap or sr + ln > obj.nbytes:
+                            continue                      # stays INVALID_PARAMS
+                        ctypes.memmove(ptr + d, obj.ctypes.data + sr, ln)
+                        res[i][j][k] = ln
+            return res
+        return self._guard(go, shape())
+
+    def _capacity(self, ptr: int) -> int:
+        """Bytes from ``ptr`` to the end of the registered buffer it lies in; 0 if none."""
+        with self._lock:
+            regions: list = list(self._buffers.values())
+        eng = self._eng
+        if eng is not None:
+            regions += list(getattr(eng, "regions", ()))
+        return max((r.address + r.length - ptr for r in regions
+                    if r.address <= ptr < r.address + r.length), default=0)
+
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
                     config: ReplicateConfig | None = None) -> int:
         """:meth:`put_from` that replaces an object that exists (every copy)."""

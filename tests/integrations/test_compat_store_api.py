@@ -231,3 +231,39 @@ def test_port_choice_ignores_the_seeded_random_module():
         random.seed(0)
         picks.add(_free_port("127.0.0.1"))
     assert len(picks) > 1, picks
+
+
+def test_get_into_ranges_across_clients(index_url):
+    """Mooncake's ``get_into_ranges`` scenario: ranges of two objects another client put,
+    buffer by buffer, with the failures it defines (mismatched lists, past the object,
+    past the buffer, a missing key)."""
+    a, b = _store(index_url, "ranges"), _store(index_url, "ranges")
+    try:
+        d1, d2 = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ", b"abcdefghijklmnopqrstuvwxyz0123456789"
+        assert a.put("r1", d1) == 0 and a.put("r2", d2) == 0
+        n = 32
+        b0, b1 = (ctypes.c_ubyte * n)(), (ctypes.c_ubyte * n)()
+        p0, p1 = ctypes.addressof(b0), ctypes.addressof(b1)
+        assert b.register_buffer(p0, n) == 0 and b.register_buffer(p1, n) == 0
+        res = b.get_into_ranges([p0, p1], [["r1", "r2"], ["r2", "r1"]],
+                                [[[0, 20], [8]], [[4], [16]]], [[[1, 30], [2]], [[0], [10]]],
+                                [[[4, 3], [5]], [[6], [4]]])
+        assert res == [[[4, 3], [5]], [[6], [4]]]
+        assert bytes(b0[0:4]) == d1[1:5] and bytes(b0[8:13]) == d2[2:7]
+        assert bytes(b0[20:23]) == d1[30:33]
+        assert bytes(b1[4:10]) == d2[0:6] and bytes(b1[16:20]) == d1[10:14]
+        bad = b.get_into_ranges([p0], [["r1", "r2"]], [[[0], []]], [[[0, 1], []]], [[[], []]])
+        assert bad == [[[-600], []]]
+        assert b.get_into_ranges([p0], [["r1"]], [[[0]]], [[[len(d1) - 1]]], [[[4]]]) == \
+            [[[-600]]]                                      # past the object
+        assert b.get_into_ranges([p0], [["r1"]], [[[n - 1]]], [[[0]]], [[[4]]]) == \
+            [[[-600]]]                                      # past the buffer
+        assert b.get_into_ranges([p0], [["nope", "r1"]], [[[0], [8]]], [[[0], [0]]],
+                                 [[[4], [4]]]) == [[[-704], [4]]]
+        unreg = (ctypes.c_ubyte * 8)()
+        assert b.get_into_ranges([ctypes.addressof(unreg)], [["r1"]], [[[0]]], [[[0]]],
+                                 [[[4]]]) == [[[-600]]]     # not registered: nothing copied
+        assert bytes(unreg) == bytes(8)
+    finally:
+        a.close()
+        b.close()
