@@ -54,6 +54,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -321,6 +322,11 @@ class MooncakeDistributedStore:
         self._local_buffer = 16 * _MIB
         self._rr = 0
         self._warned_preferred = False
+        #: key -> when its lease ends (time.monotonic()): granted by a put here and by
+        #: a read through this store, as Mooncake's master grants one on put and on
+        #: each read; batch_replica_clear skips objects whose lease is running
+        self._leases: dict = {}
+        self._lease_s = float(os.environ.get("MC_STORE_KV_LEASE_TTL", "5000")) / 1000
 
     # --- set-up --------------------------------------------------------------------------
     def setup(self, local_hostname, metadata_server: str = "", global_segment_size=16 * _MIB,
@@ -522,6 +528,8 @@ class MooncakeDistributedStore:
                                             forward=False)}, b""
         if op == "remove":
             return {"found": self._remove_objects(list(head["keys"]), forward=False)}, b""
+        if op == "leases":
+            return {"active": self._active_leases(list(head["keys"]))}, b""
         if op == "remove_all":
             return {"n": self._remove_all_here()}, b""
         if op == "remove_regex":
@@ -733,6 +741,7 @@ class MooncakeDistributedStore:
                 lo = first + (j - 1) * chunk
                 blocks.append(mv[lo:lo + chunk])
             where.append(i)
+            self._grant(k)
             self._heads[head] = k
         if ks:
             try:
@@ -901,6 +910,9 @@ class MooncakeDistributedStore:
                     broken.append(keys[i])
             if broken:
                 self._remove_objects(broken)     # what is left of them finds no reader
+        for k, o in zip(keys, out):
+            if not isinstance(o, int):
+                self._grant(k)
         return out
 
     def _remove_objects(self, keys, forward: bool = True) -> list:
@@ -1102,6 +1114,47 @@ class MooncakeDistributedStore:
                         res[i][j][k] = ln
             return res
         return self._guard(go, shape())
+
+    def _grant(self, key) -> None:
+        self._leases[key if isinstance(key, str) else str(key)] = (time.monotonic()
+                                                                   + self._lease_s)
+
+    def _active_leases(self, keys) -> list:
+        now = time.monotonic()
+        for k in [k for k, t in list(self._leases.items()) if t <= now]:
+            self._leases.pop(k, None)
+        return [k for k in keys if self._leases.get(str(k), 0) > now]
+
+    def batch_replica_clear(self, keys, segment_name: str = "") -> list:
+        """Remove the replicas of ``keys`` whose lease has ended (Mooncake's
+        ``batch_replica_clear``): every replica with ``segment_name`` empty, else only
+        the one in that segment (this store's ``get_hostname()`` or another store's).
+        Returns the keys cleared. A lease is granted by a put and by every read through
+        any store (``MC_STORE_KV_LEASE_TTL`` ms, default 5000 as Mooncake's master); a
+        key with a running lease anywhere, or with no replica where asked, is left."""
+        def go():
+            ks = [str(k) for k in keys]
+            if not ks:
+                return []
+            active = set(self._active_leases(ks))
+            if self._directory is not None:
+                for _, rh in self._call_peers({"op": "leases", "keys": ks}):
+                    active.update(rh.get("active", []))
+            cand = [k for k in ks if k not in active]
+            if not cand:
+                return []
+            me = self._eng.name if self._eng is not None else ""
+            if not segment_name:
+                found = self._remove_objects(cand, forward=True)
+            elif segment_name == me and not self._segmentless:
+                found = self._remove_objects(cand, forward=False)
+            else:
+                target = {k: v for k, v in self._peers().items() if k == segment_name}
+                found = [False] * len(cand)
+                for _, rh in self._call_peers({"op": "remove", "keys": cand}, b"", target):
+                    found = [a or bool(b) for a, b in zip(found, rh.get("found", []))]
+            return list(dict.fromkeys(k for k, f in zip(cand, found) if f))
+        return self._guard(go, [])
 
     def _capacity(self, ptr: int) -> int:
         """Bytes from ``ptr`` to the end of the registered buffer it lies in; 0 if none."""

@@ -267,3 +267,39 @@ def test_get_into_ranges_across_clients(index_url):
     finally:
         a.close()
         b.close()
+
+
+def test_batch_replica_clear_leases_and_segments(index_url, monkeypatch):
+    """Mooncake's ``batch_replica_clear``: keys whose lease (put, read) still runs are
+    skipped; the others are cleared everywhere, or only in the segment named, the other
+    replica still serving reads."""
+    monkeypatch.setenv("MC_STORE_KV_LEASE_TTL", "400")
+    tenant = "clear-" + os.urandom(3).hex()
+    a, b = _store(index_url, tenant), _store(index_url, tenant)
+    try:
+        assert a.batch_replica_clear([]) == [] and a.batch_replica_clear(["none"]) == []
+        assert a.put("old", b"o") == 0
+        time.sleep(0.5)
+        assert a.put("new", b"n") == 0                      # lease running
+        assert sorted(a.batch_replica_clear(["old", "new", "none"])) == ["old"]
+        assert a.get("old") == b"" and a.get("new") == b"n"
+        time.sleep(0.5)
+        assert b.get("new") == b"n"                         # a read renews the lease...
+        assert a.batch_replica_clear(["new"]) == []         # ...in the reader's store too
+        time.sleep(0.5)
+        assert a.batch_replica_clear(["new"], segment_name="nowhere:1") == []
+        assert a.is_exist("new") == 1
+        assert a.batch_replica_clear(["new"], segment_name=a.get_hostname()) == ["new"]
+        assert a.get("new") == b"" and b.get("new") == b""
+        cfg = ReplicateConfig()
+        cfg.replica_num = 2
+        assert a.put("two", b"2" * 1000, config=cfg) == 0
+        time.sleep(0.5)
+        assert a.batch_replica_clear(["two"], segment_name=a.get_hostname()) == ["two"]
+        assert b.get("two") == b"2" * 1000                  # b's replica serves it
+        time.sleep(0.5)
+        assert a.batch_replica_clear(["two"]) == ["two"]
+        assert a.get("two") == b"" and b.get("two") == b""
+    finally:
+        a.close()
+        b.close()
