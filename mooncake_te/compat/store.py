@@ -1522,3 +1522,8 @@ def _same_len(keys, ptrs, sizes) -> None:
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ReplicaDescriptor",
            "MemoryDescriptor", "DiskDescriptor", "BufferHandle", "ReplicaStatus",
            "SoftPinAction", "ObjectDataType"]
+
+
+from .buffer_pool import (BufferLease, BufferLeaseView, BufferPool,  # noqa: E402,F401
+                          RegisteredBufferLease, RegisteredBufferLeaseView,
+                          RegisteredBufferPool)

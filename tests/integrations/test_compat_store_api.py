@@ -303,3 +303,49 @@ def test_batch_replica_clear_leases_and_segments(index_url, monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def test_buffer_pool_leases(index_url):
+    """Mooncake's BufferPool: regions of the local buffer, then registered overflow;
+    exhaustion, a blocked acquire woken by a release, views that pin their lease, and
+    the refusals Mooncake makes. Data written in a lease goes out with put_from."""
+    import threading
+    from mooncake_te.compat.store import BufferPool
+    s = _store(index_url, "bp-" + os.urandom(3).hex())
+    try:
+        pool = BufferPool(s)
+        lease = pool.acquire(32 * MIB)                      # the whole local buffer
+        over = pool.acquire(1024, block=False)              # overflow: registered memory
+        over.buffer[:5] = b"hello"
+        assert s.put_from("bp", over.ptr, 5) == 0 and s.get("bp") == b"hello"
+        view = lease.buffer
+        with pytest.raises(RuntimeError, match="exported views"):
+            lease.release()
+        del view
+        lease.release()
+        over.release()
+        with pytest.raises(RuntimeError, match="active leases"):
+            held = pool.acquire(1)
+            pool.close()
+        held.release()
+        pool.close()
+        one = BufferPool(s, max_regions=1, block_on_exhaustion=False)
+        a = one.acquire(1)
+        with pytest.raises(RuntimeError, match="exhausted"):
+            one.acquire(1)
+        got = []
+        t = threading.Thread(target=lambda: got.append(one.acquire(1, block=True, timeout=5)))
+        t.start()
+        time.sleep(0.1)
+        a.release()
+        t.join(10)
+        assert got and got[0].size == 1
+        got[0].release()
+        with pytest.raises(RuntimeError, match="capacity"):
+            one.acquire((1 << 64) - 1)
+        with pytest.raises(RuntimeError, match="alignment"):
+            BufferPool(s, alignment=12345)
+    finally:
+        s.close()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        BufferPool(MooncakeDistributedStore())
