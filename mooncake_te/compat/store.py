@@ -690,6 +690,12 @@ class MooncakeDistributedStore:
         False: a call from another store, stored here only)."""
         cache = self._c()
         self._check_config(config)
+        if config is not None and getattr(config, "soft_pin_ttl_ms", None) is not None and \
+                getattr(config, "soft_pin_action", 0) != SoftPinAction.ENABLE:
+            log.error("put: soft_pin_ttl_ms is given with soft_pin_action %s; a TTL goes "
+                      "only with SoftPinAction.ENABLE (as in Mooncake)",
+                      getattr(config, "soft_pin_action", None))
+            return [INVALID_PARAMS] * len(keys)
         if replace:
             self._remove_objects(list(keys), forward=forward)
         if self._segmentless and forward:

@@ -349,3 +349,22 @@ def test_buffer_pool_leases(index_url):
         s.close()
     with pytest.raises(RuntimeError, match="not initialized"):
         BufferPool(MooncakeDistributedStore())
+
+
+def test_soft_pin_ttl_goes_only_with_enable(index_url):
+    """Mooncake refuses (-600) a soft-pin TTL with PRESERVE or DISABLE."""
+    s = _store(index_url, "pin-" + os.urandom(3).hex())
+    try:
+        on = ReplicateConfig()
+        on.soft_pin_action, on.soft_pin_ttl_ms = SoftPinAction.ENABLE, 1000
+        assert s.put("p", b"x", on) == 0
+        for action in (SoftPinAction.PRESERVE, SoftPinAction.DISABLE):
+            c = ReplicateConfig()
+            c.soft_pin_action, c.soft_pin_ttl_ms = action, 1000
+            assert s.upsert("p", b"y", c) == -600
+        assert s.get("p") == b"x"
+        off = ReplicateConfig()
+        off.soft_pin_action = SoftPinAction.DISABLE
+        assert s.upsert("p", b"z", off) == 0 and s.get("p") == b"z"
+    finally:
+        s.close()
