@@ -29,13 +29,17 @@ pytestmark = pytest.mark.timeout(900)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SRC = os.environ.get("MTE_MOONCAKE_SRC", "")
 
-#: file -> the fewest of its tests that must pass on each metadata server
+#: file -> the fewest of its tests that must pass on each metadata server (measured with
+#: Mooncake 3b5a594 on etcd, redis and our HTTP server). Not passing:
+#: test_distributed_object_store.py's test_basic_get_hostname (it expects the name to
+#: start with "localhost:", and these runs give LOCAL_HOSTNAME=127.0.0.1: every test here
+#: binds 127.0.0.1); test_dummy_client.py (setup_dummy is refused: docs/compat.md).
 EXPECTED = {
     "test_import_structure.py": 3,
-    "test_distributed_object_store.py": 0,
-    "test_replicated_distributed_object_store.py": 0,
-    "test_batch_replica_clear.py": 0,
-    "test_buffer_pool_native.py": 0,
+    "test_distributed_object_store.py": 15,
+    "test_replicated_distributed_object_store.py": 5,
+    "test_batch_replica_clear.py": 12,
+    "test_buffer_pool_native.py": 16,
     "test_dummy_client.py": 0,
 }
 
