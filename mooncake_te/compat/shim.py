@@ -45,6 +45,13 @@ _INIT = '''# Written by `mooncake-te compat install`; remove with `mooncake-te c
 """
 MOONCAKE_TE_SHIM = True
 __version__ = "{version}+mooncake-te"
+
+
+def __getattr__(name):
+    if name in ("BufferPool", "RegisteredBufferPool"):
+        from mooncake_te.compat import buffer_pool
+        return getattr(buffer_pool, name)
+    raise AttributeError(name)
 '''
 _ALIAS = '''# Written by `mooncake-te compat install`.
 import sys as _sys

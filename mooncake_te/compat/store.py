@@ -44,6 +44,7 @@ key gets -600 ``INVALID_PARAMS`` and the log says which range was refused.
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import enum
 import logging
@@ -51,7 +52,9 @@ import os
 import re
 import socket
 import struct
+import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -119,20 +122,34 @@ class ReplicaStatus(enum.IntEnum):
 
 
 class SoftPinAction(enum.IntEnum):
-    """What a soft pin asks (``ReplicateConfig.soft_pin_action``). Accepted; this store
-    has no leases or pins: objects are evicted least recently used first."""
-    NONE = 0
-    PIN = 1
-    UNPIN = 2
+    """What a put asks of the object's soft pin (``ReplicateConfig.soft_pin_action``),
+    with Mooncake's names and values (``mooncake-store/include/replica.h``). Accepted;
+    this store has no pins: objects are evicted least recently used first."""
+    PRESERVE = 0
+    ENABLE = 1
+    DISABLE = 2
 
 
 class ObjectDataType(enum.IntEnum):
-    """What an object holds (vLLM's EC connector tags embeddings with it). Accepted
-    and not stored: every object is bytes here."""
+    """What an object holds, with Mooncake's names and values
+    (``mooncake-store/include/types.h``; vLLM's EC connector tags embeddings with it).
+    Accepted and not stored: every object is bytes here."""
     UNKNOWN = 0
-    KV_CACHE = 1
+    KVCACHE = 1
     TENSOR = 2
-    EMBEDDING = 3
+    WEIGHT = 3
+    SAMPLE = 4
+    ACTIVATION = 5
+    GRADIENT = 6
+    OPTIMIZER_STATE = 7
+    METADATA = 8
+    GENERAL = 9
+
+
+# Mooncake's binding exports these two enums' values at module level too.
+globals().update({m.name: m for m in ObjectDataType})
+globals().update({m.name: m for m in ReplicaStatus})
+_U64 = 1 << 64
 
 
 class BufferHandle(np.ndarray):
@@ -169,12 +186,28 @@ class ReplicateConfig:
         self.preferred_segments: list = []
         self.prefer_alloc_in_same_node = False
         self.group_ids: list = []
-        self.soft_pin_action = SoftPinAction.NONE
-        self.soft_pin_ttl_ms = 0
+        self.soft_pin_action = SoftPinAction.PRESERVE
+        self._soft_pin_ttl_ms: "int | None" = None
+        self.data_type = ObjectDataType.UNKNOWN
+        self.preferred_nof_segments: list = []
+
+    @property
+    def soft_pin_ttl_ms(self) -> "int | None":
+        """None (the default TTL) or milliseconds, 0 to 2**64-1; anything else is a
+        TypeError, as in Mooncake's binding."""
+        return self._soft_pin_ttl_ms
+
+    @soft_pin_ttl_ms.setter
+    def soft_pin_ttl_ms(self, value) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or not 0 <= value < _U64):
+            raise TypeError(f"soft_pin_ttl_ms must be None or an integer in [0, 2**64), "
+                            f"not {value!r}")
+        self._soft_pin_ttl_ms = value
 
     def __repr__(self) -> str:
         return (f"ReplicateConfig(replica_num={self.replica_num}, preferred_segment="
-                f"{self.preferred_segment!r}, group_ids={len(self.group_ids)} ids)")
+                f"{self.preferred_segment!r}, group_ids={len(self.group_ids or ())} ids)")
 
 
 class MemoryDescriptor:
@@ -291,6 +324,11 @@ class MooncakeDistributedStore:
         self._local_buffer = 16 * _MIB
         self._rr = 0
         self._warned_preferred = False
+        #: key -> when its lease ends (time.monotonic()): granted by a put here and by
+        #: a read through this store, as Mooncake's master grants one on put and on
+        #: each read; batch_replica_clear skips objects whose lease is running
+        self._leases: dict = {}
+        self._lease_s = float(os.environ.get("MC_STORE_KV_LEASE_TTL", "5000")) / 1000
 
     # --- set-up --------------------------------------------------------------------------
     def setup(self, local_hostname, metadata_server: str = "", global_segment_size=16 * _MIB,
@@ -337,6 +375,7 @@ class MooncakeDistributedStore:
             log.error("setup: %s: %s", type(e).__name__, e)
             self.close()
             return -1
+        _LIVE.add(self)
         return 0
 
     def _setup(self, hostname, metadata, segment_size, protocol, devices, master, engine,
@@ -491,6 +530,8 @@ class MooncakeDistributedStore:
                                             forward=False)}, b""
         if op == "remove":
             return {"found": self._remove_objects(list(head["keys"]), forward=False)}, b""
+        if op == "leases":
+            return {"active": self._active_leases(list(head["keys"]))}, b""
         if op == "remove_all":
             return {"n": self._remove_all_here()}, b""
         if op == "remove_regex":
@@ -507,6 +548,7 @@ class MooncakeDistributedStore:
         """Withdraw this process's objects from the index, release the pool and the
         engine this store started. 0. Idempotent."""
         self._dir_stop.set()
+        _LIVE.discard(self)
         svc, self._service = self._service, None
         if svc is not None:
             try:
@@ -541,6 +583,11 @@ class MooncakeDistributedStore:
         # metrics registry's). A thread of its own closes the store (which that thread
         # keeps alive until then); inline only where no thread can start (shutdown).
         if self._cache is None and self._te is None:
+            return
+        if sys.is_finalizing():
+            # No thread starts now (Thread.start would wait forever: the interpreter
+            # is exiting) and atexit has closed every store that was open; what is
+            # left goes with the process.
             return
         try:
             threading.Thread(target=_close_quietly, args=(self,), name="store-finalizer",
@@ -645,6 +692,12 @@ class MooncakeDistributedStore:
         False: a call from another store, stored here only)."""
         cache = self._c()
         self._check_config(config)
+        if config is not None and getattr(config, "soft_pin_ttl_ms", None) is not None and \
+                getattr(config, "soft_pin_action", 0) != SoftPinAction.ENABLE:
+            log.error("put: soft_pin_ttl_ms is given with soft_pin_action %s; a TTL goes "
+                      "only with SoftPinAction.ENABLE (as in Mooncake)",
+                      getattr(config, "soft_pin_action", None))
+            return [INVALID_PARAMS] * len(keys)
         if replace:
             self._remove_objects(list(keys), forward=forward)
         if self._segmentless and forward:
@@ -696,6 +749,7 @@ class MooncakeDistributedStore:
                 lo = first + (j - 1) * chunk
                 blocks.append(mv[lo:lo + chunk])
             where.append(i)
+            self._grant(k)
             self._heads[head] = k
         if ks:
             try:
@@ -864,6 +918,9 @@ class MooncakeDistributedStore:
                     broken.append(keys[i])
             if broken:
                 self._remove_objects(broken)     # what is left of them finds no reader
+        for k, o in zip(keys, out):
+            if not isinstance(o, int):
+                self._grant(k)
         return out
 
     def _remove_objects(self, keys, forward: bool = True) -> list:
@@ -1006,6 +1063,116 @@ class MooncakeDistributedStore:
         """``get_into`` for several keys; bytes read (or a negative code) per key."""
         return self.batch_get_into_multi_buffers(keys, [[p] for p in buffer_ptrs],
                                                  [[s] for s in sizes])
+
+    def get_into_ranges(self, buffer_ptrs, all_keys, all_dst_offsets, all_src_offsets,
+                        all_sizes) -> list:
+        """Byte ranges of objects into registered buffers, buffer by buffer (Mooncake's
+        ``get_into_ranges``): for buffer ``i`` and its ``j``-th key, range ``k`` copies
+        ``all_sizes[i][j][k]`` bytes from offset ``all_src_offsets[i][j][k]`` of the
+        object to offset ``all_dst_offsets[i][j][k]`` of the buffer.
+
+        Returns ``results[i][j][k]``: the bytes copied, or a negative code: -704 when the
+        key does not exist, -600 when the range runs past the object or past the
+        registered buffer the pointer lies in, when the key's three lists differ in
+        length, or when the pointer is not in a buffer registered with
+        ``register_buffer``. The result has one entry per destination offset."""
+        def shape():
+            return [[[INVALID_PARAMS] * len(d) for d in dsts] for dsts in all_dst_offsets]
+
+        def go():
+            res = shape()
+            n = len(buffer_ptrs)
+            if not (len(all_keys) == len(all_dst_offsets) == len(all_src_offsets)
+                    == len(all_sizes) == n):
+                log.error("get_into_ranges: %d buffers, %d key lists, %d/%d/%d offset and "
+                          "size lists; give one of each per buffer", n, len(all_keys),
+                          len(all_dst_offsets), len(all_src_offsets), len(all_sizes))
+                return res
+            wanted: list = []
+            for i in range(n):
+                keys = all_keys[i]
+                if len(keys) == len(all_dst_offsets[i]) == len(all_src_offsets[i]) == \
+                        len(all_sizes[i]):
+                    wanted += [k for k in keys if k not in wanted]
+            objs = dict(zip(wanted, self._get_many(wanted))) if wanted else {}
+            for i in range(n):
+                ptr = int(buffer_ptrs[i])
+                cap = self._capacity(ptr)
+                keys = all_keys[i]
+                if not ptr or not cap or not (len(keys) == len(all_dst_offsets[i]) ==
+                                              len(all_src_offsets[i]) == len(all_sizes[i])):
+                    if not cap:
+                        log.error("get_into_ranges: buffer %#x is not inside a buffer "
+                                  "registered with register_buffer()", ptr)
+                    continue
+                for j, key in enumerate(keys):
+                    dsts, srcs, lens = (all_dst_offsets[i][j], all_src_offsets[i][j],
+                                        all_sizes[i][j])
+                    if not len(dsts) == len(srcs) == len(lens):
+                        continue
+                    obj = objs.get(key, OBJECT_NOT_FOUND)
+                    if isinstance(obj, int):
+                        res[i][j] = [obj] * len(dsts)
+                        continue
+                    for k, (d, sr, ln) in enumerate(zip(dsts, srcs, lens)):
+                        d, sr, ln = int(d), int(sr), int(ln)
+                        if min(d, sr, ln) < 0 or d + ln > cap or sr + ln > obj.nbytes:
+                            continue                      # stays INVALID_PARAMS
+                        ctypes.memmove(ptr + d, obj.ctypes.data + sr, ln)
+                        res[i][j][k] = ln
+            return res
+        return self._guard(go, shape())
+
+    def _grant(self, key) -> None:
+        self._leases[key if isinstance(key, str) else str(key)] = (time.monotonic()
+                                                                   + self._lease_s)
+
+    def _active_leases(self, keys) -> list:
+        now = time.monotonic()
+        for k in [k for k, t in list(self._leases.items()) if t <= now]:
+            self._leases.pop(k, None)
+        return [k for k in keys if self._leases.get(str(k), 0) > now]
+
+    def batch_replica_clear(self, keys, segment_name: str = "") -> list:
+        """Remove the replicas of ``keys`` whose lease has ended (Mooncake's
+        ``batch_replica_clear``): every replica with ``segment_name`` empty, else only
+        the one in that segment (this store's ``get_hostname()`` or another store's).
+        Returns the keys cleared. A lease is granted by a put and by every read through
+        any store (``MC_STORE_KV_LEASE_TTL`` ms, default 5000 as Mooncake's master); a
+        key with a running lease anywhere, or with no replica where asked, is left."""
+        def go():
+            ks = [str(k) for k in keys]
+            if not ks:
+                return []
+            active = set(self._active_leases(ks))
+            if self._directory is not None:
+                for _, rh in self._call_peers({"op": "leases", "keys": ks}):
+                    active.update(rh.get("active", []))
+            cand = [k for k in ks if k not in active]
+            if not cand:
+                return []
+            me = self._eng.name if self._eng is not None else ""
+            if not segment_name:
+                found = self._remove_objects(cand, forward=True)
+            elif segment_name == me and not self._segmentless:
+                found = self._remove_objects(cand, forward=False)
+            else:
+                target = {k: v for k, v in self._peers().items() if k == segment_name}
+                found = [False] * len(cand)
+                for _, rh in self._call_peers({"op": "remove", "keys": cand}, b"", target):
+                    found = [a or bool(b) for a, b in zip(found, rh.get("found", []))]
+            return list(dict.fromkeys(k for k, f in zip(cand, found) if f))
+        return self._guard(go, [])
+
+    def _capacity(self, ptr: int) -> int:
+        """Bytes from ``ptr`` to the end of the registered buffer it lies in; 0 if none."""
+        with self._lock:
+            regions: list = list(self._buffers.values())
+        eng = self._eng
+        if eng is not None:
+            regions += list(getattr(eng, "regions", ()))
+        return max((r.address + r.length - ptr for r in regions
+                    if r.address <= ptr < r.address + r.length), default=0)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
                     config: ReplicateConfig | None = None) -> int:
@@ -1280,6 +1447,17 @@ def _mapped_rw(address: int, length: int) -> bool:
     return at >= end
 
 
+#: stores set up and not closed: closed at interpreter exit (their finalizers cannot
+#: start the closing thread then), so an unclosed store never keeps a process alive.
+_LIVE: "weakref.WeakSet[MooncakeDistributedStore]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    for store in list(_LIVE):
+        _close_quietly(store)
+
+
 def _close_quietly(store) -> None:
     try:
         store.close()
@@ -1352,3 +1530,8 @@ def _same_len(keys, ptrs, sizes) -> None:
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ReplicaDescriptor",
            "MemoryDescriptor", "DiskDescriptor", "BufferHandle", "ReplicaStatus",
            "SoftPinAction", "ObjectDataType"]
+
+
+from .buffer_pool import (BufferLease, BufferLeaseView, BufferPool,  # noqa: E402,F401
+                          RegisteredBufferLease, RegisteredBufferLeaseView,
+                          RegisteredBufferPool)

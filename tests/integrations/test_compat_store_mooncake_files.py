@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Mooncake's own store test files, byte for byte, through the opt-in shim (issue 39).
+
+The files live in kvcache-ai/Mooncake (``mooncake-wheel/tests``, Apache-2.0); they are
+not copied into this repository. Point ``MTE_MOONCAKE_SRC`` at a checkout of Mooncake
+(its root, or its ``mooncake-wheel`` directory) and each file runs, unchanged and from
+that checkout, in a child ``pytest`` with the shim installed in a temporary
+site-packages, once per metadata server (etcd, redis, our HTTP server, all on
+127.0.0.1). Without the variable every case is skipped and says so: CI has no copy, and
+our own tests written to the same scenarios (``test_compat_store*.py``) run there.
+
+Each case asserts that at least the recorded number of the file's tests pass (the
+floor in ``EXPECTED``, measured on this machine, the Mooncake commit in docs/compat.md)
+and prints the file's counts, so a regression fails and progress shows.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve
+
+pytestmark = pytest.mark.timeout(900)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SRC = os.environ.get("MTE_MOONCAKE_SRC", "")
+
+#: file -> the fewest of its tests that must pass on each metadata server (measured with
+#: Mooncake 3b5a594 on etcd, redis and our HTTP server). Not passing:
+#: test_distributed_object_store.py's test_basic_get_hostname (it expects the name to
+#: start with "localhost:", and these runs give LOCAL_HOSTNAME=127.0.0.1: every test here
+#: binds 127.0.0.1); test_dummy_client.py (setup_dummy is refused: docs/compat.md).
+EXPECTED = {
+    "test_import_structure.py": 3,
+    "test_distributed_object_store.py": 15,
+    "test_replicated_distributed_object_store.py": 5,
+    "test_batch_replica_clear.py": 12,
+    "test_buffer_pool_native.py": 16,
+    "test_dummy_client.py": 0,
+}
+
+
+def _tests_dir() -> str | None:
+    if not SRC:
+        return None
+    for cand in (os.path.join(SRC, "mooncake-wheel", "tests"), os.path.join(SRC, "tests")):
+        if os.path.isfile(os.path.join(cand, "test_distributed_object_store.py")):
+            return cand
+    return None
+
+
+@pytest.fixture(scope="module")
+def tests_dir():
+    d = _tests_dir()
+    if d is None:
+        pytest.skip("Mooncake's own test files are not on this machine: set "
+                    "MTE_MOONCAKE_SRC to a kvcache-ai/Mooncake checkout (they run from "
+                    "there, byte for byte, and are never copied into this repository)"
+                    if not SRC else
+                    f"MTE_MOONCAKE_SRC={SRC!r} holds no mooncake-wheel/tests/"
+                    f"test_distributed_object_store.py")
+    return d
+
+
+@pytest.fixture(scope="module")
+def shim_site(tmp_path_factory):
+    site = str(tmp_path_factory.mktemp("shim-site"))
+    r = subprocess.run([sys.executable, "-m", "mooncake_te", "compat", "install",
+                        "--target", site], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return site
+
+
+@pytest.fixture(scope="module", params=["etcd", "redis", "http"])
+def metadata_url(request):
+    cls = {"etcd": EtcdServer, "redis": RedisServer, "http": HttpMetadataServer}[request.param]
+    yield from (srv.url for srv in _serve(cls))
+
+
+def run_file(tests_dir: str, name: str, site: str, url: str, tmp) -> dict:
+    """Run one of Mooncake's files; ``{"passed", "failed", "errors", "skipped",
+    "total", "failures": [test ids]}``."""
+    xml = os.path.join(str(tmp), "junit.xml")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, ROOT]),
+               MC_METADATA_SERVER=url, LOCAL_HOSTNAME="127.0.0.1", PROTOCOL="tcp",
+               DEVICE_NAME="", MC_TCP_BIND_ADDRESS="127.0.0.1",
+               MASTER_SERVER="127.0.0.1:50051")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-p", "no:randomly", f"--junitxml={xml}", "-o",
+                        "junit_family=xunit2", "--timeout", "240", name],
+                       cwd=tests_dir, env=env, capture_output=True, text=True, timeout=850)
+    out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "total": 0, "failures": []}
+    if not os.path.exists(xml):
+        raise AssertionError(f"{name}: no report\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        out["total"] += 1
+        tid = f"{case.get('classname')}::{case.get('name')}"
+        if case.find("failure") is not None:
+            out["failed"] += 1
+            out["failures"].append(tid)
+        elif case.find("error") is not None:
+            out["errors"] += 1
+            out["failures"].append(tid)
+        elif case.find("skipped") is not None:
+            out["skipped"] += 1
+        else:
+            out["passed"] += 1
+    out["tail"] = r.stdout[-6000:]
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_mooncake_file(tests_dir, shim_site, metadata_url, name, tmp_path, request):
+    res = run_file(tests_dir, name, shim_site, metadata_url, tmp_path)
+    kind = metadata_url.split(":", 1)[0]
+    line = (f"{name} [{kind}]: {res['passed']} passed, {res['failed']} failed, "
+            f"{res['errors']} errors, {res['skipped']} skipped of {res['total']}")
+    print(line)
+    if os.environ.get("MTE_MOONCAKE_LOG"):          # one line per case, for reports
+        with open(os.environ["MTE_MOONCAKE_LOG"], "a") as f:
+            f.write(line + (" | not passing: " + ", ".join(res["failures"])
+                            if res["failures"] else "") + "\n")
+    assert res["passed"] >= EXPECTED[name], f"{line}\n{res['failures']}\n{res['tail']}"
