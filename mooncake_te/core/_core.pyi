@@ -30,6 +30,11 @@ class NativeBatch:
 OP_READ: int
 OP_WRITE: int
 
+class PreparedTable:
+    def __init__(self, local: Any, remote: Any, lens: Any, regions: Any = ...) -> None: ...
+    shape: Any
+    any_device: bool
+
 class Regions:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     def add(self, addr: int, length: int, access: int, device: int = ...) -> Any: ...

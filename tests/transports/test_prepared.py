@@ -137,3 +137,113 @@ def test_posts_are_counted_by_metrics_and_time_out_like_batches(pair):
     assert counted == {"write": 6, "read": 3}         # 3 regions each
     with pytest.raises(E.InvalidArgumentError, match="timeout"):
         p.post(mte.READ, np.array([0]), np.array([5]), timeout=-1)
+
+
+# --- the native post (issue 38, item 1): one call from ids to the peer's queue ---------
+
+def test_post_over_tcp_is_one_native_call(pair, monkeypatch):
+    """Over TCP and the same-host transport a post never gathers addresses in Python:
+    the prepared tables live in the core and the transport queues by index."""
+    from mooncake_te.prepared import PreparedTransfer
+
+    def gathered(*a, **k):
+        raise AssertionError("post took the gathered path")
+
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    monkeypatch.setattr(PreparedTransfer, "_post_gathered", gathered)
+    assert p._table.shape == (3, NB, NB) and not p._table.any_device
+    batch = p.post(mte.WRITE, np.array([2, 3]), np.array([7, 1]))
+    batch.wait(timeout=10)
+    assert len(batch) == 6 and batch.transport == p.transport
+    view = remote.reshape(3, NB, BLOCK)
+    for r in range(3):
+        assert (view[r, 7] == local[r][2 * BLOCK:3 * BLOCK]).all()
+        assert (view[r, 1] == local[r][3 * BLOCK:4 * BLOCK]).all()
+
+
+def test_native_post_refuses_bad_ids_and_queues_nothing(pair):
+    """An id outside the table is refused before anything is queued: no request of the
+    post runs (the good ids before it included), so nothing outside the prepared blocks
+    (or anything at all) is written."""
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    cases = [(np.array([0, 1, NB]), np.array([0, 1, 2]), r"local_ids\[2\] = 8"),
+             (np.array([0, -3]), np.array([0, 1]), r"local_ids\[1\] = -3"),
+             (np.array([0, 1]), np.array([1, 1 << 40]), r"remote_ids\[1\] = 1099511627776"),
+             (np.array([0, 1]), np.array([-1, 0]), r"remote_ids\[0\] = -1")]
+    for lids, rids, msg in cases:
+        with pytest.raises(E.InvalidArgumentError, match=msg):
+            p.post(mte.WRITE, lids, rids)
+    with pytest.raises(E.InvalidArgumentError, match="3 local_ids but 2 remote_ids"):
+        p.post(mte.WRITE, np.array([0, 1, 2]), np.array([0, 1]))
+    with pytest.raises(E.InvalidArgumentError, match="integer"):
+        p.post(mte.WRITE, np.zeros((2, 2), np.int64), np.array([0, 1]))
+    # Nothing was queued: a good post after the refusals is the only write that lands.
+    p.post(mte.WRITE, np.array([4]), np.array([5])).wait(timeout=10)
+    view = remote.reshape(3, NB, BLOCK)
+    for r in range(3):
+        assert (view[r, 5] == local[r][4 * BLOCK:5 * BLOCK]).all()
+        view[r, 5] = 0
+    assert not remote.any()
+
+
+def test_native_post_takes_ranges_and_reports_failed_blocks(pair):
+    """ids may be ranges; a failed request's error names its own block's addresses (the
+    batch computes them from the tables only when asked)."""
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b, regions=2)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    p.post(mte.WRITE, range(0, 4), range(4, 8)).wait(timeout=10)
+    view = remote.reshape(2, NB, BLOCK)
+    for r in range(2):
+        assert (view[r, 4:8].ravel() == local[r][:4 * BLOCK]).all()
+    a.unregister(int(lt[1, 0]))              # region 1's plane: its requests fail
+    batch = p.post(mte.WRITE, np.array([6, 2]), np.array([0, 3]))
+    with pytest.raises(E.MooncakeError) as exc:
+        batch.wait(timeout=10)
+    states = [s.state for s in batch.status()]
+    assert states[:2] == ["completed"] * 2 and states[2:] == ["failed"] * 2
+    err = batch._error(2, E.ERR_LOCAL_NOT_REGISTERED)     # region 1, block 6 -> 0
+    assert f"local {int(lt[1, 6]):#x}" in str(err) and f"remote {int(rt[1, 0]):#x}" in str(err)
+    assert exc.value is not None
+
+
+def test_native_post_on_a_closed_engine_is_refused(pair):
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b, regions=1)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    a.close()
+    with pytest.raises(E.ClosedError):
+        p.post(mte.WRITE, np.array([0]), np.array([0]))
+    assert not remote.any()
+
+
+def test_native_post_honours_its_deadline_against_a_hung_peer():
+    """A post to a peer that stopped answering ends at its deadline (timeout=), as
+    any batch: "timeout" states, TransferTimeoutError, no hang."""
+    import os
+    import signal
+    import time
+
+    from peers import PeerProcess, sigstop
+    victim = PeerProcess(1 << 20)
+    try:
+        with mte.TransferEngine(host="127.0.0.1", protocol="tcp") as eng:
+            src = np.ones(NB * BLOCK, np.uint8)
+            la = eng.register(src).address
+            steps = np.arange(NB, dtype=np.uint64) * BLOCK
+            p = eng.prepare(victim.name, la + steps, victim.address + steps, BLOCK)
+            p.post(mte.WRITE, np.array([0]), np.array([0])).wait(timeout=10)   # lanes up
+            sigstop(victim.pid)
+            t0 = time.monotonic()
+            batch = p.post(mte.READ, np.arange(NB), np.arange(NB), timeout=0.5)
+            with pytest.raises(mte.TransferTimeoutError):
+                batch.wait()
+            assert time.monotonic() - t0 < 5
+            assert {s.state for s in batch.status()} == {"timeout"}
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+        victim.kill()
