@@ -34,6 +34,7 @@ class PreparedTable:
     def __init__(self, local: Any, remote: Any, lens: Any, regions: Any = ...) -> None: ...
     shape: Any
     any_device: bool
+    evenly_spaced: tuple
 
 class Regions:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...

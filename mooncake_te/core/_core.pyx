@@ -135,6 +135,12 @@ cdef class PreparedTable:
     def any_device(self):
         return bool(self.t.any_device)
 
+    @property
+    def evenly_spaced(self):
+        """(local, remote): whether every row of that side is base + block * stride, kept
+        as two numbers per row (src/core/prep.h)."""
+        return (self.t.lbase != NULL, self.t.rbase != NULL)
+
     def __dealloc__(self):
         mte_prep_free(self.t)
         self.t = NULL

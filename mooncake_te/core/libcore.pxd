@@ -57,6 +57,8 @@ cdef extern from "core/prep.h" nogil:
     ctypedef struct mte_prep_t:
         uint32_t rows, lcols, rcols
         int any_device
+        uint64_t *lbase
+        uint64_t *rbase
     mte_prep_t *mte_prep_new(uint32_t rows, uint32_t lcols, uint32_t rcols,
                              const uint64_t *local, const uint64_t *remote,
                              const uint64_t *lens, uint32_t nlens)

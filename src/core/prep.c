@@ -5,6 +5,34 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* base[r], stride[r] of every row of a rows x cols table when each row is evenly spaced
+ * (0 on success), or -1 (the caller keeps the full table). */
+static int affine(const uint64_t *a, uint32_t rows, uint32_t cols, uint64_t **base,
+                  uint64_t **stride)
+{
+    for (uint32_t r = 0; r < rows; r++) {
+        const uint64_t *row = a + (size_t)r * cols;
+        uint64_t s = cols > 1 ? row[1] - row[0] : 0;
+        for (uint32_t c = 2; c < cols; c++)
+            if (row[c] - row[c - 1] != s)
+                return -1;
+    }
+    *base = malloc(rows * sizeof(uint64_t));
+    *stride = malloc(rows * sizeof(uint64_t));
+    if (!*base || !*stride) {
+        free(*base);
+        free(*stride);
+        *base = *stride = NULL;
+        return -1;
+    }
+    for (uint32_t r = 0; r < rows; r++) {
+        const uint64_t *row = a + (size_t)r * cols;
+        (*base)[r] = row[0];
+        (*stride)[r] = cols > 1 ? row[1] - row[0] : 0;
+    }
+    return 0;
+}
+
 mte_prep_t *mte_prep_new(uint32_t rows, uint32_t lcols, uint32_t rcols, const uint64_t *local,
                          const uint64_t *remote, const uint64_t *lens, uint32_t nlens)
 {
@@ -28,6 +56,8 @@ mte_prep_t *mte_prep_new(uint32_t rows, uint32_t lcols, uint32_t rcols, const ui
     t->rows = rows;
     t->lcols = lcols;
     t->rcols = rcols;
+    affine(t->local, rows, lcols, &t->lbase, &t->lstride);
+    affine(t->remote, rows, rcols, &t->rbase, &t->rstride);
     return t;
 }
 
@@ -38,5 +68,9 @@ void mte_prep_free(mte_prep_t *t)
     free(t->local);
     free(t->remote);
     free(t->lens);
+    free(t->lbase);
+    free(t->lstride);
+    free(t->rbase);
+    free(t->rstride);
     free(t);
 }

@@ -15,6 +15,7 @@
 #ifndef MTE_PREP_H
 #define MTE_PREP_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 typedef struct mte_prep {
@@ -23,6 +24,12 @@ typedef struct mte_prep {
     uint64_t *local;            /* rows x lcols */
     uint64_t *remote;           /* rows x rcols */
     uint64_t *lens;             /* rows */
+    /* Every row of a side evenly spaced (a paged KV cache: block b of a plane is at
+     * base + b * stride): its addresses are computed from base and stride per row, so a
+     * post reads two numbers per row instead of one cache line per block. NULL when a
+     * row of that side is not evenly spaced. */
+    uint64_t *lbase, *lstride;  /* rows each, or NULL */
+    uint64_t *rbase, *rstride;
 } mte_prep_t;
 
 /* Copies the tables; lens holds one value (every row) or `rows`. NULL when out of
@@ -30,6 +37,19 @@ typedef struct mte_prep {
 mte_prep_t *mte_prep_new(uint32_t rows, uint32_t lcols, uint32_t rcols, const uint64_t *local,
                          const uint64_t *remote, const uint64_t *lens, uint32_t nlens);
 void mte_prep_free(mte_prep_t *t);
+
+/* Address of block `col` of row `row` on one side. */
+static inline uint64_t mte_prep_local(const mte_prep_t *t, uint32_t row, int64_t col)
+{
+    return t->lbase ? t->lbase[row] + (uint64_t)col * t->lstride[row]
+                    : t->local[(size_t)row * t->lcols + col];
+}
+
+static inline uint64_t mte_prep_remote(const mte_prep_t *t, uint32_t row, int64_t col)
+{
+    return t->rbase ? t->rbase[row] + (uint64_t)col * t->rstride[row]
+                    : t->remote[(size_t)row * t->rcols + col];
+}
 
 /* The position of the first id outside [0, cols), or -1 when every one is inside. */
 static inline int64_t mte_prep_bad_id(const int64_t *ids, uint32_t n, uint32_t cols)

@@ -680,8 +680,8 @@ int mte_tcp_post_prepared(mte_peer_t *p, mte_batch_t *b, int op, const mte_prep_
         uint64_t *loc = buf, *rem = buf + m, *lens = buf + 2 * m;
         for (uint32_t r = 0; r < t->rows; r++)
             for (uint32_t k = 0; k < n; k++) {
-                loc[(size_t)r * n + k] = t->local[(size_t)r * t->lcols + lids[k]];
-                rem[(size_t)r * n + k] = t->remote[(size_t)r * t->rcols + rids[k]];
+                loc[(size_t)r * n + k] = mte_prep_local(t, r, lids[k]);
+                rem[(size_t)r * n + k] = mte_prep_remote(t, r, rids[k]);
                 lens[(size_t)r * n + k] = t->lens[r];
             }
         int rc = mte_tcp_submit(p, b, op, loc, rem, lens, 1, 0, (uint32_t)m, 0);
@@ -714,12 +714,11 @@ int mte_tcp_post_prepared(mte_peer_t *p, mte_batch_t *b, int op, const mte_prep_
     item_t *q = p->q;
     size_t cap = p->qcap;
     for (uint32_t r = 0; r < t->rows; r++) {
-        const uint64_t *lrow = t->local + (size_t)r * t->lcols;
-        const uint64_t *rrow = t->remote + (size_t)r * t->rcols;
         uint64_t len = t->lens[r];
         uint32_t idx = r * n;
         for (uint32_t k = 0; k < n; k++, idx++) {
-            uint64_t la = lrow[lids[k]], ra = rrow[rids[k]], off = 0;
+            uint64_t la = mte_prep_local(t, r, lids[k]), ra = mte_prep_remote(t, r, rids[k]);
+            uint64_t off = 0;
             do {
                 uint64_t l = len - off < sl ? len - off : sl;
                 q[tail] = (item_t){.b = b, .idx = idx, .op = (uint32_t)op,

@@ -247,3 +247,24 @@ def test_native_post_honours_its_deadline_against_a_hung_peer():
     finally:
         os.kill(victim.pid, signal.SIGCONT)
         victim.kill()
+
+
+def test_native_post_of_tables_in_any_order(pair):
+    """Evenly spaced rows (a paged KV cache) are kept as base + stride; rows in any other
+    order keep their full table. Both move the right blocks, in one post."""
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b, regions=2)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    assert p._table.evenly_spaced == (True, True)
+    perm = np.random.default_rng(3).permutation(NB)
+    lt2, rt2 = lt[:, perm].copy(), rt[:, ::-1].copy()          # shuffled; reversed
+    q = a.prepare(b.name, lt2, rt2, BLOCK)
+    assert q._table.evenly_spaced == (False, True)              # reversed: stride -BLOCK
+    q.post(mte.WRITE, np.array([0, 5]), np.array([1, 6])).wait(timeout=10)
+    view = remote.reshape(2, NB, BLOCK)
+    for r in range(2):
+        for li, ri in ((0, 1), (5, 6)):
+            src = local[r].reshape(NB, BLOCK)[perm[li]]
+            assert (view[r, NB - 1 - ri] == src).all()
+    written = {NB - 1 - 1, NB - 1 - 6}
+    assert not view[:, [c for c in range(NB) if c not in written]].any()
