@@ -217,7 +217,10 @@ class PreparedTransfer:
         op = int(op)
         r = self._routes.get(op)
         tr, route = r if r is not None else self._route(op)
-        fast = getattr(tr, "post_prepared", None) if notify is None else None
+        fast = getattr(tr, "post_prepared", None)
+        if notify is not None:
+            S.check_notify(notify)
+            notify = bytes(notify)
         if fast is None:
             return self._post_gathered(tr, route, desc, op, local_ids, remote_ids, notify,
                                        timeout)
@@ -234,11 +237,11 @@ class PreparedTransfer:
         tm = eng._tmetrics
         cell = tm.cell(desc.name, route, op) if tm is not None else 0
         try:
-            native, taken = fast(desc, self._table, op, lids, rids, deadline, cell)
+            native, taken = fast(desc, self._table, op, lids, rids, deadline, cell, notify)
         except TypeError:       # not C-contiguous int64 arrays: convert, then again
             lids = _ids(local_ids, "local_ids", self.local_blocks)
             rids = _ids(remote_ids, "remote_ids", self.remote_blocks)
-            native, taken = fast(desc, self._table, op, lids, rids, deadline, cell)
+            native, taken = fast(desc, self._table, op, lids, rids, deadline, cell, notify)
         n = len(lids)
         k = self._lrows.shape[0] * n
         lens = self._lens.get(k)

@@ -154,9 +154,10 @@ def test_post_over_tcp_is_one_native_call(pair, monkeypatch):
     p = a.prepare(b.name, lt, rt, BLOCK)
     monkeypatch.setattr(PreparedTransfer, "_post_gathered", gathered)
     assert p._table.shape == (3, NB, NB) and not p._table.any_device
-    batch = p.post(mte.WRITE, np.array([2, 3]), np.array([7, 1]))
+    batch = p.post(mte.WRITE, np.array([2, 3]), np.array([7, 1]), notify=b"landed")
     batch.wait(timeout=10)
     assert len(batch) == 6 and batch.transport == p.transport
+    assert b.notifications(timeout=10)[-1].message == b"landed"
     view = remote.reshape(3, NB, BLOCK)
     for r in range(3):
         assert (view[r, 7] == local[r][2 * BLOCK:3 * BLOCK]).all()
@@ -181,6 +182,8 @@ def test_native_post_refuses_bad_ids_and_queues_nothing(pair):
         p.post(mte.WRITE, np.array([0, 1, 2]), np.array([0, 1]))
     with pytest.raises(E.InvalidArgumentError, match="integer"):
         p.post(mte.WRITE, np.zeros((2, 2), np.int64), np.array([0, 1]))
+    with pytest.raises(E.InvalidArgumentError, match="1 MiB"):
+        p.post(mte.WRITE, np.array([0]), np.array([0]), notify=bytes((1 << 20) + 1))
     # Nothing was queued: a good post after the refusals is the only write that lands.
     p.post(mte.WRITE, np.array([4]), np.array([5])).wait(timeout=10)
     view = remote.reshape(3, NB, BLOCK)

@@ -122,11 +122,13 @@ class TcpTransport(Transport):
                                 f"(error {rc})", status=rc if rc < 0 else None)
         return "shm" if peer.uds else "tcp"
 
-    def post_prepared(self, desc, table, op, lids, rids, deadline_ns, cell=0) -> tuple:
+    def post_prepared(self, desc, table, op, lids, rids, deadline_ns, cell=0,
+                      notify=None) -> tuple:
         """A prepared post (PreparedTransfer.post) in one native call: (sealed
-        NativeBatch, route). ``table``: a core PreparedTable; ids: C-contiguous int64."""
+        NativeBatch, route). ``table``: a core PreparedTable; ids: C-contiguous int64;
+        ``notify``: bytes for the peer once every request succeeded (checked)."""
         peer = self._peer(desc)
-        native = peer.post_prepared(table, op, lids, rids, deadline_ns, cell)
+        native = peer.post_prepared(table, op, lids, rids, deadline_ns, cell, notify)
         if type(native) is int:
             raise TransferError(f"cannot queue a prepared post of {len(lids)} blocks to "
                                 f"{desc.name} (error {native})",

@@ -223,12 +223,13 @@ cdef class Peer(Resource):
         return rc
 
     def post_prepared(self, PreparedTable table, int op, cnp.ndarray lids, cnp.ndarray rids,
-                      int64_t deadline_ns, uintptr_t cell=0):
+                      int64_t deadline_ns, uintptr_t cell=0, bytes notify=None):
         """A prepared post in one call (src/core/prep.h, mte_tcp_post_prepared): a new
         sealed NativeBatch of rows x len(lids) requests, queued. ``lids``/``rids``:
         C-contiguous 1-D int64 (TypeError otherwise: the caller converts). An id outside
         the table is an InvalidArgumentError and queues nothing. ``cell``: the metrics
-        cell the requests count in (0: none)."""
+        cell the requests count in (0: none). ``notify``: delivered to the peer once every
+        request succeeded (at most 1 MiB; the caller checks)."""
         cdef const mte_prep_t *t = table.t
         cdef Py_ssize_t n = cnp.PyArray_DIM(lids, 0) if cnp.PyArray_NDIM(lids) == 1 else -1
         cdef int64_t bad
@@ -261,8 +262,12 @@ cdef class Peer(Resource):
         batch._keep.append(self)
         if cell and n:
             mte_batch_tag(batch.b, 0, <uint32_t>(n * t.rows), <uint64_t *>cell)
-        with nogil:
-            rc = mte_tcp_post_prepared(self.p, batch.b, op, t, lp, rp, <uint32_t>n)
+        rc = 0
+        if notify is not None:
+            rc = mte_tcp_add_notify(self.p, batch.b, <const char *>notify, len(notify))
+        if rc == 0:
+            with nogil:
+                rc = mte_tcp_post_prepared(self.p, batch.b, op, t, lp, rp, <uint32_t>n)
         if rc != 0:
             mte_batch_abandon(batch.b, 0, <uint32_t>(n * t.rows))
             mte_batch_seal(batch.b)
