@@ -167,6 +167,27 @@ def main() -> int:
                     bt.wait(timeout=60)
             res["prepared post, burst"] = stats(burst)
             res["prepared post, burst"]["transport"] = batches[-1].transport
+            # Python call to landed (submit + transfer), the connector's coalesced path vs
+            # the prepared post, alternating, for random block ids (coalescing merges
+            # nothing) and contiguous ones (it merges each plane's 16 blocks into one).
+            landed = {}
+            nl = max(10, args.requests // 3)
+            for pattern in ("random", "contiguous"):
+                if pattern == "random":
+                    pairs = reqs[:nl]
+                else:
+                    starts = rng.integers(0, nb - PER_REQ + 1, (nl, 2))
+                    pairs = [(np.arange(x, x + PER_REQ), np.arange(y, y + PER_REQ))
+                             for x, y in starts]
+                tl = {"connector path": [], "prepared post": []}
+                for i, (a, b) in enumerate(pairs):
+                    order = (("connector path", connector), ("prepared post", prepared))
+                    for label, fn in order[i % 2:] + order[:i % 2]:
+                        t0 = time.perf_counter()
+                        fn(a, b).wait(timeout=60)
+                        tl[label].append(time.perf_counter() - t0)
+                landed[pattern] = {k: stats(v) for k, v in tl.items()}
+            res["to_landed"] = landed
             # Where the gathered post's time went (engine internals, diagnostic only).
             from mooncake_te import submit as S
             from mooncake_te.batch import Batch
@@ -218,6 +239,10 @@ def main() -> int:
               f"(n={r['n']}, via {r['transport']})")
     print(f"  prepared / gathered (median of per-round ratios): "
           f"{res['prepared / gathered']:.2f}")
+    for pattern, r in res["to_landed"].items():
+        c, p_ = r["connector path"], r["prepared post"]
+        print(f"  to landed, {pattern:10} ids: connector path median {c['median_us']:7.0f} "
+              f"us, prepared post {p_['median_us']:7.0f} us (n={c['n']})")
     print("  gathered post, by stage (median us): " + ", ".join(
         f"{k} {v:.1f}" for k, v in res["breakdown_us"].items()))
     print(f"  prepare once: {res['prepare_ms']:.2f} ms; prepared post / connector path: "

@@ -148,13 +148,41 @@ class PreparedTransfer:
         self.transport = self._route(int(Op.WRITE))[1]
         self._lens = {}          # number of descriptors -> lengths array (cached)
         self._per_id = int(bs.sum()) if len(bs) > 1 else int(bs[0]) * self._lrows.shape[0]
-        # The tables in C, for the transports' one-call post (src/core/prep.h).
-        self._table = PreparedTable(np.ascontiguousarray(self._lrows),
-                                    np.ascontiguousarray(self._rrows), bs, engine._regions)
+        self._table = self._native_table()
 
     def __repr__(self) -> str:
         return (f"<PreparedTransfer to {self.target} via {self.transport}: "
                 f"{self._local.shape} local, {self._remote.shape} remote>")
+
+    def _native_table(self) -> PreparedTable:
+        """The tables in C, for the transports' one-call post (src/core/prep.h)."""
+        return PreparedTable(np.ascontiguousarray(self._lrows),
+                             np.ascontiguousarray(self._rrows), self._bs,
+                             self._eng._regions, self._mergeable(self._bs))
+
+    def _mergeable(self, bs: np.ndarray) -> np.ndarray:
+        """Per row, 1 where blocks with consecutive ids may move as one request: the row
+        is back to back on both sides (block b at base + b * length) and lies whole in
+        one of our regions and one buffer the peer publishes (so a merged request never
+        spans two)."""
+        rows = self._lrows.shape[0]
+        blen = np.broadcast_to(bs, (rows,))
+        out = np.ones(rows, np.uint8)
+        for tab, cols in ((self._lrows, self.local_blocks), (self._rrows, self.remote_blocks)):
+            if cols > 1:
+                out &= (tab[:, 1:] - tab[:, :-1] == blen[:, None]).all(axis=1)
+        span = blen * np.uint64(self.local_blocks)
+        for r in np.flatnonzero(out):
+            if self._eng._regions.check_many(self._lrows[r, :1].copy(),
+                                             span[r:r + 1].copy(), 0)[0] >= 0:
+                out[r] = 0
+        rspan = blen * np.uint64(self.remote_blocks)
+        for r in np.flatnonzero(out):
+            try:
+                _check_remote(self._desc, self._rrows[r, :1].copy(), rspan[r:r + 1].copy())
+            except E.AddressNotRegisteredError:
+                out[r] = 0
+        return out
 
     def _gather(self, table, ids, what):
         """Addresses of blocks ``ids`` of ``table`` (every row's, row by row), in one
@@ -214,6 +242,7 @@ class PreparedTransfer:
             if desc is not self._desc:       # re-resolved (restarted peer): check again
                 _check_remote(desc, self._remote.ravel(), self._rlens)
                 self._desc, self._routes = desc, {}
+                self._table = self._native_table()
         op = int(op)
         r = self._routes.get(op)
         tr, route = r if r is not None else self._route(op)

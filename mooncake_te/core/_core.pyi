@@ -31,8 +31,10 @@ OP_READ: int
 OP_WRITE: int
 
 class PreparedTable:
-    def __init__(self, local: Any, remote: Any, lens: Any, regions: Any = ...) -> None: ...
+    def __init__(self, local: Any, remote: Any, lens: Any, regions: Any = ...,
+                 merge: Any = ...) -> None: ...
     shape: Any
+    merged_rows: int
     any_device: bool
     evenly_spaced: tuple
 

@@ -8,6 +8,8 @@ through ``_core.pxd``) and reach the core's C functions through the capsule ``_C
 """
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pycapsule cimport PyCapsule_New
+from libc.stdlib cimport malloc
+from libc.string cimport memcpy
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_t
 from libc.errno cimport EEXIST, ENOENT, EACCES, EINVAL
 import os
@@ -98,10 +100,13 @@ cdef class PreparedTable:
     [rows, lcols] and ``remote`` [rows, rcols] block addresses (C-contiguous uint64),
     ``lens`` one block size or one per row. A transport's ``post_prepared`` reads them
     with no Python per block. ``regions``: the engine's region table, to note whether a
-    local block is in device memory (such posts take the general path's slice sizes)."""
+    local block is in device memory (such posts take the general path's slice sizes).
+    ``merge``: uint8 per row, or None: 1 where the row's blocks are back to back on both
+    sides inside one region and one peer buffer, so that consecutive ids may move as one
+    request (src/core/prep.h; the caller checked it)."""
 
     def __cinit__(self, cnp.ndarray local, cnp.ndarray remote, cnp.ndarray lens,
-                  Regions regions=None):
+                  Regions regions=None, cnp.ndarray merge=None):
         for arr in (local, remote, lens):
             if (cnp.PyArray_TYPE(arr) != cnp.NPY_UINT64
                     or not cnp.PyArray_IS_C_CONTIGUOUS(arr)):
@@ -130,10 +135,26 @@ cdef class PreparedTable:
                 if mte_regions_device_at(regions.t, la[i]) >= 0:
                     self.t.any_device = 1
                     break
+        if merge is not None:
+            if (cnp.PyArray_TYPE(merge) != cnp.NPY_UINT8 or cnp.PyArray_NDIM(merge) != 1
+                    or cnp.PyArray_DIM(merge, 0) != rows
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(merge)):
+                raise ValueError("PreparedTable: merge is one uint8 per row")
+            self.t.merge = <uint8_t *>malloc(rows)
+            if self.t.merge == NULL:
+                raise MemoryError()
+            memcpy(self.t.merge, cnp.PyArray_DATA(merge), rows)
 
     @property
     def any_device(self):
         return bool(self.t.any_device)
+
+    @property
+    def merged_rows(self):
+        """Rows whose consecutive blocks may move as one request."""
+        if self.t.merge == NULL:
+            return 0
+        return sum(self.t.merge[i] != 0 for i in range(self.t.rows))
 
     @property
     def evenly_spaced(self):

@@ -59,6 +59,7 @@ cdef extern from "core/prep.h" nogil:
         int any_device
         uint64_t *lbase
         uint64_t *rbase
+        uint8_t *merge
     mte_prep_t *mte_prep_new(uint32_t rows, uint32_t lcols, uint32_t rcols,
                              const uint64_t *local, const uint64_t *remote,
                              const uint64_t *lens, uint32_t nlens)

@@ -72,5 +72,6 @@ void mte_prep_free(mte_prep_t *t)
     free(t->lstride);
     free(t->rbase);
     free(t->rstride);
+    free(t->merge);
     free(t);
 }

@@ -30,6 +30,11 @@ typedef struct mte_prep {
      * row of that side is not evenly spaced. */
     uint64_t *lbase, *lstride;  /* rows each, or NULL */
     uint64_t *rbase, *rstride;
+    /* Per row, or NULL: 1 when the row's blocks are back to back on both sides (stride =
+     * length) and the whole row lies in one registered region here and in one buffer of
+     * the peer, so that blocks with consecutive ids on both sides may move as one request
+     * (the coalescing vLLM's connector did in Python). Set by the owner (malloc'd). */
+    uint8_t *merge;
 } mte_prep_t;
 
 /* Copies the tables; lens holds one value (every row) or `rows`. NULL when out of

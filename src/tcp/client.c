@@ -27,11 +27,14 @@
 #define RBUF_SIZE MTE_TCP_RBUF_SIZE
 #define SMALL_READ MTE_TCP_SMALL_READ
 
-/* One slice on a peer's queue (idx NOTIFY_IDX: the batch's notification). */
+/* One slice on a peer's queue (idx NOTIFY_IDX: the batch's notification). nreq > 1: the
+ * slice is requests [idx, idx + nreq) whole, of len / nreq bytes each, back to back on
+ * both sides (a prepared post's merged blocks, prep.h); 0 or 1: one slice of request idx. */
 typedef struct {
     mte_batch_t *b;
     uint32_t idx;
-    uint32_t op;
+    uint16_t op;
+    uint16_t nreq;
     uint64_t laddr, raddr, len;
 } item_t;
 
@@ -39,10 +42,18 @@ static int ring_reserve(mte_peer_t *p, size_t more);
 
 static void item_done(const item_t *it, int err)
 {
-    if (it->idx == NOTIFY_IDX)
+    if (it->idx == NOTIFY_IDX) {
         mte_batch_notify_done(it->b, err);
-    else
+    } else if (it->nreq > 1) {
+        /* The last call may finish (and free) the batch: nothing touches it after. */
+        uint64_t each = it->len / it->nreq;
+        mte_batch_t *b = it->b;
+        uint32_t idx = it->idx, m = it->nreq;
+        for (uint32_t j = 0; j < m; j++)
+            mte_batch_slice_done(b, idx + j, each, err);
+    } else {
         mte_batch_slice_done(it->b, it->idx, it->len, err);
+    }
 }
 
 static int sink_sock(void *ctx, const uint8_t *p, size_t n) { return mte_sock_send_all(ctx, p, n); }
@@ -588,11 +599,11 @@ int mte_tcp_submit(mte_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
                 mte_batch_begin(b, first, 1);
                 if (atomic_load(&p->closing)) {         /* shut down: carry nothing */
                     pthread_mutex_unlock(&L->busy);
-                    item_t it = {.b = b, .idx = first, .op = (uint32_t)op, .len = lens[0]};
+                    item_t it = {.b = b, .idx = first, .op = (uint16_t)op, .len = lens[0]};
                     item_done(&it, MTE_E_CLOSED);
                     return 0;
                 }
-                item_t it = {.b = b, .idx = first, .op = (uint32_t)op, .laddr = local[0],
+                item_t it = {.b = b, .idx = first, .op = (uint16_t)op, .laddr = local[0],
                              .raddr = remote[0], .len = lens[0]};
                 L->io.spin = 1;             /* the caller waits for this one answer */
                 lane_run_group(L, &it, 1);
@@ -628,7 +639,7 @@ int mte_tcp_submit(mte_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
         mte_batch_begin(b, idx, count);
         do {
             uint64_t l = len - off < sl ? len - off : sl;
-            items[m++] = (item_t){.b = b, .idx = idx, .op = (uint32_t)op,
+            items[m++] = (item_t){.b = b, .idx = idx, .op = (uint16_t)op,
                                   .laddr = local[k] + off, .raddr = remote[k] + off, .len = l};
             off += l;
         } while (off < len);
@@ -712,24 +723,47 @@ int mte_tcp_post_prepared(mte_peer_t *p, mte_batch_t *b, int op, const mte_prep_
     }
     size_t tail = (p->qhead + p->qlen) % p->qcap;
     item_t *q = p->q;
-    size_t cap = p->qcap;
+    size_t cap = p->qcap, put = 0;
     for (uint32_t r = 0; r < t->rows; r++) {
         uint64_t len = t->lens[r];
         uint32_t idx = r * n;
-        for (uint32_t k = 0; k < n; k++, idx++) {
+        /* A row whose blocks are back to back (prep.h, merge): blocks whose ids follow
+         * each other on both sides go as one item, up to a slice. */
+        uint64_t most = t->merge && t->merge[r] && len && len <= sl ? sl / len : 1;
+        if (most > UINT16_MAX)
+            most = UINT16_MAX;
+        for (uint32_t k = 0; k < n;) {
             uint64_t la = mte_prep_local(t, r, lids[k]), ra = mte_prep_remote(t, r, rids[k]);
+            uint32_t m = 1;
+            while (m < most && k + m < n && lids[k + m] == lids[k] + m &&
+                   rids[k + m] == rids[k] + m)
+                m++;
+            if (m > 1) {
+                q[tail] = (item_t){.b = b, .idx = idx, .op = (uint16_t)op,
+                                   .nreq = (uint16_t)m, .laddr = la, .raddr = ra,
+                                   .len = len * m};
+                if (++tail == cap)
+                    tail = 0;
+                put++;
+                k += m;
+                idx += m;
+                continue;
+            }
             uint64_t off = 0;
             do {
                 uint64_t l = len - off < sl ? len - off : sl;
-                q[tail] = (item_t){.b = b, .idx = idx, .op = (uint32_t)op,
+                q[tail] = (item_t){.b = b, .idx = idx, .op = (uint16_t)op,
                                    .laddr = la + off, .raddr = ra + off, .len = l};
                 if (++tail == cap)
                     tail = 0;
+                put++;
                 off += l;
             } while (off < len);
+            k++;
+            idx++;
         }
     }
-    p->qlen += nitems;
+    p->qlen += put;
     pthread_mutex_unlock(&p->mu);
     /* One lane, after the unlock (it does not wake into a held mutex); it wakes the next
      * when it leaves work behind (lane_main). Waking is the costliest step of a post. */

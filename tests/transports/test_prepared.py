@@ -271,3 +271,53 @@ def test_native_post_of_tables_in_any_order(pair):
             assert (view[r, NB - 1 - ri] == src).all()
     written = {NB - 1 - 1, NB - 1 - 6}
     assert not view[:, [c for c in range(NB) if c not in written]].any()
+
+
+def test_consecutive_blocks_merge_only_inside_one_region(pair):
+    """Blocks with consecutive ids on both sides of a back-to-back row move as one
+    request (what the vLLM connector's coalescing did); a row that spans two registered
+    regions here, or two buffers of the peer, is never merged, so no request crosses a
+    region's end. Every request still reports its own block."""
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    assert p._table.merged_rows == 3
+    batch = p.post(mte.WRITE, np.array([1, 2, 3, 6]), np.array([4, 5, 6, 0]))
+    batch.wait(timeout=10)
+    st = batch.status()
+    assert [s.state for s in st] == ["completed"] * 12
+    assert {s.transferred_bytes for s in st} == {BLOCK}
+    view = remote.reshape(3, NB, BLOCK)
+    for r in range(3):
+        assert (view[r, 4:7].ravel() == local[r][BLOCK:4 * BLOCK]).all()
+        assert (view[r, 0] == local[r][6 * BLOCK:7 * BLOCK]).all()
+    # One plane registered as two regions that meet between blocks 3 and 4; the peer's
+    # buffer published as two buffers that meet between its blocks 3 and 4.
+    src = np.arange(NB * BLOCK, dtype=np.uint32).astype(np.uint8)
+    dst = np.zeros(NB * BLOCK, np.uint8)
+    half = NB // 2 * BLOCK
+    la = a.register(src[:half]).address
+    a.register(src[half:])
+    ra = b.register(dst[:half]).address
+    b.register(dst[half:])
+    steps = np.arange(NB, dtype=np.uint64) * BLOCK
+    a.open_segment(b.name, refresh=True)          # b's new buffers
+    q = a.prepare(b.name, (la + steps)[None, :], (ra + steps)[None, :], BLOCK)
+    assert q._table.merged_rows == 0
+    q.post(mte.WRITE, np.arange(2, 6), np.arange(2, 6)).wait(timeout=10)
+    assert (dst[2 * BLOCK:6 * BLOCK] == src[2 * BLOCK:6 * BLOCK]).all()
+    assert not dst[:2 * BLOCK].any() and not dst[6 * BLOCK:].any()
+
+
+def test_merged_blocks_fail_together_when_their_region_goes(pair):
+    a, b = pair
+    local, remote, lt, rt = _tables(a, b, regions=2)
+    p = a.prepare(b.name, lt, rt, BLOCK)
+    a.unregister(int(lt[0, 0]))
+    batch = p.post(mte.WRITE, np.array([0, 1, 2]), np.array([3, 4, 5]))
+    with pytest.raises(E.MooncakeError):
+        batch.wait(timeout=10)
+    assert [s.state for s in batch.status()] == ["failed"] * 3 + ["completed"] * 3
+    view = remote.reshape(2, NB, BLOCK)
+    assert not view[0].any()
+    assert (view[1, 3:6].ravel() == local[1][:3 * BLOCK]).all()
