@@ -52,7 +52,7 @@ def ext(name, pyx, sources, libraries=(), core=False):
 
 
 CORE = ["src/core/" + f for f in ("api.c", "batch.c", "clock.c", "metrics.c", "regions.c", "sockio.c",
-                                  "gpu.c", "stage.c", "hmac_sha256.c")]
+                                  "gpu.c", "stage.c", "hmac_sha256.c", "prep.c")]
 
 
 def _header_dirs():

@@ -13,9 +13,17 @@ before the next, so every call finds the queues empty. The variants:
   ``layout.plan`` (block ids -> addresses, coalescing) + ``eng.submit_arrays``;
 * ``submit_arrays``: the same addresses precomputed outside the timing (the engine's own
   per-call cost: conversion, region check, peer lookup, routing, queueing);
-* ``prepared post``: ``eng.prepare(...)`` once, then ``PreparedTransfer.post(READ,
-  ids, ids)`` per request (goal: <= 20 us).
+* ``gathered post``: ``eng.prepare(...)`` once, then per request the path ``post`` took
+  before issue 38 item 1 (``PreparedTransfer._post_gathered``: addresses gathered into
+  arrays by one native loop, then queued as a batch);
+* ``prepared post``: ``PreparedTransfer.post(READ, ids, ids)`` per request: over TCP and
+  the same-host transport one native call that checks the ids and writes the requests
+  into the peer's queue (goal: <= 20 us);
+* ``prepared post, burst``: the same, ``--burst`` posts back to back, each timed, then
+  all waited for: the lanes are awake and busy, so a post does not pay for waking one.
 
+The variants alternate request by request (A, B, C, A, B, C, ...) so that a busy machine
+weighs on each alike; ``prepared / gathered`` is the median of the per-round ratios.
 Block ids are random (not contiguous, so coalescing merges nothing). ``--json`` writes
 the figures.
 
@@ -57,6 +65,10 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--num-blocks", type=int, default=64, help="blocks per layer plane")
     ap.add_argument("--protocol", default="tcp")
+    ap.add_argument("--burst", type=int, default=8, help="posts back to back in the burst row")
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="untimed pause after each request finished, before the next post "
+                         "(lanes and receivers stop polling after 50 us, MC_TCP_SPIN_US)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--smoke", action="store_true",
                     help="a second or two: 20 requests, 16 blocks per plane (CI runs this)")
@@ -112,23 +124,71 @@ def main() -> int:
             def prepared(lids, rids):
                 return p.post(R, lids, rids)
 
-            for label, fn in (("connector path", connector), ("submit_arrays", plain),
-                              ("prepared post", prepared)):
-                if fn is plain:
-                    it = iter(pre)
+            tr, route = p._route(int(R))
+
+            def gathered(lids, rids):
+                return p._post_gathered(tr, route, p._desc, int(R), lids, rids, None, None)
+
+            variants = (("connector path", connector), ("submit_arrays", plain),
+                        ("gathered post", gathered), ("prepared post", prepared))
+            for label, fn in variants:
+                it = iter(pre)
                 for a, b in reqs[:10]:          # warm-up: connections, caches
                     fn(a, b).wait(timeout=60)
-                if fn is plain:
-                    it = iter(pre)
-                times = []
-                for a, b in reqs:
+            it = iter(pre)
+            times = {label: [] for label, _ in variants}
+            ratios = []
+            for i, (a, b) in enumerate(reqs):
+                k = i % len(variants)           # rotate which variant goes first
+                took = {}
+                for label, fn in variants[k:] + variants[:k]:
                     t0 = time.perf_counter()
                     batch = fn(a, b)
-                    times.append(time.perf_counter() - t0)
+                    took[label] = time.perf_counter() - t0
                     batch.wait(timeout=60)
-                res[label] = stats(times)
-                res[label]["transport"] = batch.transport
-            # Where the prepared post's time goes (engine internals, diagnostic only).
+                    if args.gap_us:
+                        time.sleep(args.gap_us * 1e-6)
+                    res.setdefault(label, {})["transport"] = batch.transport
+                for label, v in took.items():
+                    times[label].append(v)
+                ratios.append(took["prepared post"] / took["gathered post"])
+            for label, _ in variants:
+                res[label].update(stats(times[label]))
+            res["prepared / gathered"] = sorted(ratios)[len(ratios) // 2]
+            # Back to back: the lanes are awake, no post pays for waking one.
+            burst = []
+            for j in range(0, len(reqs) - args.burst + 1, args.burst):
+                batches = []
+                for a, b in reqs[j:j + args.burst]:
+                    t0 = time.perf_counter()
+                    batches.append(p.post(R, a, b))
+                    burst.append(time.perf_counter() - t0)
+                for bt in batches:
+                    bt.wait(timeout=60)
+            res["prepared post, burst"] = stats(burst)
+            res["prepared post, burst"]["transport"] = batches[-1].transport
+            # Python call to landed (submit + transfer), the connector's coalesced path vs
+            # the prepared post, alternating, for random block ids (coalescing merges
+            # nothing) and contiguous ones (it merges each plane's 16 blocks into one).
+            landed = {}
+            nl = max(10, args.requests // 3)
+            for pattern in ("random", "contiguous"):
+                if pattern == "random":
+                    pairs = reqs[:nl]
+                else:
+                    starts = rng.integers(0, nb - PER_REQ + 1, (nl, 2))
+                    pairs = [(np.arange(x, x + PER_REQ), np.arange(y, y + PER_REQ))
+                             for x, y in starts]
+                tl = {"connector path": [], "prepared post": []}
+                for i, (a, b) in enumerate(pairs):
+                    order = (("connector path", connector), ("prepared post", prepared))
+                    for label, fn in order[i % 2:] + order[:i % 2]:
+                        t0 = time.perf_counter()
+                        fn(a, b).wait(timeout=60)
+                        tl[label].append(time.perf_counter() - t0)
+                landed[pattern] = {k: stats(v) for k, v in tl.items()}
+            res["to_landed"] = landed
+            # Where the gathered post's time went (engine internals, diagnostic only).
             from mooncake_te import submit as S
             from mooncake_te.batch import Batch
             from mooncake_te.transports.tcp import NativeBatch
@@ -172,11 +232,18 @@ def main() -> int:
     print(f"vLLM-shaped request: {LAYERS} layers x 2 x {PER_REQ} blocks = "
           f"{res['descriptors_per_request']} descriptors of {BLOCK >> 10} KiB, READ over "
           f"{args.protocol}; per request, Python call to queued (us)")
-    for label in ("connector path", "submit_arrays", "prepared post"):
+    for label in ("connector path", "submit_arrays", "gathered post", "prepared post",
+                  "prepared post, burst"):
         r = res[label]
-        print(f"  {label:16} median {r['median_us']:7.1f}  p90 {r['p90_us']:7.1f}  "
+        print(f"  {label:21} median {r['median_us']:7.1f}  p90 {r['p90_us']:7.1f}  "
               f"(n={r['n']}, via {r['transport']})")
-    print("  prepared post, by stage (median us): " + ", ".join(
+    print(f"  prepared / gathered (median of per-round ratios): "
+          f"{res['prepared / gathered']:.2f}")
+    for pattern, r in res["to_landed"].items():
+        c, p_ = r["connector path"], r["prepared post"]
+        print(f"  to landed, {pattern:10} ids: connector path median {c['median_us']:7.0f} "
+              f"us, prepared post {p_['median_us']:7.0f} us (n={c['n']})")
+    print("  gathered post, by stage (median us): " + ", ".join(
         f"{k} {v:.1f}" for k, v in res["breakdown_us"].items()))
     print(f"  prepare once: {res['prepare_ms']:.2f} ms; prepared post / connector path: "
           f"{res['prepared post']['median_us'] / res['connector path']['median_us']:.2f}; "

@@ -591,6 +591,25 @@ class EngineInternal:
         """The native region table every transport checks requests against."""
         return self._e._regions
 
+    @property
+    def pid(self) -> int:
+        """The process the engine was made in (a forked child may not use it)."""
+        return self._e._pid
+
+    def check_open(self) -> None:
+        """Raise the engine's error for a closed engine or a forked child."""
+        self._e._check_open()
+
+    @property
+    def timeout(self) -> float:
+        """The engine's transfer timeout in seconds."""
+        return self._e.timeout
+
+    @property
+    def lost_peers(self):
+        """The peers whose connection was lost (what a Batch checks on a timeout)."""
+        return self._e._peers.lost
+
     def resolve(self, name: str) -> SegmentDescriptor:
         """The descriptor of peer ``name`` (cached; a storage segment with a '/')."""
         return self._e._peers.resolve(name)

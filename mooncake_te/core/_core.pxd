@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # The core's classes, for transport modules to cimport (typed, no integer addresses).
 from libc.stdint cimport uint32_t
-from mooncake_te.core.libcore cimport mte_regions_t, mte_batch_t
+from mooncake_te.core.libcore cimport mte_regions_t, mte_batch_t, mte_prep_t
 
 cdef class Regions:
     cdef mte_regions_t *t
@@ -11,6 +11,9 @@ cdef class NativeBatch:
     cdef mte_batch_t *b
     cdef readonly uint32_t size
     cdef list _keep
+
+cdef class PreparedTable:
+    cdef mte_prep_t *t
 
 cdef class Resource:
     cdef object __weakref__

@@ -30,6 +30,14 @@ class NativeBatch:
 OP_READ: int
 OP_WRITE: int
 
+class PreparedTable:
+    def __init__(self, local: Any, remote: Any, lens: Any, regions: Any = ...,
+                 merge: Any = ...) -> None: ...
+    shape: Any
+    merged_rows: int
+    any_device: bool
+    evenly_spaced: tuple
+
 class Regions:
     def __init__(self, *args: Any, **kwargs: Any) -> None: ...
     def add(self, addr: int, length: int, access: int, device: int = ...) -> Any: ...

@@ -8,6 +8,8 @@ through ``_core.pxd``) and reach the core's C functions through the capsule ``_C
 """
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.pycapsule cimport PyCapsule_New
+from libc.stdlib cimport malloc
+from libc.string cimport memcpy
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t, uintptr_t
 from libc.errno cimport EEXIST, ENOENT, EACCES, EINVAL
 import os
@@ -91,6 +93,83 @@ def gather_blocks(cnp.ndarray table, cnp.ndarray ids):
         for k in range(n):
             o[r * n + k] = t[r * cols + d[k]]
     return out
+
+
+cdef class PreparedTable:
+    """A prepared post's block tables, copied into C once (src/core/prep.h): ``local``
+    [rows, lcols] and ``remote`` [rows, rcols] block addresses (C-contiguous uint64),
+    ``lens`` one block size or one per row. A transport's ``post_prepared`` reads them
+    with no Python per block. ``regions``: the engine's region table, to note whether a
+    local block is in device memory (such posts take the general path's slice sizes).
+    ``merge``: uint8 per row, or None: 1 where the row's blocks are back to back on both
+    sides inside one region and one peer buffer, so that consecutive ids may move as one
+    request (src/core/prep.h; the caller checked it)."""
+
+    def __cinit__(self, cnp.ndarray local, cnp.ndarray remote, cnp.ndarray lens,
+                  Regions regions=None, cnp.ndarray merge=None):
+        for arr in (local, remote, lens):
+            if (cnp.PyArray_TYPE(arr) != cnp.NPY_UINT64
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(arr)):
+                raise TypeError("PreparedTable takes C-contiguous uint64 arrays")
+        if (cnp.PyArray_NDIM(local) != 2 or cnp.PyArray_NDIM(remote) != 2
+                or cnp.PyArray_DIM(local, 0) != cnp.PyArray_DIM(remote, 0)
+                or cnp.PyArray_NDIM(lens) != 1):
+            raise ValueError("PreparedTable takes [rows, blocks] tables with the same rows "
+                             "and 1-D lengths")
+        cdef Py_ssize_t rows = cnp.PyArray_DIM(local, 0)
+        cdef Py_ssize_t nlens = cnp.PyArray_DIM(lens, 0)
+        if (rows < 1 or rows > 0xffffffff or cnp.PyArray_DIM(local, 1) > 0xffffffff
+                or cnp.PyArray_DIM(remote, 1) > 0xffffffff or (nlens != 1 and nlens != rows)):
+            raise ValueError(f"PreparedTable: {rows} rows and {nlens} lengths")
+        self.t = mte_prep_new(<uint32_t>rows, <uint32_t>cnp.PyArray_DIM(local, 1),
+                              <uint32_t>cnp.PyArray_DIM(remote, 1),
+                              <const uint64_t *>cnp.PyArray_DATA(local),
+                              <const uint64_t *>cnp.PyArray_DATA(remote),
+                              <const uint64_t *>cnp.PyArray_DATA(lens), <uint32_t>nlens)
+        if self.t == NULL:
+            raise MemoryError("cannot copy the prepared tables")
+        cdef const uint64_t *la = <const uint64_t *>cnp.PyArray_DATA(local)
+        cdef Py_ssize_t i, size = cnp.PyArray_SIZE(local)
+        if regions is not None:
+            for i in range(size):
+                if mte_regions_device_at(regions.t, la[i]) >= 0:
+                    self.t.any_device = 1
+                    break
+        if merge is not None:
+            if (cnp.PyArray_TYPE(merge) != cnp.NPY_UINT8 or cnp.PyArray_NDIM(merge) != 1
+                    or cnp.PyArray_DIM(merge, 0) != rows
+                    or not cnp.PyArray_IS_C_CONTIGUOUS(merge)):
+                raise ValueError("PreparedTable: merge is one uint8 per row")
+            self.t.merge = <uint8_t *>malloc(rows)
+            if self.t.merge == NULL:
+                raise MemoryError()
+            memcpy(self.t.merge, cnp.PyArray_DATA(merge), rows)
+
+    @property
+    def any_device(self):
+        return bool(self.t.any_device)
+
+    @property
+    def merged_rows(self):
+        """Rows whose consecutive blocks may move as one request."""
+        if self.t.merge == NULL:
+            return 0
+        return sum(self.t.merge[i] != 0 for i in range(self.t.rows))
+
+    @property
+    def evenly_spaced(self):
+        """(local, remote): whether every row of that side is base + block * stride, kept
+        as two numbers per row (src/core/prep.h)."""
+        return (self.t.lbase != NULL, self.t.rbase != NULL)
+
+    def __dealloc__(self):
+        mte_prep_free(self.t)
+        self.t = NULL
+
+    @property
+    def shape(self):
+        """(rows, local blocks per row, remote blocks per row)."""
+        return (self.t.rows, self.t.lcols, self.t.rcols)
 
 
 def hmac_sha256(bytes key, bytes data):

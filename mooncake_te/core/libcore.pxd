@@ -28,6 +28,7 @@ cdef extern from "core/regions.h" nogil:
                                   int *why)
     void mte_region_unpin(mte_region_t *r)
     int mte_region_device(const mte_region_t *r)
+    int mte_regions_device_at(mte_regions_t *t, uint64_t addr)
     int64_t mte_regions_check_many(mte_regions_t *t, const uint64_t *addrs, const uint64_t *lens,
                                    int len_stride, uint64_t n, unsigned need, int *why)
 
@@ -51,6 +52,19 @@ cdef extern from "core/batch.h" nogil:
     void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices)
     void mte_batch_slice_done(mte_batch_t *b, uint32_t idx, uint64_t len, int err)
     int mte_batch_stopped(const mte_batch_t *b)
+
+cdef extern from "core/prep.h" nogil:
+    ctypedef struct mte_prep_t:
+        uint32_t rows, lcols, rcols
+        int any_device
+        uint64_t *lbase
+        uint64_t *rbase
+        uint8_t *merge
+    mte_prep_t *mte_prep_new(uint32_t rows, uint32_t lcols, uint32_t rcols,
+                             const uint64_t *local, const uint64_t *remote,
+                             const uint64_t *lens, uint32_t nlens)
+    void mte_prep_free(mte_prep_t *t)
+    int64_t mte_prep_bad_id(const int64_t *ids, uint32_t n, uint32_t cols)
 
 cdef extern from "core/hmac_sha256.h" nogil:
     void mte_hmac_sha256(const void *key, size_t key_len, const void *const parts[],

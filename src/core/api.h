@@ -31,6 +31,7 @@
 #include "sockio.h"
 #include "status.h"
 #include "metrics.h"
+#include "prep.h"
 
 /* Bump when a field changes meaning or moves; appending fields keeps it. */
 #define MTE_CORE_API_VERSION 1u
@@ -104,6 +105,7 @@
     X(mte_metrics_input) \
     X(mte_metrics_clock) \
     X(mte_batch_tag) \
+    X(mte_batch_begin_range) \
 
 
 typedef struct mte_core_api {
@@ -183,6 +185,7 @@ int mte_core_import(void) __attribute__((visibility("hidden")));
 #define mte_metrics_input(...) (mte_core->mte_metrics_input(__VA_ARGS__))
 #define mte_metrics_clock(...) (mte_core->mte_metrics_clock(__VA_ARGS__))
 #define mte_batch_tag(...) (mte_core->mte_batch_tag(__VA_ARGS__))
+#define mte_batch_begin_range(...) (mte_core->mte_batch_begin_range(__VA_ARGS__))
 #endif
 
 #endif

@@ -51,18 +51,22 @@ struct mte_batch {
 
 mte_batch_t *mte_batch_new(uint32_t n, int64_t deadline_ns)
 {
-    mte_batch_t *b = calloc(1, sizeof(*b));
+    /* One allocation: the batch, then its per-request arrays, widest first (a prepared
+     * post makes a batch of 1,024 requests per call, one allocation instead of five). */
+    size_t m = n ? n : 1;
+    size_t head = (sizeof(struct mte_batch) + 7) & ~(size_t)7;
+    mte_batch_t *b = calloc(1, head + m * (sizeof(*b->bytes) + sizeof(*b->slices_left) +
+                                           sizeof(*b->err) + sizeof(*b->state)));
     if (!b)
         return NULL;
-    size_t m = n ? n : 1;
-    b->state = calloc(m, sizeof(*b->state));
-    b->bytes = calloc(m, sizeof(*b->bytes));
-    b->slices_left = calloc(m, sizeof(*b->slices_left));
-    b->err = calloc(m, sizeof(*b->err));
-    if (!b->state || !b->bytes || !b->slices_left || !b->err) {
-        free(b->state); free(b->bytes); free(b->slices_left); free(b->err); free(b);
-        return NULL;
-    }
+    char *p = (char *)b + head;
+    b->bytes = (void *)p;
+    p += m * sizeof(*b->bytes);
+    b->slices_left = (void *)p;
+    p += m * sizeof(*b->slices_left);
+    b->err = (void *)p;
+    p += m * sizeof(*b->err);
+    b->state = (void *)p;
     b->n = n;
     b->deadline = deadline_ns;
     b->created_ns = mte_now_ns();
@@ -88,7 +92,6 @@ void mte_batch_unref(mte_batch_t *b)
     }
     free(b->notify_msg);
     free(b->cells);
-    free(b->state); free(b->bytes); free(b->slices_left); free(b->err);
     pthread_mutex_destroy(&b->mu);
     pthread_cond_destroy(&b->cv);
     free(b);
@@ -215,6 +218,15 @@ void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices)
 {
     if (idx < b->n)
         atomic_store(&b->slices_left[idx], slices ? slices : 1);
+}
+
+void mte_batch_begin_range(mte_batch_t *b, uint32_t first, uint32_t n, uint32_t slices)
+{
+    if ((uint64_t)first + n > b->n)
+        return;
+    for (uint32_t i = first; i < first + n; i++)
+        atomic_store_explicit(&b->slices_left[i], slices ? slices : 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);   /* before the requests are queued */
 }
 
 /* One slice finished. The caller must not touch b afterwards (unless it holds a

@@ -72,6 +72,8 @@ int64_t mte_batch_elapsed_ns(const mte_batch_t *b);
 
 /* Completing requests (any transport, any thread). */
 void mte_batch_begin(mte_batch_t *b, uint32_t idx, uint32_t slices);
+/* mte_batch_begin for requests [first, first+n), each of `slices` slices. */
+void mte_batch_begin_range(mte_batch_t *b, uint32_t first, uint32_t n, uint32_t slices);
 void mte_batch_slice_done(mte_batch_t *b, uint32_t idx, uint64_t len, int err);
 int64_t mte_batch_deadline(const mte_batch_t *b);
 int mte_batch_stopped(const mte_batch_t *b);

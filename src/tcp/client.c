@@ -27,20 +27,33 @@
 #define RBUF_SIZE MTE_TCP_RBUF_SIZE
 #define SMALL_READ MTE_TCP_SMALL_READ
 
-/* One slice on a peer's queue (idx NOTIFY_IDX: the batch's notification). */
+/* One slice on a peer's queue (idx NOTIFY_IDX: the batch's notification). nreq > 1: the
+ * slice is requests [idx, idx + nreq) whole, of len / nreq bytes each, back to back on
+ * both sides (a prepared post's merged blocks, prep.h); 0 or 1: one slice of request idx. */
 typedef struct {
     mte_batch_t *b;
     uint32_t idx;
-    uint32_t op;
+    uint16_t op;
+    uint16_t nreq;
     uint64_t laddr, raddr, len;
 } item_t;
 
+static int ring_reserve(mte_peer_t *p, size_t more);
+
 static void item_done(const item_t *it, int err)
 {
-    if (it->idx == NOTIFY_IDX)
+    if (it->idx == NOTIFY_IDX) {
         mte_batch_notify_done(it->b, err);
-    else
+    } else if (it->nreq > 1) {
+        /* The last call may finish (and free) the batch: nothing touches it after. */
+        uint64_t each = it->len / it->nreq;
+        mte_batch_t *b = it->b;
+        uint32_t idx = it->idx, m = it->nreq;
+        for (uint32_t j = 0; j < m; j++)
+            mte_batch_slice_done(b, idx + j, each, err);
+    } else {
         mte_batch_slice_done(it->b, it->idx, it->len, err);
+    }
 }
 
 static int sink_sock(void *ctx, const uint8_t *p, size_t n) { return mte_sock_send_all(ctx, p, n); }
@@ -384,7 +397,10 @@ static void *lane_main(void *arg)
             break;
         }
         int k = pop_group(p, group);
+        int more = p->qlen > 0;
         pthread_mutex_unlock(&p->mu);
+        if (more)
+            pthread_cond_signal(&p->cv);     /* the next lane takes the next share */
         pthread_mutex_lock(&L->busy);
         L->io.spin = k == 1 && group[0].len <= SMALL_READ;    /* a lone small request */
         lane_run_group(L, group, k);
@@ -403,27 +419,11 @@ static void peer_enqueue(mte_peer_t *p, const item_t *items, size_t n)
             item_done(&items[i], MTE_E_CLOSED);
         return;
     }
-    if (p->qlen + n > p->qcap) {
-        size_t cap = p->qcap ? p->qcap : 1024;
-        while (cap < p->qlen + n)
-            cap *= 2;
-        item_t *q = malloc(cap * sizeof(*q));
-        if (!q) {
-            pthread_mutex_unlock(&p->mu);
-            for (size_t i = 0; i < n; i++)
-                item_done(&items[i], MTE_E_NOMEM);
-            return;
-        }
-        /* The ring in order: [qhead, qcap) then [0, rest). */
-        size_t first = p->qlen < p->qcap - p->qhead ? p->qlen : p->qcap - p->qhead;
-        if (first)
-            memcpy(q, p->q + p->qhead, first * sizeof(*q));
-        if (p->qlen > first)
-            memcpy(q + first, p->q, (p->qlen - first) * sizeof(*q));
-        free(p->q);
-        p->q = q;
-        p->qcap = cap;
-        p->qhead = 0;
+    if (ring_reserve(p, n)) {
+        pthread_mutex_unlock(&p->mu);
+        for (size_t i = 0; i < n; i++)
+            item_done(&items[i], MTE_E_NOMEM);
+        return;
     }
     /* At most two runs, up to the end of the ring then from its start: no division
      * per item (a prepared post queues 1,024 slices at once). */
@@ -599,11 +599,11 @@ int mte_tcp_submit(mte_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
                 mte_batch_begin(b, first, 1);
                 if (atomic_load(&p->closing)) {         /* shut down: carry nothing */
                     pthread_mutex_unlock(&L->busy);
-                    item_t it = {.b = b, .idx = first, .op = (uint32_t)op, .len = lens[0]};
+                    item_t it = {.b = b, .idx = first, .op = (uint16_t)op, .len = lens[0]};
                     item_done(&it, MTE_E_CLOSED);
                     return 0;
                 }
-                item_t it = {.b = b, .idx = first, .op = (uint32_t)op, .laddr = local[0],
+                item_t it = {.b = b, .idx = first, .op = (uint16_t)op, .laddr = local[0],
                              .raddr = remote[0], .len = lens[0]};
                 L->io.spin = 1;             /* the caller waits for this one answer */
                 lane_run_group(L, &it, 1);
@@ -639,13 +639,135 @@ int mte_tcp_submit(mte_peer_t *p, mte_batch_t *b, int op, const uint64_t *local,
         mte_batch_begin(b, idx, count);
         do {
             uint64_t l = len - off < sl ? len - off : sl;
-            items[m++] = (item_t){.b = b, .idx = idx, .op = (uint32_t)op,
+            items[m++] = (item_t){.b = b, .idx = idx, .op = (uint16_t)op,
                                   .laddr = local[k] + off, .raddr = remote[k] + off, .len = l};
             off += l;
         } while (off < len);
     }
     peer_enqueue(p, items, m);
     free(items);
+    return 0;
+}
+
+/* Room for `more` items in p's ring; caller holds p->mu. 0 or MTE_E_NOMEM. */
+static int ring_reserve(mte_peer_t *p, size_t more)
+{
+    if (p->qlen + more <= p->qcap)
+        return 0;
+    size_t cap = p->qcap ? p->qcap : 1024;
+    while (cap < p->qlen + more)
+        cap *= 2;
+    item_t *q = malloc(cap * sizeof(*q));
+    if (!q)
+        return MTE_E_NOMEM;
+    /* The ring in order: [qhead, qcap) then [0, rest). */
+    size_t first = p->qlen < p->qcap - p->qhead ? p->qlen : p->qcap - p->qhead;
+    if (first)
+        memcpy(q, p->q + p->qhead, first * sizeof(*q));
+    if (p->qlen > first)
+        memcpy(q + first, p->q, (p->qlen - first) * sizeof(*q));
+    free(p->q);
+    p->q = q;
+    p->qcap = cap;
+    p->qhead = 0;
+    return 0;
+}
+
+int mte_tcp_post_prepared(mte_peer_t *p, mte_batch_t *b, int op, const mte_prep_t *t,
+                          const int64_t *lids, const int64_t *rids, uint32_t n)
+{
+    if (op != MTE_OP_WRITE && op != MTE_OP_READ)
+        return -1;
+    if ((uint64_t)t->rows * n != mte_batch_size(b))
+        return -1;
+    if (n == 0)
+        return 0;
+    if (t->any_device) {
+        /* Device memory takes bigger slices, chosen per block: the general path. */
+        size_t m = (size_t)t->rows * n;
+        uint64_t *buf = malloc(3 * m * sizeof(uint64_t));
+        if (!buf)
+            return MTE_E_NOMEM;
+        uint64_t *loc = buf, *rem = buf + m, *lens = buf + 2 * m;
+        for (uint32_t r = 0; r < t->rows; r++)
+            for (uint32_t k = 0; k < n; k++) {
+                loc[(size_t)r * n + k] = mte_prep_local(t, r, lids[k]);
+                rem[(size_t)r * n + k] = mte_prep_remote(t, r, rids[k]);
+                lens[(size_t)r * n + k] = t->lens[r];
+            }
+        int rc = mte_tcp_submit(p, b, op, loc, rem, lens, 1, 0, (uint32_t)m, 0);
+        free(buf);
+        return rc;
+    }
+    uint64_t sl = p->slice;
+    size_t nitems = 0;
+    for (uint32_t r = 0; r < t->rows; r++) {
+        uint64_t len = t->lens[r];
+        uint32_t count = len ? (uint32_t)((len + sl - 1) / sl) : 1;
+        mte_batch_begin_range(b, r * n, n, count);
+        nitems += (size_t)count * n;
+    }
+    pthread_mutex_lock(&p->mu);
+    int err = atomic_load(&p->closing) ? MTE_E_CLOSED : ring_reserve(p, nitems);
+    if (err) {
+        pthread_mutex_unlock(&p->mu);
+        /* Nothing queued: every slice of every request finishes with err. */
+        for (uint32_t r = 0; r < t->rows; r++) {
+            uint64_t len = t->lens[r];
+            uint32_t count = len ? (uint32_t)((len + sl - 1) / sl) : 1;
+            for (uint32_t k = 0; k < n; k++)
+                for (uint32_t c = 0; c < count; c++)
+                    mte_batch_slice_done(b, r * n + k, 0, err);
+        }
+        return 0;
+    }
+    size_t tail = (p->qhead + p->qlen) % p->qcap;
+    item_t *q = p->q;
+    size_t cap = p->qcap, put = 0;
+    for (uint32_t r = 0; r < t->rows; r++) {
+        uint64_t len = t->lens[r];
+        uint32_t idx = r * n;
+        /* A row whose blocks are back to back (prep.h, merge): blocks whose ids follow
+         * each other on both sides go as one item, up to a slice. */
+        uint64_t most = t->merge && t->merge[r] && len && len <= sl ? sl / len : 1;
+        if (most > UINT16_MAX)
+            most = UINT16_MAX;
+        for (uint32_t k = 0; k < n;) {
+            uint64_t la = mte_prep_local(t, r, lids[k]), ra = mte_prep_remote(t, r, rids[k]);
+            uint32_t m = 1;
+            while (m < most && k + m < n && lids[k + m] == lids[k] + m &&
+                   rids[k + m] == rids[k] + m)
+                m++;
+            if (m > 1) {
+                q[tail] = (item_t){.b = b, .idx = idx, .op = (uint16_t)op,
+                                   .nreq = (uint16_t)m, .laddr = la, .raddr = ra,
+                                   .len = len * m};
+                if (++tail == cap)
+                    tail = 0;
+                put++;
+                k += m;
+                idx += m;
+                continue;
+            }
+            uint64_t off = 0;
+            do {
+                uint64_t l = len - off < sl ? len - off : sl;
+                q[tail] = (item_t){.b = b, .idx = idx, .op = (uint16_t)op,
+                                   .laddr = la + off, .raddr = ra + off, .len = l};
+                if (++tail == cap)
+                    tail = 0;
+                put++;
+                off += l;
+            } while (off < len);
+            k++;
+            idx++;
+        }
+    }
+    p->qlen += put;
+    pthread_mutex_unlock(&p->mu);
+    /* One lane, after the unlock (it does not wake into a held mutex); it wakes the next
+     * when it leaves work behind (lane_main). Waking is the costliest step of a post. */
+    pthread_cond_signal(&p->cv);
     return 0;
 }
 

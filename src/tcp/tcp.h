@@ -91,6 +91,15 @@ void mte_peer_expect_name(mte_peer_t *p, const char *name);
 int mte_peer_cma(const mte_peer_t *p);        /* some lane moves bytes by process_vm_* */
 size_t mte_peer_queued(mte_peer_t *p);       /* slices queued, not yet on a lane */
 
+/* Queues a prepared post (src/core/prep.h) as requests [0, t->rows * n) of batch b, whose
+ * size must be that: for every row, blocks lids[k] -> rids[k]. The items are written
+ * straight into the peer's queue, under its lock, with no intermediate arrays. The ids
+ * must have been checked (mte_prep_bad_id); tables whose local memory is on a device
+ * go through mte_tcp_submit (its slice sizes). 0, or a negative code when nothing was
+ * queued. */
+int mte_tcp_post_prepared(mte_peer_t *p, mte_batch_t *b, int op, const mte_prep_t *t,
+                          const int64_t *lids, const int64_t *rids, uint32_t n);
+
 /* Queues requests [first, first+n) of batch b to peer p (op MTE_OP_WRITE/READ). len_stride
  * 0: all lens[0]. run_inline: a single-slice request may be carried by the calling
  * thread. 0, or a status code of core/status.h when nothing was queued (MTE_E_INVALID:

@@ -229,7 +229,13 @@ def test_counters_show_blocks_moved_and_coalesced(scenario):
     assert sum(r["bytes"] for r in first) == (16 + 3) * 2 * (2 * 32 * 64 * 4)
     big = next(r for r in first if r["blocks"] == 16)
     assert big["descriptors_before"] == 32
-    assert big["descriptors_after"] < big["descriptors_before"]
+    # Same-host P/D takes the prepared post (issue 38 item 1): blocks merged in the queue,
+    # in C; the coalesced path (other transports) merges them before submitting.
+    if big.get("path") == "prepared":
+        assert big["descriptors_after"] == big["descriptors_before"]
+    else:
+        assert big["descriptors_after"] < big["descriptors_before"]
+    assert {r.get("path") for r in s["requests"] if "error" not in r} == {"prepared"}
     assert s["blocks_read"] > 0 and s["bytes_read"] > 0 and len(reqs) == len(s["requests"])
     # The producer freed the blocks because the consumer said it read them.
     assert scenario["P"]["stats"]["leases_released_by_reader"] >= 4

@@ -41,6 +41,7 @@ ALIASES = {
     "idle_wait_s": ("idle_wait_s",),
     "enforce_handshake_compat": ("enforce_handshake_compat",),
     "hugepages": ("hugepages",),
+    "prepared_loads": ("prepared_loads",),
     "api_url": ("api_url",),
     "kvcache": ("kvcache",),
     "use_gpu_direct": ("use_gpu_direct",),
@@ -72,6 +73,7 @@ class ConnectorSettings:
     idle_wait_s: float = 0.005                 # longest wait of a step without a forward pass
     enforce_handshake_compat: bool = True
     hugepages: bool = True                     # host KV cache onto 2 MiB pages (hugepages.py)
+    prepared_loads: bool = True                # P/D loads by block id (worker._prepare_loads)
     use_gpu_direct: "bool | None" = None        # [transfer_engine] override
     enable_multi_nic: "bool | None" = None      # [transfer_engine] override
     api_url: "str | None" = None               # where clients reach this vllm serve
@@ -215,6 +217,12 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
             raise ConfigError(f"kv_connector_extra_config.hugepages = {v!r}: expected true or "
                               f"false")
         s.hugepages = v
+    if "prepared_loads" in get:
+        v = get["prepared_loads"]
+        if not isinstance(v, bool):
+            raise ConfigError(f"kv_connector_extra_config.prepared_loads = {v!r}: expected "
+                              f"true or false")
+        s.prepared_loads = v
     if "api_url" in get:
         v = get["api_url"]
         if not isinstance(v, str) or not v.startswith(("http://", "https://")):

@@ -39,10 +39,12 @@ LEASE_MARGIN_S = 1.0
 
 
 class _Peer:
-    """An accepted producer: its layout, matched to ours."""
+    """An accepted producer: its layout, matched to ours; ``prepared``: its block tables
+    checked once (TransferEngine.prepare), or None where loads take plan + coalescing."""
 
     def __init__(self, name: str, layout: KVLayout, doc: dict):
         self.name, self.layout, self.doc = name, layout, doc
+        self.prepared = None
 
 
 class WorkerSide:
@@ -336,14 +338,26 @@ class WorkerSide:
                 raise _Refused(rec.pop("error", None) or f"no handshake with {name}")
             self._check_lease(spec, "before reading")
             t0 = time.perf_counter()
-            local, remote, lens, before = plan(self.layout, peer.layout,
-                                               spec.local_block_ids, spec.remote_block_ids)
-            rec.update(descriptors_before=before, descriptors_after=len(local),
-                       bytes=int(lens.sum()), plan_s=time.perf_counter() - t0)
-            batch = self.engine.submit_arrays(
-                READ, name, local, remote, lens,
-                notify=_read_done(spec.remote_request_id, spec.lease_key),
-                timeout=self.settings.timeout_s)
+            notify = _read_done(spec.remote_request_id, spec.lease_key)
+            if peer.prepared is not None:
+                # One native call: ids checked, blocks queued (consecutive ones merged).
+                lids, rids = spec.local_block_ids, spec.remote_block_ids
+                n = len(lids) * len(self.layout)
+                batch = peer.prepared.post(READ, lids, rids, notify=notify,
+                                           timeout=self.settings.timeout_s)
+                rec.update(descriptors_before=n, descriptors_after=n, path="prepared",
+                           bytes=int(self.layout.block_len.sum()) * len(lids),
+                           plan_s=time.perf_counter() - t0)
+            else:
+                local, remote, lens, before = plan(self.layout, peer.layout,
+                                                   spec.local_block_ids,
+                                                   spec.remote_block_ids)
+                rec.update(descriptors_before=before, descriptors_after=len(local),
+                           path="coalesced", bytes=int(lens.sum()),
+                           plan_s=time.perf_counter() - t0)
+                batch = self.engine.submit_arrays(READ, name, local, remote, lens,
+                                                  notify=notify,
+                                                  timeout=self.settings.timeout_s)
         except (MooncakeError, ValueError, KeyError, OSError, _Refused) as e:
             self._load_failed(spec, name, rec, e)
             return
@@ -427,6 +441,33 @@ class WorkerSide:
         with self._done_lock:
             self._ready.append((spec, rec))
 
+    def _prepare_loads(self, name: str, remote: KVLayout):
+        """Block tables of our cache and ``name``'s, checked once, for loads by block id
+        (PreparedTransfer.post): over TCP and the same-host transport a load is then one
+        native call that queues the READ, merging blocks whose ids follow each other as
+        ``plan`` coalesced them. Measured at vLLM's shapes (docs/benchmarks.md): posting
+        takes 0.15-0.25 of plan + submit_arrays, and the READ lands no later. None where
+        it would not win or cannot be made (other transports keep plan + submit_arrays,
+        whose coalesced descriptors suit RDMA and CUDA IPC; unmeasured here)."""
+        if not self.settings.prepared_loads:
+            return None
+        try:
+            local = self.layout
+            remote = remote.reordered(local.names)
+            if (remote.block_len != local.block_len).any():
+                return None             # plan() names the region in its refusal
+            lt = local.base[:, None] + (np.arange(local.num_blocks, dtype=np.uint64)[None, :]
+                                        * local.stride[:, None])
+            rt = remote.base[:, None] + (np.arange(remote.num_blocks,
+                                                   dtype=np.uint64)[None, :]
+                                         * remote.stride[:, None])
+            prep = self.engine.prepare(name, lt, rt, local.block_len)
+        except (MooncakeError, ValueError, KeyError) as e:
+            log.info("mooncake_te connector: loads from %s take plan + submit_arrays (%s)",
+                     name, e)
+            return None
+        return prep if prep.transport in ("tcp", "shm") else None
+
     def _check_lease(self, spec: LoadSpec, when: str) -> None:
         # LEASE_MARGIN_S: clock skew between the hosts and the producer's step latency.
         if spec.lease_deadline is not None and time.time() > spec.lease_deadline - LEASE_MARGIN_S:
@@ -464,6 +505,7 @@ class WorkerSide:
             self._peers[name] = msg
             return msg
         peer = _Peer(name, KVLayout.from_json(doc["layout"]), doc)
+        peer.prepared = self._prepare_loads(name, peer.layout)
         self._peers[name] = peer
         log.info("mooncake_te connector: handshake with %s in %.1f ms (compat %s)", name,
                  dt * 1e3, doc.get("hash"))

@@ -131,6 +131,19 @@ class TcpTransport(Transport):
                                   f"(status {rc})", status=rc)
         return "shm" if peer.uds else "tcp"
 
+    def post_prepared(self, desc, table, op, lids, rids, deadline_ns, cell=0,
+                      notify=None) -> tuple:
+        """A prepared post (PreparedTransfer.post) in one native call: (sealed
+        NativeBatch, route). ``table``: a core PreparedTable; ids: C-contiguous int64;
+        ``notify``: bytes for the peer once every request succeeded (checked)."""
+        peer = self._peer(desc)
+        native = peer.post_prepared(table, op, lids, rids, deadline_ns, cell, notify)
+        if type(native) is int:
+            raise TransferError(f"cannot queue a prepared post of {len(lids)} blocks to "
+                                f"{desc.name} (error {native})",
+                                status=native if native < 0 else None)
+        return native, "shm" if peer.uds else "tcp"
+
     def transfer_sync(self, desc, op, local, remote, length, deadline_ns, cell=0) -> tuple:
         """One request, waited for on this thread: (route, 0 or error code). ``cell``:
         the address of the metrics cell it counts in (0: none)."""

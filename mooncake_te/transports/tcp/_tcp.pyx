@@ -11,7 +11,10 @@ import errno
 import os
 import numpy as np
 
-from mooncake_te.core._core cimport Regions, NativeBatch, Resource, check_errno
+cnp.import_array()
+
+from mooncake_te.core._core cimport Regions, NativeBatch, PreparedTable, Resource, check_errno
+cimport numpy as cnp
 from mooncake_te.core.capi cimport mte_core_import
 from mooncake_te.core.libcore cimport *
 from mooncake_te.transports.tcp.libtcp cimport *
@@ -218,6 +221,59 @@ cdef class Peer(Resource):
             rc = mte_tcp_submit(self.p, batch.b, op, &local[0], &remote[0], &lens[0], stride,
                                 first, n, run_inline)
         return rc
+
+    def post_prepared(self, PreparedTable table, int op, cnp.ndarray lids, cnp.ndarray rids,
+                      int64_t deadline_ns, uintptr_t cell=0, bytes notify=None):
+        """A prepared post in one call (src/core/prep.h, mte_tcp_post_prepared): a new
+        sealed NativeBatch of rows x len(lids) requests, queued. ``lids``/``rids``:
+        C-contiguous 1-D int64 (TypeError otherwise: the caller converts). An id outside
+        the table is an InvalidArgumentError and queues nothing. ``cell``: the metrics
+        cell the requests count in (0: none). ``notify``: delivered to the peer once every
+        request succeeded (at most 1 MiB; the caller checks)."""
+        cdef const mte_prep_t *t = table.t
+        cdef Py_ssize_t n = cnp.PyArray_DIM(lids, 0) if cnp.PyArray_NDIM(lids) == 1 else -1
+        cdef int64_t bad
+        cdef int rc
+        cdef NativeBatch batch
+        if (cnp.PyArray_TYPE(lids) != cnp.NPY_INT64 or cnp.PyArray_TYPE(rids) != cnp.NPY_INT64
+                or n < 0 or cnp.PyArray_NDIM(rids) != 1
+                or not cnp.PyArray_IS_C_CONTIGUOUS(lids)
+                or not cnp.PyArray_IS_C_CONTIGUOUS(rids)):
+            raise TypeError("post_prepared takes C-contiguous 1-D int64 ids")
+        if cnp.PyArray_DIM(rids, 0) != n:
+            raise InvalidArgumentError(f"{n} local_ids but {cnp.PyArray_DIM(rids, 0)} "
+                                       f"remote_ids")
+        if n * <Py_ssize_t>t.rows > 0xffffffff:
+            raise InvalidArgumentError(f"{n} ids x {t.rows} regions: more than 2**32 - 1 "
+                                       f"requests in one post")
+        cdef const int64_t *lp = <const int64_t *>cnp.PyArray_DATA(lids)
+        cdef const int64_t *rp = <const int64_t *>cnp.PyArray_DATA(rids)
+        bad = mte_prep_bad_id(lp, <uint32_t>n, t.lcols)
+        if bad >= 0:
+            raise InvalidArgumentError(f"local_ids holds an index outside [0, {t.lcols}): "
+                                       f"local_ids[{bad}] = {lp[bad]}")
+        bad = mte_prep_bad_id(rp, <uint32_t>n, t.rcols)
+        if bad >= 0:
+            raise InvalidArgumentError(f"remote_ids holds an index outside [0, {t.rcols}): "
+                                       f"remote_ids[{bad}] = {rp[bad]}")
+        if self.p == NULL:
+            self._raise_closed(f"the TCP peer {self.host}:{self.port}")
+        batch = NativeBatch(<uint32_t>(n * t.rows), deadline_ns)
+        batch._keep.append(self)
+        if cell and n:
+            mte_batch_tag(batch.b, 0, <uint32_t>(n * t.rows), <uint64_t *>cell)
+        rc = 0
+        if notify is not None:
+            rc = mte_tcp_add_notify(self.p, batch.b, <const char *>notify, len(notify))
+        if rc == 0:
+            with nogil:
+                rc = mte_tcp_post_prepared(self.p, batch.b, op, t, lp, rp, <uint32_t>n)
+        if rc != 0:
+            mte_batch_abandon(batch.b, 0, <uint32_t>(n * t.rows))
+            mte_batch_seal(batch.b)
+            return rc
+        mte_batch_seal(batch.b)
+        return batch
 
     def add_notify(self, NativeBatch batch, bytes msg):
         """Deliver ``msg`` once every request of ``batch`` succeeded; 0 or a status code."""

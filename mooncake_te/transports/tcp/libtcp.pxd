@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Declarations of src/tcp/tcp.h, nothing else.
 from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
-from mooncake_te.core.libcore cimport mte_regions_t, mte_batch_t
+from mooncake_te.core.libcore cimport mte_regions_t, mte_batch_t, mte_prep_t
 
 cdef extern from "tcp/tcp.h" nogil:
     ctypedef struct mte_tcp_t:
@@ -42,3 +42,5 @@ cdef extern from "tcp/tcp.h" nogil:
                        const uint64_t *remote, const uint64_t *lens, int len_stride,
                        uint32_t first, uint32_t n, int run_inline)
     int mte_tcp_add_notify(mte_peer_t *p, mte_batch_t *b, const void *msg, size_t len)
+    int mte_tcp_post_prepared(mte_peer_t *p, mte_batch_t *b, int op, const mte_prep_t *t,
+                              const int64_t *lids, const int64_t *rids, uint32_t n)
