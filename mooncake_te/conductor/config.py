@@ -46,6 +46,18 @@ def build(cfg: Config, tokenizer=None, env=None) -> Conductor:
                                            block_size=c["block_size"]), static=True)
             except ValueError as e:
                 raise ConfigError(f"[conductor] {role}: {e}") from None
+    from .events import parse_kv_events
+    for spec in c["kv_events"]:
+        try:
+            url, pub, rep = parse_kv_events(spec)
+        except ValueError as e:
+            raise ConfigError(f"[conductor] kv_events: {e}") from None
+        recs = [r for r in cluster.records.values() if r.url == url]
+        if not recs:
+            raise ConfigError(f"[conductor] kv_events {spec!r}: no instance {url} is "
+                              f"configured (give it with --prefill or --plain first)")
+        for r in recs:
+            r.kv_events, r.kv_events_replay = pub, rep
     if not cluster.records and store is None:
         raise ConfigError("the conductor has no instances: give --prefill/--decode/--plain "
                           "URLs (or [conductor] prefill/decode/plain), or --metadata where "

@@ -12,7 +12,8 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
 - ``uncached_i``: tokens past the longest prefix ``i`` can reuse (at least 1: vLLM always
   computes the last token);
 - ``blocks_i[t]``: that prefix's blocks by where they are for ``i``: ``gpu`` (vLLM's own
-  prefix cache: what the conductor routed to ``i``, bounded by its KV capacity), ``dram``
+  prefix cache: from its KV events when it publishes them, else what the conductor
+  routed to ``i``, bounded by its KV capacity), ``dram``
   (``i``'s pool, from the owner index), ``remote`` (another instance's pool, read over the
   transfer engine);
 - ``base_i``, ``tok_i``, ``load_i[t]``: measured. Every answered request is a sample
@@ -87,6 +88,7 @@ class Estimate:
     queue_s: float
     uncached: int
     blocks: dict                              # tier -> blocks of the reused prefix
+    keys: list = field(default_factory=list)  # block keys sent (set once routed)
 
 
 def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: int,
