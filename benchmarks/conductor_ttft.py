@@ -84,7 +84,9 @@ class Procs:
 
 def vllm_argv(py: str, model: str, port: int, kv_port: int, role: str, md_url: str,
               cfg_path: str, announce: bool = True, kv_mb: int = 8,
-              kvcache: "dict | None" = None) -> list:
+              kvcache: "dict | None" = None, kv_events: "tuple | None" = None) -> list:
+    """``kv_events``: ``(port, replay port)``: vLLM publishes its KV events there (bound
+    on every address, announced to the conductor with the instance)."""
     extra = {"mooncake_config_path": cfg_path, "metadata_server": md_url}
     if kvcache:
         extra["kvcache"] = kvcache
@@ -99,7 +101,11 @@ def vllm_argv(py: str, model: str, port: int, kv_port: int, role: str, md_url: s
             "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
             "--enforce-eager", "--kv-cache-memory-bytes", str(kv_mb << 20),
             "--distributed-executor-backend", "uni", "--enable-prompt-tokens-details",
-            "--seed", "0", "--kv-transfer-config", json.dumps(kvt)]
+            "--seed", "0", "--kv-transfer-config", json.dumps(kvt),
+            *(["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{kv_events[0]}",
+                "replay_endpoint": f"tcp://*:{kv_events[1]}"})] if kv_events else [])]
 
 
 def pool_config(d: str, dram_gb: float = 0.05) -> str:

@@ -296,6 +296,8 @@ class Subscriber:
                     return
                 f = await s.recv_multipart()
                 if len(f) != 4 or f[2] == END_SEQ or len(f[2]) != 8:
+                    if start == 0 and self.view.last_seq < 0 and f[2:3] == [END_SEQ]:
+                        self.view.complete = True     # nothing published yet: all known
                     return
                 seq = int.from_bytes(f[2], "big")
                 if stop is not None and seq >= stop:
