@@ -256,6 +256,10 @@ def main() -> int:
                     help="shared: each instance's DRAM pool, read by the others through "
                          "the owner index (default); local: no remote reads; off: vLLM's "
                          "own prefix cache only")
+    ap.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                    help="instances publish vLLM's KV events (--kv-events-config), which "
+                         "the conductors read for the GPU tier (default on; --no-kv-events: "
+                         "the conductor's record of what it sent where stands in)")
     ap.add_argument("--json", metavar="FILE", help="write the results here too")
     a = ap.parse_args()
     py = sys.executable
@@ -278,7 +282,8 @@ def main() -> int:
             procs.start(f"vllm{i}", vllm_argv(
                 py, model, port, free_port(), "kv_both", md, cfg, kv_mb=a.kv_mb,
                 kvcache={"shared": None, "local": {"remote": False},
-                         "off": {"dram_cache_gb": 0}}[a.pool]))
+                         "off": {"dram_cache_gb": 0}}[a.pool],
+                kv_events=(free_port(), free_port()) if a.kv_events else None))
         for i, port in enumerate(ports):
             wait_http(f"http://127.0.0.1:{port}/health", procs, f"vllm{i}", 600)
         urls = {}
@@ -297,6 +302,7 @@ def main() -> int:
         t0 = time.monotonic()
         res = asyncio.run(replay(urls, model, chunks, a.concurrency))
         out = {"trace": os.path.basename(a.trace), "repeating": a.repeating, "pool": a.pool,
+               "kv_events": a.kv_events,
                "requests_per_policy": len(trace),
                "instances": a.instances, "concurrency": a.concurrency,
                "replay_s": time.monotonic() - t0,
