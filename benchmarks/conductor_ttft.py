@@ -321,6 +321,19 @@ def main() -> int:
                 m["routed"] = m.get("routed", 0) + float(line.split()[-1])
         if m.get("routed"):
             out["route_ms_mean"] = 1e3 * m["route_s"] / m["routed"]
+        # What the cost conductor saw: requests per instance, the terms in use, hit
+        # tokens it expected by tier (for reading a run, not a goal).
+        seen: dict = {}
+        for line in text.splitlines():
+            for pre in ("mooncake_te_conductor_requests_total{",
+                        "mooncake_te_conductor_instance_prefill_seconds_per_token{",
+                        "mooncake_te_conductor_hit_tokens_total{",
+                        "mooncake_te_conductor_instance_kv_events_complete{",
+                        "mooncake_te_conductor_instance_kv_events_gaps{"):
+                if line.startswith(pre):
+                    k, _, v = line.rpartition(" ")
+                    seen[k[len("mooncake_te_conductor_"):]] = float(v)
+        out["cost_conductor"] = seen
         p = out["policies"]
         out["cost_vs_rr_ttft"] = p["cost"]["ttft_mean_ms"] / p["round_robin"]["ttft_mean_ms"]
         out["cost_vs_rr_hit"] = (p["cost"]["hit_rate"] / p["round_robin"]["hit_rate"]

@@ -124,6 +124,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "gpu_blocks": (_INT, 0, None),
         "policy": (_STR, "cost", ("cost", "round_robin", "least_loaded")),
         "kv_events": ((list,), [], None),
+        "fit_per_instance": (_BOOL, False, None),
     },
     "p2p_store": {
         "metadata_server": (_STR, "p2p", None),

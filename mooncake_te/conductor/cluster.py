@@ -23,7 +23,7 @@ from collections import OrderedDict
 from ..integrations.vllm.pool.keys import block_keys, namespace_root
 from ..metadata.base import key_prefix
 from .events import GpuBlocks
-from .cost import InstanceState, Priors, prefix_by_tier, rank_decode, rank_prefill
+from .cost import InstanceState, Priors, prefix_by_tier, rank_decode, rank_prefill, refit
 from .registry import InstanceRecord
 
 log = logging.getLogger("mooncake_te.conductor")
@@ -126,6 +126,7 @@ class Cluster:
         self.pending: dict = {}                 # name -> Pending
         self.static: set = set()
         self.index_errors = 0
+        self.pooled: dict = {}                  # (root, block size) -> InstanceState
 
     # -- membership -----------------------------------------------------------------------
     def add(self, rec: InstanceRecord, static: bool = False) -> None:
@@ -165,6 +166,33 @@ class Cluster:
 
     def gpu_view(self, name: str, now: float = 0.0) -> GpuView:
         return GpuView(self.events.get(name), self.pending[name], self.shadows[name], now)
+
+    def measured(self, name: str, uncached: int, blocks: dict, seconds: float,
+                 queue_s: float) -> None:
+        """A request's measured TTFT on ``name`` (``queue_s``: the queue it was expected
+        to wait): the served time and the fitted terms of that instance, or of every
+        instance of its model (:attr:`Priors.fit_per_instance` False)."""
+        st = self.states.get(name)
+        if st is None:
+            return
+        sample = (uncached, dict(blocks), max(0.0, seconds - queue_s))
+        st.served_s = seconds if not st.served_s else 0.8 * st.served_s + 0.2 * seconds
+        st.samples.append(sample)
+        if self.priors.fit_per_instance:
+            st.fit = refit(st, self.priors)
+            return
+        rec = self.records[name]
+        group = (self.root_of(name), rec.block_size)
+        pool = self.pooled.get(group)
+        if pool is None:
+            pool = self.pooled[group] = InstanceState(name=f"model:{rec.model}")
+        pool.served_s = seconds if not pool.served_s else 0.8 * pool.served_s + 0.2 * seconds
+        pool.samples.append(sample)
+        fit = refit(pool, self.priors)
+        for n, r in self.records.items():
+            if (self.root_of(n), r.block_size) == group:
+                self.states[n].fit = fit
+                self.states[n].served_s = pool.served_s
 
     def by_role(self, *roles) -> list:
         return [self.states[n] for n, r in self.records.items() if r.role in roles]

@@ -24,7 +24,8 @@ def build(cfg: Config, tokenizer=None, env=None) -> Conductor:
     priors = Priors(base_s=c["prior_base_s"], prefill_s_per_token=c["prior_prefill_s_per_token"],
                     load_s_per_block={"gpu": 0.0, "dram": c["prior_load_dram_s_per_block"],
                                       "remote": c["prior_load_remote_s_per_block"]},
-                    full_kv_usage=c["full_kv_usage"], max_inflight=c["max_inflight"])
+                    full_kv_usage=c["full_kv_usage"], max_inflight=c["max_inflight"],
+                    fit_per_instance=c["fit_per_instance"])
     store = None
     if c["metadata_server"]:
         from ..metadata.base import KeyValueBackend

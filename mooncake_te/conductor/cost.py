@@ -20,6 +20,9 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
   ``(uncached, blocks by tier) -> measured TTFT - queue``; a least-squares fit over the
   last :attr:`Priors.window` samples replaces the priors once :attr:`Priors.min_samples`
   are in (each term clipped at 0; a term the samples cannot tell apart keeps its prior).
+  The samples (and ``served``) of all instances of one model are pooled unless
+  :attr:`Priors.fit_per_instance`: like instances then differ only by their queues and
+  caches, not by the noise of their own few samples.
 
 A decode instance is picked by room: the lowest ``kv_usage + running / max_running`` among
 those that are not full. Full: KV usage at or above ``full_kv_usage``, or
@@ -47,6 +50,10 @@ class Priors:
         "gpu": 0.0, "dram": 2e-4, "remote": 5e-4})
     window: int = 128                        # samples kept per instance
     min_samples: int = 12                    # before the fit replaces the priors
+    # False (default): one fit and one served time per model (instances announcing the
+    # same key root and block size), from all their samples; True: per instance (only
+    # for instances on unlike hardware: per-instance fits chase noise, docs/conductor.md).
+    fit_per_instance: bool = False
     full_kv_usage: float = 0.98              # a decode/plain instance this full is skipped
     max_inflight: int = 64                   # requests routed to one instance, unanswered
 

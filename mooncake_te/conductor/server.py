@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cluster import Cluster
-from .cost import refit
 from .metrics import Counters, parse_vllm_metrics
 from .registry import list_instances
 
@@ -455,10 +454,8 @@ class Conductor:
         self.counters.inc("mooncake_te_conductor_ttft_measured_seconds_total", measured,
                           instance=e.name)
         self.counters.inc("mooncake_te_conductor_ttft_samples_total", instance=e.name)
-        st.served_s = measured if not st.served_s else 0.8 * st.served_s + 0.2 * measured
         # A sample of the model without the queue term (what the request itself cost).
-        st.samples.append((e.uncached, e.blocks, max(0.0, measured - e.queue_s)))
-        st.fit = refit(st, self.cluster.priors)
+        self.cluster.measured(e.name, e.uncached, e.blocks, measured, e.queue_s)
 
     def _failed(self, name: str, why: str, full: bool = False) -> None:
         st = self.cluster.states.get(name)
