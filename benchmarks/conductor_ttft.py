@@ -329,7 +329,9 @@ def main() -> int:
                         "mooncake_te_conductor_instance_prefill_seconds_per_token{",
                         "mooncake_te_conductor_hit_tokens_total{",
                         "mooncake_te_conductor_instance_kv_events_complete{",
-                        "mooncake_te_conductor_instance_kv_events_gaps{"):
+                        "mooncake_te_conductor_instance_kv_events_gaps{",
+                        "mooncake_te_conductor_ttft_expected_seconds_total{",
+                        "mooncake_te_conductor_ttft_measured_seconds_total{"):
                 if line.startswith(pre):
                     k, _, v = line.rpartition(" ")
                     seen[k[len("mooncake_te_conductor_"):]] = float(v)
