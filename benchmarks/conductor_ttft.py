@@ -84,7 +84,9 @@ class Procs:
 
 def vllm_argv(py: str, model: str, port: int, kv_port: int, role: str, md_url: str,
               cfg_path: str, announce: bool = True, kv_mb: int = 8,
-              kvcache: "dict | None" = None) -> list:
+              kvcache: "dict | None" = None, kv_events: "tuple | None" = None) -> list:
+    """``kv_events``: ``(port, replay port)``: vLLM publishes its KV events there (bound
+    on every address, announced to the conductor with the instance)."""
     extra = {"mooncake_config_path": cfg_path, "metadata_server": md_url}
     if kvcache:
         extra["kvcache"] = kvcache
@@ -99,7 +101,11 @@ def vllm_argv(py: str, model: str, port: int, kv_port: int, role: str, md_url: s
             "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "4",
             "--enforce-eager", "--kv-cache-memory-bytes", str(kv_mb << 20),
             "--distributed-executor-backend", "uni", "--enable-prompt-tokens-details",
-            "--seed", "0", "--kv-transfer-config", json.dumps(kvt)]
+            "--seed", "0", "--kv-transfer-config", json.dumps(kvt),
+            *(["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq",
+                "endpoint": f"tcp://*:{kv_events[0]}",
+                "replay_endpoint": f"tcp://*:{kv_events[1]}"})] if kv_events else [])]
 
 
 def pool_config(d: str, dram_gb: float = 0.05) -> str:
@@ -250,6 +256,10 @@ def main() -> int:
                     help="shared: each instance's DRAM pool, read by the others through "
                          "the owner index (default); local: no remote reads; off: vLLM's "
                          "own prefix cache only")
+    ap.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                    help="instances publish vLLM's KV events (--kv-events-config), which "
+                         "the conductors read for the GPU tier (default on; --no-kv-events: "
+                         "the conductor's record of what it sent where stands in)")
     ap.add_argument("--json", metavar="FILE", help="write the results here too")
     a = ap.parse_args()
     py = sys.executable
@@ -272,7 +282,8 @@ def main() -> int:
             procs.start(f"vllm{i}", vllm_argv(
                 py, model, port, free_port(), "kv_both", md, cfg, kv_mb=a.kv_mb,
                 kvcache={"shared": None, "local": {"remote": False},
-                         "off": {"dram_cache_gb": 0}}[a.pool]))
+                         "off": {"dram_cache_gb": 0}}[a.pool],
+                kv_events=(free_port(), free_port()) if a.kv_events else None))
         for i, port in enumerate(ports):
             wait_http(f"http://127.0.0.1:{port}/health", procs, f"vllm{i}", 600)
         urls = {}
@@ -291,6 +302,7 @@ def main() -> int:
         t0 = time.monotonic()
         res = asyncio.run(replay(urls, model, chunks, a.concurrency))
         out = {"trace": os.path.basename(a.trace), "repeating": a.repeating, "pool": a.pool,
+               "kv_events": a.kv_events,
                "requests_per_policy": len(trace),
                "instances": a.instances, "concurrency": a.concurrency,
                "replay_s": time.monotonic() - t0,
@@ -309,6 +321,21 @@ def main() -> int:
                 m["routed"] = m.get("routed", 0) + float(line.split()[-1])
         if m.get("routed"):
             out["route_ms_mean"] = 1e3 * m["route_s"] / m["routed"]
+        # What the cost conductor saw: requests per instance, the terms in use, hit
+        # tokens it expected by tier (for reading a run, not a goal).
+        seen: dict = {}
+        for line in text.splitlines():
+            for pre in ("mooncake_te_conductor_requests_total{",
+                        "mooncake_te_conductor_instance_prefill_seconds_per_token{",
+                        "mooncake_te_conductor_hit_tokens_total{",
+                        "mooncake_te_conductor_instance_kv_events_complete{",
+                        "mooncake_te_conductor_instance_kv_events_gaps{",
+                        "mooncake_te_conductor_ttft_expected_seconds_total{",
+                        "mooncake_te_conductor_ttft_measured_seconds_total{"):
+                if line.startswith(pre):
+                    k, _, v = line.rpartition(" ")
+                    seen[k[len("mooncake_te_conductor_"):]] = float(v)
+        out["cost_conductor"] = seen
         p = out["policies"]
         out["cost_vs_rr_ttft"] = p["cost"]["ttft_mean_ms"] / p["round_robin"]["ttft_mean_ms"]
         out["cost_vs_rr_hit"] = (p["cost"]["hit_rate"] / p["round_robin"]["hit_rate"]

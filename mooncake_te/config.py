@@ -128,6 +128,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "prior_load_remote_s_per_block": (_NUM, 5e-4, None),
         "gpu_blocks": (_INT, 0, None),
         "policy": (_STR, "cost", ("cost", "round_robin", "least_loaded")),
+        "kv_events": ((list,), [], None),
+        "fit_per_instance": (_BOOL, False, None),
     },
     "p2p_store": {
         "metadata_server": (_STR, "p2p", None),

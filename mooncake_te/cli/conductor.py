@@ -35,6 +35,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--block-size", type=int, help="vLLM's --block-size (default 16)")
     p.add_argument("--namespace", help="the pools' index namespace of configured instances "
                                        "(announced instances send theirs)")
+    p.add_argument("--kv-events", action="append", metavar="URL=ENDPOINT[,REPLAY]",
+                   help="a configured instance's vLLM KV events publisher (its "
+                        "--kv-events-config endpoint, and replay_endpoint after a comma), "
+                        "e.g. http://127.0.0.1:8100=tcp://127.0.0.1:5557,tcp://127.0.0.1:5558 "
+                        "(repeatable; announced instances send theirs)")
     p.add_argument("--policy", choices=["cost", "round_robin", "least_loaded"],
                    help="cost: least expected TTFT (default); the others are baselines")
     p.add_argument("--api-key-file", metavar="FILE",
@@ -60,7 +65,7 @@ def run(args) -> int:
             "decode": args.decode, "plain": args.plain, "metadata_server": args.metadata,
             "model": args.model, "tokenizer": args.tokenizer, "dtype": args.dtype,
             "block_size": args.block_size, "namespace": args.namespace,
-            "policy": args.policy}.items()
+            "policy": args.policy, "kv_events": args.kv_events}.items()
             if v is not None}
         if args.api_key_file:
             with open(args.api_key_file) as f:

@@ -2,8 +2,12 @@
 """The conductor's picture of its instances: records (where, which role, which key root),
 state (health, load, measured terms) and where a prompt's blocks are.
 
-Where blocks are: vLLM's own prefix cache of each instance is shadowed here (the keys the
-conductor sent there, newest kept, at most that instance's KV blocks), and the pools are
+Where blocks are: vLLM's own prefix cache of each instance comes from its KV events when
+it publishes them (:mod:`.events`: what vLLM reports stored, in pool keys), plus the keys
+of requests routed there and not answered yet (vLLM reports their blocks once it has
+computed them); without events (or while the event history has a hole) it is shadowed
+here (the keys the conductor sent there, newest kept, at most that instance's KV blocks).
+The pools are
 in the metadata store's owner index (``mooncake/[<cluster>/]kvcache/<namespace>/<key>``,
 :mod:`mooncake_te.kvcache.index`), read with one batch query per prompt. Keys are
 computed by :func:`mooncake_te.integrations.vllm.pool.keys.block_keys`, the connector's
@@ -18,7 +22,8 @@ from collections import OrderedDict
 
 from ..integrations.vllm.pool.keys import block_keys, namespace_root
 from ..metadata.base import key_prefix
-from .cost import InstanceState, Priors, prefix_by_tier, rank_decode, rank_prefill
+from .events import GpuBlocks
+from .cost import InstanceState, Priors, prefix_by_tier, rank_decode, rank_prefill, refit
 from .registry import InstanceRecord
 
 log = logging.getLogger("mooncake_te.conductor")
@@ -54,6 +59,56 @@ class GpuShadow:
             self._keys.popitem(last=False)
 
 
+class Pending:
+    """Keys of requests routed to one instance whose blocks vLLM may not have reported yet:
+    counted while in flight, then kept ``grace_s`` after the answer (the events of the
+    step that computed them are published about when its first token is)."""
+
+    def __init__(self, grace_s: float = 2.0):
+        self.grace_s = grace_s
+        self.count: dict = {}
+        self.until: dict = {}
+
+    def add(self, keys) -> None:
+        for k in keys:
+            self.count[k] = self.count.get(k, 0) + 1
+
+    def done(self, keys, now: float) -> None:
+        for k in keys:
+            c = self.count.get(k, 0) - 1
+            if c > 0:
+                self.count[k] = c
+            else:
+                self.count.pop(k, None)
+                self.until[k] = now + self.grace_s
+        if len(self.until) > 4096:
+            self.expire(now)
+
+    def expire(self, now: float) -> None:
+        self.until = {k: t for k, t in self.until.items() if t > now}
+
+    def has(self, key, now: float) -> bool:
+        return key in self.count or self.until.get(key, 0.0) > now
+
+
+class GpuView:
+    """``key in view``: is ``key`` in one instance's GPU prefix cache, as far as the
+    conductor knows: vLLM's events (when subscribed) or pending requests; the shadow of
+    what was sent there when there are no events or their history has a hole."""
+
+    def __init__(self, events: "GpuBlocks | None", pending: Pending, shadow: GpuShadow,
+                 now: float):
+        self.events, self.pending, self.shadow, self.now = events, pending, shadow, now
+        self.use_shadow = events is None or not events.complete
+
+    def __contains__(self, key) -> bool:
+        if self.events is not None and key in self.events:
+            return True
+        if self.pending.has(key, self.now):
+            return True
+        return self.use_shadow and key in self.shadow
+
+
 class Cluster:
     """Records and state of every instance; routing questions answered from data."""
 
@@ -67,8 +122,11 @@ class Cluster:
         self.records: dict = {}
         self.states: dict = {}
         self.shadows: dict = {}
+        self.events: dict = {}                  # name -> GpuBlocks (KV events subscribed)
+        self.pending: dict = {}                 # name -> Pending
         self.static: set = set()
         self.index_errors = 0
+        self.pooled: dict = {}                  # (root, block size) -> InstanceState
 
     # -- membership -----------------------------------------------------------------------
     def add(self, rec: InstanceRecord, static: bool = False) -> None:
@@ -77,12 +135,13 @@ class Cluster:
         if name not in self.states:
             self.states[name] = InstanceState(name=name, role=rec.role)
             self.shadows[name] = GpuShadow(self.gpu_blocks)
+            self.pending[name] = Pending()
         self.states[name].role = rec.role
         if static:
             self.static.add(name)
 
     def remove(self, name: str) -> None:
-        for d in (self.records, self.states, self.shadows):
+        for d in (self.records, self.states, self.shadows, self.events, self.pending):
             d.pop(name, None)
         self.static.discard(name)
 
@@ -96,6 +155,44 @@ class Cluster:
         for n in left:
             self.remove(n)
         return joined, left
+
+    def events_view(self, name: str) -> GpuBlocks:
+        """The :class:`GpuBlocks` fed by ``name``'s KV events (created on first use)."""
+        v = self.events.get(name)
+        if v is None:
+            rec = self.records[name]
+            v = self.events[name] = GpuBlocks(self.root_of(name), rec.block_size)
+        return v
+
+    def gpu_view(self, name: str, now: float = 0.0) -> GpuView:
+        return GpuView(self.events.get(name), self.pending[name], self.shadows[name], now)
+
+    def measured(self, name: str, uncached: int, blocks: dict, seconds: float,
+                 queue_s: float) -> None:
+        """A request's measured TTFT on ``name`` (``queue_s``: the queue it was expected
+        to wait): the served time and the fitted terms of that instance, or of every
+        instance of its model (:attr:`Priors.fit_per_instance` False)."""
+        st = self.states.get(name)
+        if st is None:
+            return
+        sample = (uncached, dict(blocks), max(0.0, seconds - queue_s))
+        st.served_s = seconds if not st.served_s else 0.8 * st.served_s + 0.2 * seconds
+        st.samples.append(sample)
+        if self.priors.fit_per_instance:
+            st.fit = refit(st, self.priors)
+            return
+        rec = self.records[name]
+        group = (self.root_of(name), rec.block_size)
+        pool = self.pooled.get(group)
+        if pool is None:
+            pool = self.pooled[group] = InstanceState(name=f"model:{rec.model}")
+        pool.served_s = seconds if not pool.served_s else 0.8 * pool.served_s + 0.2 * seconds
+        pool.samples.append(sample)
+        fit = refit(pool, self.priors)
+        for n, r in self.records.items():
+            if (self.root_of(n), r.block_size) == group:
+                self.states[n].fit = fit
+                self.states[n].served_s = pool.served_s
 
     def by_role(self, *roles) -> list:
         return [self.states[n] for n, r in self.records.items() if r.role in roles]
@@ -164,7 +261,8 @@ class Cluster:
             by_ns.setdefault((self.namespace_of(n), tuple(keys)), []).append(n)
         return by_ns
 
-    def hits(self, keys_by_name: dict, answers: "dict | None" = None) -> dict:
+    def hits(self, keys_by_name: dict, answers: "dict | None" = None,
+             now: float = 0.0) -> dict:
         """``{name: {tier: blocks}}`` of the reusable prefix on each instance (one index
         query per namespace; ``answers``: the owners of each :meth:`queries` entry, asked
         here when missing)."""
@@ -178,7 +276,8 @@ class Cluster:
                 got = self.owners(ns, list(keys))
             owners = [None if o in down else o for o in got]
             for n in names:
-                out[n] = prefix_by_tier(keys, self.shadows[n], owners, self.records[n].engine)
+                out[n] = prefix_by_tier(keys, self.gpu_view(n, now), owners,
+                                        self.records[n].engine)
         return out
 
     # -- decisions ------------------------------------------------------------------------
@@ -190,7 +289,7 @@ class Cluster:
     def rank(self, cands, tokens, keys: dict, answers: "dict | None" = None,
              now: float = 0.0) -> tuple:
         """``(estimates best first, hits by name)``."""
-        hits = self.hits(keys, answers)
+        hits = self.hits(keys, answers, now)
         est = []
         for s in cands:
             est += rank_prefill([s], len(tokens), hits, self.records[s.name].block_size,

@@ -24,7 +24,8 @@ def build(cfg: Config, tokenizer=None, env=None) -> Conductor:
     priors = Priors(base_s=c["prior_base_s"], prefill_s_per_token=c["prior_prefill_s_per_token"],
                     load_s_per_block={"gpu": 0.0, "dram": c["prior_load_dram_s_per_block"],
                                       "remote": c["prior_load_remote_s_per_block"]},
-                    full_kv_usage=c["full_kv_usage"], max_inflight=c["max_inflight"])
+                    full_kv_usage=c["full_kv_usage"], max_inflight=c["max_inflight"],
+                    fit_per_instance=c["fit_per_instance"])
     store = None
     if c["metadata_server"]:
         from ..metadata.base import KeyValueBackend
@@ -46,6 +47,18 @@ def build(cfg: Config, tokenizer=None, env=None) -> Conductor:
                                            block_size=c["block_size"]), static=True)
             except ValueError as e:
                 raise ConfigError(f"[conductor] {role}: {e}") from None
+    from .events import parse_kv_events
+    for spec in c["kv_events"]:
+        try:
+            url, pub, rep = parse_kv_events(spec)
+        except ValueError as e:
+            raise ConfigError(f"[conductor] kv_events: {e}") from None
+        recs = [r for r in cluster.records.values() if r.url == url]
+        if not recs:
+            raise ConfigError(f"[conductor] kv_events {spec!r}: no instance {url} is "
+                              f"configured (give it with --prefill or --plain first)")
+        for r in recs:
+            r.kv_events, r.kv_events_replay = pub, rep
     if not cluster.records and store is None:
         raise ConfigError("the conductor has no instances: give --prefill/--decode/--plain "
                           "URLs (or [conductor] prefill/decode/plain), or --metadata where "

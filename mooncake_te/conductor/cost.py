@@ -12,13 +12,17 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
 - ``uncached_i``: tokens past the longest prefix ``i`` can reuse (at least 1: vLLM always
   computes the last token);
 - ``blocks_i[t]``: that prefix's blocks by where they are for ``i``: ``gpu`` (vLLM's own
-  prefix cache: what the conductor routed to ``i``, bounded by its KV capacity), ``dram``
+  prefix cache: from its KV events when it publishes them, else what the conductor
+  routed to ``i``, bounded by its KV capacity), ``dram``
   (``i``'s pool, from the owner index), ``remote`` (another instance's pool, read over the
   transfer engine);
 - ``base_i``, ``tok_i``, ``load_i[t]``: measured. Every answered request is a sample
   ``(uncached, blocks by tier) -> measured TTFT - queue``; a least-squares fit over the
   last :attr:`Priors.window` samples replaces the priors once :attr:`Priors.min_samples`
   are in (each term clipped at 0; a term the samples cannot tell apart keeps its prior).
+  The samples (and ``served``) of all instances of one model are pooled unless
+  :attr:`Priors.fit_per_instance`: like instances then differ only by their queues and
+  caches, not by the noise of their own few samples.
 
 A decode instance is picked by room: the lowest ``kv_usage + running / max_running`` among
 those that are not full. Full: KV usage at or above ``full_kv_usage``, or
@@ -46,6 +50,10 @@ class Priors:
         "gpu": 0.0, "dram": 2e-4, "remote": 5e-4})
     window: int = 128                        # samples kept per instance
     min_samples: int = 12                    # before the fit replaces the priors
+    # False (default): one fit and one served time per model (instances announcing the
+    # same key root and block size), from all their samples; True: per instance (only
+    # for instances on unlike hardware: per-instance fits chase noise, docs/conductor.md).
+    fit_per_instance: bool = False
     full_kv_usage: float = 0.98              # a decode/plain instance this full is skipped
     max_inflight: int = 64                   # requests routed to one instance, unanswered
 
@@ -87,6 +95,7 @@ class Estimate:
     queue_s: float
     uncached: int
     blocks: dict                              # tier -> blocks of the reused prefix
+    keys: list = field(default_factory=list)  # block keys sent (set once routed)
 
 
 def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: int,

@@ -37,6 +37,16 @@ _HELP = {
         ("gauge", "requests routed to the instance and not yet answered"),
     "mooncake_te_conductor_instance_prefill_seconds_per_token":
         ("gauge", "the per-token prefill time in use (measured, else the prior)"),
+    "mooncake_te_conductor_instance_gpu_blocks":
+        ("gauge", "blocks in the instance's GPU prefix cache, from its KV events"),
+    "mooncake_te_conductor_instance_kv_events_complete":
+        ("gauge", "1 when every KV event batch since the instance started was applied"),
+    "mooncake_te_conductor_instance_kv_events_batches":
+        ("gauge", "KV event batches applied"),
+    "mooncake_te_conductor_instance_kv_events_gaps":
+        ("gauge", "sequence gaps seen on the KV events stream (filled from replay)"),
+    "mooncake_te_conductor_instance_kv_events_restarts":
+        ("gauge", "times the KV events stream restarted (the instance restarted)"),
 }
 
 

@@ -3,13 +3,17 @@
 store, next to the engines' segment descriptors,
 
     ``mooncake/[<cluster>/]conductor/instances/<engine name>`` ->
-    ``{"url", "role", "engine", "model", "block_size", "root", "namespace"}``
+    ``{"url", "role", "engine", "model", "block_size", "root", "namespace", "kv_events",
+    "kv_events_replay"}``
 
 written by :class:`~mooncake_te.integrations.vllm.MooncakeTEConnector` when its
 ``kv_connector_extra_config`` has ``api_url`` (and a metadata store), withdrawn when it
 shuts down. ``root`` is the hex of the pool's key root (:func:`..integrations.vllm.pool.
 namespace_root`) and ``namespace`` the pool's index namespace, so the conductor computes a
 prompt's block keys and asks the owner index exactly as that instance's connector does.
+``kv_events`` / ``kv_events_replay``: vLLM's KV events publisher and replay endpoints
+(``--kv-events-config``) as the instance configured them (a wildcard host stands for the
+host of ``url``), empty when it publishes none.
 
 Nothing here imports aiohttp or vLLM: the connector imports this module.
 """
@@ -51,6 +55,8 @@ class InstanceRecord:
     block_size: int = 16
     root: str = ""                 # hex of the pool key root ("" : computed by the conductor)
     namespace: str = ""            # the pool's owner-index namespace ("" : no pool)
+    kv_events: str = ""            # vLLM's KV events PUB endpoint ("" : none)
+    kv_events_replay: str = ""     # its replay (ROUTER) endpoint ("" : none)
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -72,6 +78,16 @@ class InstanceRecord:
     def decode(cls, raw: bytes) -> "InstanceRecord":
         d = json.loads(raw)
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def kv_events_of(vllm_config) -> dict:
+    """vLLM's KV events endpoints (``--kv-events-config`` with the zmq publisher) as the
+    conductor's record fields, empty when the instance publishes none."""
+    c = getattr(vllm_config, "kv_events_config", None)
+    if c is None or not getattr(c, "enable_kv_cache_events", False) \
+            or getattr(c, "publisher", "") != "zmq":
+        return {}
+    return {"kv_events": str(c.endpoint or ""), "kv_events_replay": str(c.replay_endpoint or "")}
 
 
 def publish_instance(store, rec: InstanceRecord) -> "str | None":

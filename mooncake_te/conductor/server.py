@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cluster import Cluster
-from .cost import refit
 from .metrics import Counters, parse_vllm_metrics
 from .registry import list_instances
 
@@ -94,6 +93,7 @@ class Conductor:
         self._tasks: list = []
         self._runner: Any = None
         self._rr = 0
+        self._subs: dict = {}            # name -> (Subscriber, task, endpoints)
         self.url = ""
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -115,6 +115,7 @@ class Conductor:
             auto_decompress=False)
         if self.discovery_store is not None:
             await self.discover()
+        self.sync_events()
         await self.check_health()
         self._tasks = [asyncio.ensure_future(self._loop(self.check_health,
                                                         self.settings.health_interval_s))]
@@ -133,6 +134,8 @@ class Conductor:
         return self.url
 
     async def stop(self) -> None:
+        for name in list(self._subs):
+            self._unsubscribe(name)
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -166,8 +169,53 @@ class Conductor:
                      self.cluster.records[n].url)
         for n in left:
             log.info("conductor: instance %s left", n)
+        self.sync_events()
         if joined:
             await self.check_health(joined)
+
+    # -- vLLM's KV events -----------------------------------------------------------------
+    def sync_events(self) -> None:
+        """One KV events subscription per instance that publishes (``kv_events`` in its
+        record); dropped when the instance leaves or its endpoints change."""
+        from .events import Subscriber, connect_endpoint
+        for name in list(self._subs):
+            rec = self.cluster.records.get(name)
+            if rec is None or (rec.kv_events, rec.kv_events_replay) != self._subs[name][2]:
+                self._unsubscribe(name)
+        for name, rec in self.cluster.records.items():
+            if not rec.kv_events or name in self._subs or rec.role == "decode":
+                continue
+            try:
+                pub = connect_endpoint(rec.kv_events, rec.url)
+                rep = connect_endpoint(rec.kv_events_replay, rec.url) \
+                    if rec.kv_events_replay else ""
+            except ValueError as e:
+                log.warning("conductor: instance %s: %s; routing on what it was sent", name, e)
+                self._subs[name] = (None, None, (rec.kv_events, rec.kv_events_replay))
+                continue
+            self.cluster.events.pop(name, None)
+            sub = Subscriber(name, self.cluster.events_view(name), pub, rep)
+            task = asyncio.ensure_future(self._events_loop(sub))
+            self._subs[name] = (sub, task, (rec.kv_events, rec.kv_events_replay))
+            log.info("conductor: instance %s: KV events from %s%s", name, pub,
+                     f" (replay {rep})" if rep else "")
+
+    async def _events_loop(self, sub) -> None:
+        while True:
+            try:
+                await sub.run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:            # a bad endpoint or socket: retry, slowly
+                log.warning("conductor: KV events of %s failed: %s", sub.name, e)
+                sub.view.complete = False
+                await asyncio.sleep(2.0)
+
+    def _unsubscribe(self, name: str) -> None:
+        _sub, task, _ = self._subs.pop(name)
+        if task is not None:
+            task.cancel()
+        self.cluster.events.pop(name, None)
 
     async def check_health(self, names=None) -> None:
         names = list(names or self.cluster.records)
@@ -195,6 +243,9 @@ class Conductor:
             ok = False
         if ok != st.healthy:
             log.warning("conductor: instance %s is %s", name, "back" if ok else "down")
+            sub = self._subs.get(name, (None,))[0]
+            if ok and sub is not None:
+                sub.restarted()               # a new vLLM: a new, empty cache
         st.healthy = ok
 
     # -- the front ------------------------------------------------------------------------
@@ -230,6 +281,18 @@ class Conductor:
             g.append(("mooncake_te_conductor_instance_inflight", {"instance": n}, s.inflight))
             g.append(("mooncake_te_conductor_instance_prefill_seconds_per_token",
                       {"instance": n}, s.terms(self.cluster.priors)["tok"]))
+            v = self.cluster.events.get(n)
+            if v is not None:
+                g.append(("mooncake_te_conductor_instance_gpu_blocks", {"instance": n},
+                          len(v)))
+                g.append(("mooncake_te_conductor_instance_kv_events_complete",
+                          {"instance": n}, int(v.complete)))
+                g.append(("mooncake_te_conductor_instance_kv_events_batches",
+                          {"instance": n}, v.batches))
+                g.append(("mooncake_te_conductor_instance_kv_events_gaps", {"instance": n},
+                          v.gaps))
+                g.append(("mooncake_te_conductor_instance_kv_events_restarts",
+                          {"instance": n}, v.restarts))
         return web.Response(body=self.counters.exposition(g),
                             content_type="text/plain", charset="utf-8")
 
@@ -370,12 +433,18 @@ class Conductor:
             if n:
                 self.counters.inc("mooncake_te_conductor_hit_tokens_total",
                                   n * c.records[e.name].block_size, tier=tier)
-        c.shadows[e.name].add(keys.get(e.name, []))
+        e.keys = list(keys.get(e.name, []))
+        c.shadows[e.name].add(e.keys)
+        c.pending[e.name].add(e.keys)
 
     def _answered(self, e, measured: "float | None") -> None:
         st = self.cluster.states.get(e.name)
         if st is None:
             return
+        p = self.cluster.pending.get(e.name)
+        if p is not None and e.keys:
+            p.done(e.keys, time.monotonic())
+            e.keys = []
         st.inflight = max(0, st.inflight - 1)
         st.queued_tokens = max(0, st.queued_tokens - e.uncached)
         if measured is None:
@@ -385,10 +454,8 @@ class Conductor:
         self.counters.inc("mooncake_te_conductor_ttft_measured_seconds_total", measured,
                           instance=e.name)
         self.counters.inc("mooncake_te_conductor_ttft_samples_total", instance=e.name)
-        st.served_s = measured if not st.served_s else 0.8 * st.served_s + 0.2 * measured
         # A sample of the model without the queue term (what the request itself cost).
-        st.samples.append((e.uncached, e.blocks, max(0.0, measured - e.queue_s)))
-        st.fit = refit(st, self.cluster.priors)
+        self.cluster.measured(e.name, e.uncached, e.blocks, measured, e.queue_s)
 
     def _failed(self, name: str, why: str, full: bool = False) -> None:
         st = self.cluster.states.get(name)
@@ -554,3 +621,4 @@ class _Decode:
     queue_s: float = 0.0
     uncached: int = 0
     blocks: dict = field(default_factory=dict)
+    keys: list = field(default_factory=list)

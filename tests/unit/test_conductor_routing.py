@@ -266,3 +266,30 @@ def test_a_request_ahead_costs_what_requests_there_take():
     assert c.rank_prefill(toks, ("plain",))[0][0].name == "e0"     # priors: worth it
     c.states["e0"].served_s = 0.3
     assert c.rank_prefill(toks, ("plain",))[0][0].name == "e1"
+
+
+def test_like_instances_share_their_terms():
+    """Samples of all instances of one model make one fit: an instance whose own few
+    samples were slow (a noisy neighbour on a shared machine) is not shunned while it is
+    idle; with fit_per_instance it is (the old behaviour, for unlike hardware)."""
+    rng = np.random.default_rng(3)
+
+    def run(per_instance: bool) -> str:
+        c = cluster(3, FakeIndexStore())
+        c.priors.fit_per_instance = per_instance
+        for i in range(60):
+            name = f"e{i % 3}"
+            u = int(rng.integers(100, 2000))
+            tok = 1e-3 if name == "e0" else 1e-5         # e0's samples: slow by chance
+            c.measured(name, u, {}, 0.01 + u * tok, 0.0)
+        c.states["e1"].inflight = c.states["e2"].inflight = 1
+        est, _, _ = c.rank_prefill(list(range(1000)), ("plain",))
+        return est[0].name
+
+    assert run(False) == "e0"            # idle: least-loaded's choice too
+    assert run(True) != "e0"
+    c = cluster(2, FakeIndexStore())
+    for i in range(20):
+        c.measured(f"e{i % 2}", 100, {}, 0.05, 0.0)
+    assert c.states["e0"].fit == c.states["e1"].fit
+    assert c.states["e0"].served_s == c.states["e1"].served_s

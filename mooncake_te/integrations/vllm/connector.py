@@ -136,13 +136,14 @@ class MooncakeTEConnector(KVConnectorBase_V1):
     def _announce(self) -> None:
         """Tell the conductor (``mooncake-te conductor --metadata``) where this instance
         serves, its role and its pool's key root and namespace (docs/conductor.md)."""
-        from ...conductor.registry import InstanceRecord, publish_instance, role_of
+        from ...conductor.registry import (InstanceRecord, kv_events_of, publish_instance,
+                                          role_of)
         w = self._worker
         rec = InstanceRecord(
             url=self.settings.api_url, role=role_of(self.is_producer, self.is_consumer),
             engine=w.engine.name, model=str(self._vllm_config.model_config.model),
             block_size=self.block_size, root=pool_root(self._vllm_config).hex(),
-            namespace=w.pool_namespace or "")
+            namespace=w.pool_namespace or "", **kv_events_of(self._vllm_config))
         try:
             self._announced = publish_instance(w.engine.metadata, rec)
         except Exception as e:              # the conductor is optional: serve anyway
