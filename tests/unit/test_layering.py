@@ -247,7 +247,7 @@ def _includes():
 
 
 def test_the_cython_and_c_walks_see_the_sources():
-    assert ("mooncake_te.transports.tcp._tcp", "mooncake_te.core._core", 14) in \
+    assert ("mooncake_te.transports.tcp._tcp", "mooncake_te.core._core", 16) in \
         [(m, t, n) for m, t, n in _cimports()]
     assert any(h == "tcp/tcp.h" for _, h, _ in _externs())
     assert any(d == "tcp" and str(t) == "core/api.h" for d, t, _, _ in _includes())
