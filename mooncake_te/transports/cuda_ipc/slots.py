@@ -42,6 +42,17 @@ def _lock(fd: int, kind: int, slot: int, count: int = 1) -> bool:
         return False
 
 
+def _runs(slots) -> "list[tuple[int, int]]":
+    """(first, count) of each run of consecutive numbers in ``slots``, in order."""
+    out: list = []
+    for x in sorted(set(slots)):
+        if out and out[-1][0] + out[-1][1] == x:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((x, 1))
+    return out
+
+
 class SlotTable:
     """The owner's side: one slot per exported region."""
 
@@ -131,14 +142,7 @@ class SlotView:
                 elif fresh.setdefault(slot, epoch) != epoch:
                     fresh[slot] = -1              # two epochs for one slot: one is stale
             live: set = set()
-            order = sorted(fresh)
-            i = 0
-            while i < len(order):
-                j = i
-                while j + 1 < len(order) and order[j + 1] == order[j] + 1:
-                    j += 1
-                first, count = order[i], j - i + 1
-                i = j + 1
+            for first, count in _runs(fresh):
                 if _lock(self._fd, _F_RDLCK, first, count):
                     took = list(range(first, first + count))
                 else:                             # the owner retires one of them: one by one
@@ -176,14 +180,8 @@ class SlotView:
                     free.append(slot)
                 else:
                     self._held[slot] = (n - 1, epoch)
-            order = sorted(set(free))
-            i = 0
-            while i < len(order):
-                j = i
-                while j + 1 < len(order) and order[j + 1] == order[j] + 1:
-                    j += 1
-                _lock(self._fd, _F_UNLCK, order[i], j - i + 1)
-                i = j + 1
+            for first, count in _runs(free):
+                _lock(self._fd, _F_UNLCK, first, count)
 
     def release(self, slot: int) -> None:
         with self._mu:
