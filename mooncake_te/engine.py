@@ -600,6 +600,29 @@ class EngineInternal:
         """Raise the engine's error for a closed engine or a forked child."""
         self._e._check_open()
 
+    def register_address(self, address: int, length: int, location: str = "auto",
+                         access: str = "rw", owner=None) -> MemoryRegion:
+        """``register_address``, all or nothing: the region is added, then the
+        descriptor published; when the publish fails (the metadata store refused it or is
+        down) the region is taken out again and the publish's error raised, so a failed
+        call leaves nothing registered (Mooncake's ``registerLocalMemory`` rolls back)."""
+        e = self._e
+        e._check_open()
+        mr = e._book.add(MemoryRegion.from_address(address, length, owner, location, access))
+        if mr.access == "local":
+            return mr
+        try:
+            e._publish()
+        except BaseException:
+            e._book.remove(mr)
+            try:                 # the store that refused the first publish may refuse this
+                e._publish()
+            except E.MooncakeError as again:
+                log.warning("rolled back the registration of %#x locally; the metadata "
+                            "store was not updated: %s", mr.address, again)
+            raise
+        return mr
+
     @property
     def timeout(self) -> float:
         """The engine's transfer timeout in seconds."""

@@ -178,40 +178,6 @@ def _split_hostname(local_hostname: str) -> tuple[str, int]:
 _STATUS = object()      # guard: return the error's own (negative) Mooncake status code
 
 
-def _register(eng, address: int, length: int, location: str):
-    """``eng.register_address``, all or nothing: the engine adds the region before it
-    publishes the descriptor, so when the publish fails (the metadata store refused
-    it) the region is taken out again and the error raised; a failed call leaves
-    nothing registered, as Mooncake's ``registerLocalMemory`` rolls back."""
-    before = _region_at(eng, address)
-    try:
-        return eng.register_address(address, length, location=location)
-    except BaseException:
-        added = _region_at(eng, address)
-        if added is not None and added is not before:
-            _drop_region(eng, added)
-        raise
-
-
-def _region_at(eng, address: int):
-    """The region of ``eng`` that starts at ``address``, or None."""
-    for r in eng.regions:
-        if r.address == address:
-            return r
-    return None
-
-
-def _drop_region(eng, region) -> None:
-    """Withdraw ``region`` after a failed registration; the publish that follows may
-    fail too (the store that refused the first one), which must not hide the first
-    error."""
-    try:
-        eng.unregister(region)
-    except E.MooncakeError as e:
-        log.warning("rolled back the registration of %#x locally; the metadata store "
-                    "was not updated: %s", region.address, e)
-
-
 def _guard(failure):
     """Turn exceptions into Mooncake's return codes and log why.
 
@@ -397,7 +363,7 @@ class TransferEngine:
         self._p2p = conn == "p2p"
         self._rpc_port = eng.descriptor().rpc_port
         self._alloc = ManagedAllocator(
-            lambda a, n: _register(eng, a, n, "auto"),
+            lambda a, n: eng.internal.register_address(a, n, "auto"),
             lambda a: eng.unregister(a))
         log.info("initialized segment %s (%s, metadata %s)", eng.name, eng.protocol, conn)
         return 0
@@ -429,7 +395,7 @@ class TransferEngine:
         """
         addr = _uint(buffer_addr, "buffer_addr")
         cap = _uint(capacity, "capacity")
-        _register(self._engine(), addr, cap, self._location(location))
+        self._engine().internal.register_address(addr, cap, self._location(location))
         return 0
 
     @_guard(_STATUS)
@@ -461,7 +427,7 @@ class TransferEngine:
         done = []
         try:
             for addr, cap in zip(addrs.tolist(), caps.tolist()):
-                done.append(_register(eng, addr, cap, loc))
+                done.append(eng.internal.register_address(addr, cap, loc))
         except BaseException:
             for r in reversed(done):
                 try:
