@@ -15,6 +15,7 @@ pure, so the host's unit tests check them without booting anything.
 from __future__ import annotations
 
 import glob
+import ipaddress
 import json
 import os
 import re
@@ -210,17 +211,23 @@ def wait_for(pred, timeout: float, what: str):
 
 
 try:
+    from ..topology import gids as _gids
     from ..topology.sysfs import read_attr
 except ImportError:
     # Run as a script (python -S stage2.py): no package, no site-packages. The package's
-    # one attribute reader is standard library only, so load that file by its path.
+    # one attribute reader and its GID chooser are standard library only at import, so
+    # load those files by their paths.
     import importlib.util as _util
-    _spec = _util.spec_from_file_location(
-        "_mte_sysfs", os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
-                                   "topology", "sysfs.py"))
-    _sysfs = _util.module_from_spec(_spec)
-    _spec.loader.exec_module(_sysfs)
-    read_attr = _sysfs.read_attr
+
+    def _load(name: str):
+        spec = _util.spec_from_file_location(
+            f"_mte_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                         os.pardir, "topology", f"{name}.py"))
+        mod = _util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    read_attr = _load("sysfs").read_attr
+    _gids = _load("gids")
 
 
 def _read(path: str) -> str:
@@ -228,15 +235,22 @@ def _read(path: str) -> str:
 
 
 def gid_index(dev: str, addr: str) -> int | None:
-    """Index of the RoCE v2 GID that carries IPv4 ``addr`` (::ffff:a.b.c.d)."""
-    a, b, c, d = (int(x) for x in addr.split("."))
-    want = f"0000:0000:0000:0000:0000:ffff:{a:02x}{b:02x}:{c:02x}{d:02x}"
+    """Index of the RoCE v2 GID that carries IPv4 ``addr`` (::ffff:a.b.c.d), chosen as
+    the RDMA transport chooses (topology.gids)."""
+    want = ipaddress.IPv6Address(f"::ffff:{addr}").packed
     base = f"/sys/class/infiniband/{dev}/ports/1"
-    for path in sorted(glob.glob(f"{base}/gids/*"), key=lambda p: int(p.rsplit("/", 1)[1])):
+    entries = []
+    for path in glob.glob(f"{base}/gids/*"):
         idx = path.rsplit("/", 1)[1]
-        if _read(path) == want and _read(f"{base}/gid_attrs/types/{idx}") == "RoCE v2":
-            return int(idx)
-    return None
+        try:
+            raw = ipaddress.IPv6Address(_read(path)).packed
+        except ValueError:
+            continue
+        kind = _read(f"{base}/gid_attrs/types/{idx}")
+        if raw == want and kind == "RoCE v2":
+            entries.append((int(idx), raw, kind, True))
+    best = _gids.select(entries)
+    return best[0] if best else None
 
 
 def setup_rxe(n: int) -> list[dict]:

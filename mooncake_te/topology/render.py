@@ -6,6 +6,7 @@ Plain formatting keeps the command free of extra dependencies and its output gre
 from __future__ import annotations
 
 from .distance import LEGEND
+from .gids import best as best_gid
 
 
 def table(headers: list[str], rows: list[list], indent: str = "  ") -> str:
@@ -48,8 +49,9 @@ def render(topo, matrix: dict, matrix_source: str = "discovered") -> str:
             for p in ports:
                 gid = ""
                 if p is not None and p.gids:
-                    g = p.gids[-1]      # the last entry is typically the RoCE v2 IPv4 one
-                    gid = f"{g.index}:{g.ip or g.gid}" + (f" ({g.type})" if g.type else "")
+                    g = best_gid(p.gids)        # the one the RDMA transport would use
+                    if g is not None:
+                        gid = f"{g.index}:{g.ip or g.gid}" + (f" ({g.type})" if g.type else "")
                 rows.append([d.name, d.pci or "virtual", d.numa_node,
                              p.number if p else None, p.state if p else None,
                              p.link_layer if p else None,

@@ -34,11 +34,11 @@ def _devices():
 
 def _gid(ctx, index):
     if index is None:
-        from mooncake_te.transports.rdma import select_gid
+        from mooncake_te.topology.gids import select
         port = ctx.query_port(1)
         entries = [(i, *ctx.query_gid(1, i)[:2], True) for i in range(port["gid_tbl_len"])
                    if ctx.query_gid(1, i)]
-        index = select_gid(entries)[0]
+        index = select(entries)[0]
     return index, ctx.query_gid(1, index)[0]
 
 

@@ -3,7 +3,6 @@
 reasons it gives, device errors, GID choice, error texts, config keys, the RPC hook."""
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import subprocess
@@ -24,32 +23,6 @@ from mooncake_te.transports import probe, rdma
 from mooncake_te.transports.base import TransportContext
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _gid(text):
-    return ipaddress.IPv6Address(text).packed
-
-
-def test_gid_choice_prefers_roce_v2_ipv4_on_an_up_netdev():
-    entries = [(0, _gid("fe80::1"), "RoCE v1", True),
-               (1, _gid("fe80::1"), "RoCE v2", True),
-               (2, _gid("::ffff:10.0.0.5"), "RoCE v1", True),
-               (3, _gid("::ffff:10.0.0.5"), "RoCE v2", False),
-               (4, _gid("2001:db8::5"), "RoCE v2", True),
-               (5, _gid("::ffff:10.1.0.5"), "RoCE v2", True)]
-    assert rdma.select_gid(entries)[0] == 5
-    assert rdma.select_gid(entries[:5])[0] == 4           # routable IPv6 on an UP netdev
-    assert rdma.select_gid(entries[:4])[0] == 3
-    assert rdma.select_gid(entries[:2])[0] == 1
-    assert rdma.select_gid([])is None
-    assert rdma.select_gid(entries, pinned=2)[0] == 2     # MC_GID_INDEX
-    with pytest.raises(E.DeviceNotFoundError, match="GID index 9"):
-        rdma.select_gid(entries, pinned=9)
-
-
-def test_gid_text_is_sysfs_style():
-    assert rdma.gid_text(_gid("::ffff:10.99.0.1")) == \
-        "0000:0000:0000:0000:0000:ffff:0a63:0001"
 
 
 def test_probe_says_why_rdma_is_unavailable_here():

@@ -11,12 +11,10 @@ port MTU, and both use the smaller MTU.
 """
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import os
 import random
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -26,6 +24,7 @@ import numpy as np
 from ... import errors as E
 from ...metadata import framing
 from ...batch import register_status_text
+from ...topology import gids
 from ..base import Capabilities, DeviceCounter, Transport
 
 log = logging.getLogger("mooncake_te.rdma")
@@ -99,59 +98,7 @@ def unavailable_reason() -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- GIDs
-
-def _netdev_up(ifindex: int) -> tuple[str | None, bool]:
-    try:
-        name = socket.if_indextoname(ifindex) if ifindex else None
-    except OSError:
-        return None, False
-    if not name:
-        return None, False
-    try:
-        with open(f"/sys/class/net/{name}/flags") as f:
-            return name, bool(int(f.read(), 16) & 0x1)        # IFF_UP
-    except OSError:
-        return name, False
-
-
-def gid_rank(raw: bytes, gid_type: str, netdev_up: bool) -> int:
-    """Lower is better. RoCE v2 IPv4-mapped on an UP netdev first (what RoCE fabrics
-    route), then RoCE v2 IPv4 on a down netdev, routable IPv6 RoCE v2, RoCE v1, and last
-    link-local or IB GIDs (Mooncake's tiers, rdma_context.cpp; issues #946, #1593)."""
-    addr = ipaddress.IPv6Address(raw)
-    v4 = addr.ipv4_mapped is not None
-    link_local = addr.is_link_local
-    if gid_type == "RoCE v2":
-        if v4:
-            return 0 if netdev_up else 2
-        if not link_local:
-            return 1 if netdev_up else 3
-        return 5
-    if gid_type == "RoCE v1":
-        return 4 if (v4 or not link_local) else 6
-    return 7        # IB: any entry works (index 0 on InfiniBand)
-
-
-def select_gid(entries, pinned: int = -1):
-    """The entry to use: ``entries`` is [(index, raw 16 bytes, type, netdev_up)];
-    ``pinned`` >= 0 (MC_GID_INDEX) picks that index or raises."""
-    if pinned >= 0:
-        for e in entries:
-            if e[0] == pinned:
-                return e
-        raise E.DeviceNotFoundError(f"GID index {pinned} (MC_GID_INDEX / rdma_gid_index) is "
-                                    f"empty; non-empty indices: "
-                                    f"{', '.join(str(e[0]) for e in entries) or 'none'}")
-    if not entries:
-        return None
-    return min(entries, key=lambda e: (gid_rank(e[1], e[2], e[3]), e[0]))
-
-
-def gid_text(raw: bytes) -> str:
-    h = raw.hex()
-    return ":".join(h[i:i + 4] for i in range(0, 32, 4))
-
+# GIDs: topology.gids chooses (the one chooser; doctor and the lab use it too).
 
 def _covers(desc, remote, lens) -> bool:
     """Every [remote_i, +len_i) lies in one buffer of ``desc`` (vectorized)."""
@@ -270,10 +217,10 @@ class RdmaTransport(Transport):
             g = c.query_gid(self.port, i)
             if g is None:
                 continue
-            netdev, up = _netdev_up(g[2])
+            netdev, up = gids.netdev_of(g[2])
             entries.append((i, g[0], g[1], up, netdev))
         try:
-            best = select_gid(entries, pinned)
+            best = gids.select(entries, pinned)
         except E.DeviceNotFoundError as e:
             c.close()
             raise E.DeviceNotFoundError(f"RDMA device {name}: {e}") from None
@@ -322,7 +269,7 @@ class RdmaTransport(Transport):
 
     # --- descriptor -------------------------------------------------------------------
     def describe(self) -> dict:
-        return {"devices": [{"name": d.name, "lid": d.lid, "gid": gid_text(d.gid),
+        return {"devices": [{"name": d.name, "lid": d.lid, "gid": gids.text(d.gid),
                              "gid_index": d.gid_index, "mtu": d.mtu,
                              "link_layer": d.link_layer} for d in self.devices],
                 "priority_matrix": {k: v for k, v in self.matrix.items() if k != "*"}}
@@ -567,7 +514,7 @@ class RdmaTransport(Transport):
                 for q in self._passive.pop(key, []):
                     q.close()
                 self._passive[key] = qps
-                out.append({"id": ep["id"], "gid": gid_text(dev.gid), "lid": dev.lid,
+                out.append({"id": ep["id"], "gid": gids.text(dev.gid), "lid": dev.lid,
                             "mtu": dev.mtu, "path_mtu": mtu,
                             "qpns": [q.qp_num for q in qps], "psns": psns})
         return json.dumps({"endpoints": out}).encode()
@@ -582,7 +529,7 @@ class RdmaTransport(Transport):
                 psns = [random.getrandbits(24) for _ in qps]
                 mine.append((dev, qps, psns))
                 eps.append({"id": i, "local_dev": dev.name, "peer_dev": pdev["name"],
-                            "gid": gid_text(dev.gid), "lid": dev.lid, "mtu": dev.mtu,
+                            "gid": gids.text(dev.gid), "lid": dev.lid, "mtu": dev.mtu,
                             "qpns": [q.qp_num for q in qps], "psns": psns})
             body = json.dumps({"name": self.ctx.name, "instance": f"{self.ctx.instance:016x}",
                                "endpoints": eps}).encode()
@@ -732,4 +679,4 @@ class _PeerState:
         self.peer.close()
 
 
-__all__ = ["RdmaTransport", "unavailable_reason", "select_gid", "gid_rank"]
+__all__ = ["RdmaTransport", "unavailable_reason"]
