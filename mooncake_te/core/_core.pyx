@@ -172,6 +172,19 @@ cdef class PreparedTable:
         return (self.t.rows, self.t.lcols, self.t.rcols)
 
 
+def cuda_driver():
+    """``(handle, name, None)``: the CUDA driver library as the core loaded and
+    initialised it (src/core/gpu.c, the process's one loader; ``handle`` is its dlopen
+    handle, for ``ctypes.CDLL(name, handle=handle)``), or ``(0, name, why)``."""
+    cdef void *h
+    with nogil:
+        h = mte_gpu_library()
+    name = MTE_CUDA_LIBRARY.decode()
+    if h == NULL:
+        return 0, name, mte_gpu_error().decode(errors="replace")
+    return <uintptr_t>h, name, None
+
+
 def hmac_sha256(bytes key, bytes data):
     """The data path's HMAC-SHA256 (src/core/hmac_sha256.c), exposed for tests."""
     cdef const void *parts[1]

@@ -75,3 +75,5 @@ cdef extern from "core/gpu.h" nogil:
         pass
     int mte_gpu_init()
     const char *mte_gpu_error()
+    void *mte_gpu_library()
+    const char *MTE_CUDA_LIBRARY

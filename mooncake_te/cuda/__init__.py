@@ -29,8 +29,9 @@ from ctypes import byref
 
 from .. import errors as E
 from . import _driver as D
+from ._driver import LIBRARY
 
-__all__ = ["available", "loaded", "device_count", "pci_bus_ids", "pointer_info", "allocation_range",
+__all__ = ["LIBRARY", "available", "loaded", "device_count", "pci_bus_ids", "device_names", "pointer_info", "allocation_range",
            "dmabuf_fd", "PinnedBuffer", "Stream", "Event", "memcpy", "memcpy_async",
            "synchronize_stream", "ipc_get_handle", "ipc_open", "ipc_close", "device",
            "can_access_peer", "enable_peer_access", "push_device", "pop_device", "CudaError", "LEGACY_STREAM",
@@ -81,7 +82,7 @@ def loaded() -> bool:
     if _state.get("lib") is not None or _state.get("seen_loaded"):
         return True
     try:
-        ctypes.CDLL("libcuda.so.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        ctypes.CDLL(LIBRARY, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
     except OSError:
         return False
     _state["seen_loaded"] = True
@@ -132,6 +133,18 @@ def pci_bus_ids() -> "list[str]":
         _check(lib.cuDeviceGetPCIBusId(bus, 64, dev), f"cuDeviceGetPCIBusId({i})")
         dom, _, rest = bus.value.decode().lower().partition(":")
         out.append(f"{int(dom, 16):04x}:{rest}")     # CUDA may print an 8-digit domain
+    return out
+
+
+def device_names() -> "list[str]":
+    """The name of each device (``cuDeviceGetName``), by CUDA ordinal."""
+    lib, out = _lib(), []
+    for i in range(device_count()):
+        dev = D.CUdevice()
+        _check(lib.cuDeviceGet(byref(dev), i), f"cuDeviceGet({i})")
+        name = ctypes.create_string_buffer(256)
+        _check(lib.cuDeviceGetName(name, 256, dev), f"cuDeviceGetName({i})")
+        out.append(name.value.decode(errors="replace"))
     return out
 
 

@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Declarations of the CUDA driver API calls we use (ctypes over ``libcuda.so.1``).
 
-Only declarations and loading live here; ``mooncake_te.cuda`` holds the logic. Types and
+Only declarations live here; ``mooncake_te.cuda`` holds the logic. The library itself is
+loaded once per process, by the native core (``src/core/gpu.c``, which the staging copies
+use): :func:`load` wraps the core's handle (``core.cuda_driver``), so the name, the
+dlopen and ``cuInit`` have one home. Types and
 signatures follow the CUDA Driver API reference (``cuda.h``): handles are opaque
 pointers, ``CUdeviceptr`` is an unsigned 64-bit integer, ``CUresult`` an int. Where
 ``cuda.h`` maps a name to a versioned symbol (``cuMemGetAddressRange`` ->
@@ -11,6 +14,9 @@ from __future__ import annotations
 
 import ctypes
 from ctypes import POINTER, byref, c_char, c_int, c_size_t, c_uint, c_uint64, c_void_p  # noqa: F401
+
+#: The driver library's name (src/core/gpu.h's MTE_CUDA_LIBRARY; a test checks they agree).
+LIBRARY = "libcuda.so.1"
 
 CUresult = c_int
 CUdevice = c_int
@@ -57,6 +63,7 @@ _SIGNATURES = {
     "cuDeviceGetCount": (POINTER(c_int),),
     "cuDeviceGet": (POINTER(CUdevice), c_int),
     "cuDeviceGetPCIBusId": (ctypes.c_char_p, c_int, CUdevice),
+    "cuDeviceGetName": (ctypes.c_char_p, c_int, CUdevice),
     "cuDeviceCanAccessPeer": (POINTER(c_int), CUdevice, CUdevice),
     "cuDevicePrimaryCtxRetain": (POINTER(CUcontext), CUdevice),
     "cuCtxPushCurrent_v2": (CUcontext,),
@@ -110,15 +117,17 @@ _OPTIONAL = {
 
 
 def load():
-    """(library, None) with every call declared, or (None, reason)."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-    except OSError as e:
-        return None, f"no CUDA driver (libcuda.so.1 cannot be loaded: {e})"
+    """(library, None) with every call declared, or (None, reason). The library is the
+    core's (loaded and initialised there, once per process)."""
+    from ..core import cuda_driver
+    handle, libname, why = cuda_driver()
+    if not handle:
+        return None, why
+    lib = ctypes.CDLL(libname, handle=handle)
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name, None)
         if fn is None:
-            return None, f"the CUDA driver is too old: libcuda.so.1 lacks {name}"
+            return None, f"the CUDA driver is too old: {LIBRARY} lacks {name}"
         fn.argtypes = args
         fn.restype = CUresult
     for name, args in _OPTIONAL.items():
@@ -126,10 +135,4 @@ def load():
         if fn is not None:
             fn.argtypes = args
             fn.restype = CUresult
-    rc = lib.cuInit(0)
-    if rc != 0:
-        name = ctypes.c_char_p()
-        lib.cuGetErrorName(rc, byref(name))
-        return None, (f"cuInit failed with {(name.value or b'?').decode()} ({rc}): no usable "
-                      f"GPU, or the driver and kernel module disagree (see nvidia-smi)")
     return lib, None

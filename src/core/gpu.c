@@ -61,21 +61,24 @@ static CUresult failed(const char *what, CUresult rc)
 }
 static int init_rc = MTE_E_CUDA;
 static char init_err[256] = "not loaded";
+static void *lib_handle;          /* the process's one dlopen of the driver (gpu.h) */
 static pthread_mutex_t ctx_mu = PTHREAD_MUTEX_INITIALIZER;
 static CUcontext primary[MTE_GPU_MAX_DEVICES];
 
 static void load(void)
 {
-    void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    void *h = dlopen(MTE_CUDA_LIBRARY, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
-        snprintf(init_err, sizeof(init_err), "cannot load libcuda.so.1: %s", dlerror());
+        snprintf(init_err, sizeof(init_err), "no CUDA driver (%s cannot be loaded: %s)",
+                 MTE_CUDA_LIBRARY, dlerror());
         return;
     }
 #define SYM(field, name)                                                              \
     do {                                                                              \
         *(void **)&cu.field = dlsym(h, name);                                         \
         if (!cu.field) {                                                              \
-            snprintf(init_err, sizeof(init_err), "libcuda.so.1 lacks %s", name);      \
+            snprintf(init_err, sizeof(init_err),                                      \
+                     "the CUDA driver is too old: " MTE_CUDA_LIBRARY " lacks %s", name);      \
             return;                                                                   \
         }                                                                             \
     } while (0)
@@ -98,9 +101,14 @@ static void load(void)
 #undef SYM
     CUresult rc = cu.Init(0);
     if (rc != 0) {
-        snprintf(init_err, sizeof(init_err), "cuInit failed (CUresult %d)", rc);
+        const char *what = NULL;
+        cu.GetErrorString(rc, &what);
+        snprintf(init_err, sizeof(init_err), "cuInit failed with %s (%d): no usable GPU, or "
+                 "the driver and kernel module disagree (see nvidia-smi)",
+                 what ? what : "?", rc);
         return;
     }
+    lib_handle = h;
     init_err[0] = 0;
     init_rc = 0;
 }
@@ -135,6 +143,11 @@ int mte_gpu_init(void)
 }
 
 const char *mte_gpu_error(void) { return init_err[0] ? init_err : last_err; }
+
+void *mte_gpu_library(void)
+{
+    return mte_gpu_init() == 0 ? lib_handle : NULL;
+}
 
 /* The primary context of `device`, retained once for the life of the process (the same
  * context cudart-based libraries use). NULL on failure. */

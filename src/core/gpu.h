@@ -39,6 +39,11 @@ uint64_t mte_gpu_slice(void);
  * mte_gpu_error() then says why. */
 int mte_gpu_init(void);
 const char *mte_gpu_error(void);
+/* The driver library's dlopen handle once mte_gpu_init() succeeded, else NULL: the
+ * process's one loader of the driver; Python's ctypes declarations (mooncake_te/cuda)
+ * wrap this handle (core._core.cuda_driver) instead of loading the library again. */
+void *mte_gpu_library(void);
+#define MTE_CUDA_LIBRARY "libcuda.so.1"
 
 typedef struct mte_stage mte_stage_t;
 

@@ -90,14 +90,14 @@ def driver_present() -> bool:
         return True
     try:
         with open("/etc/ld.so.cache", "rb") as f:
-            if b"libcuda.so.1" in f.read():
+            if cuda.LIBRARY.encode() in f.read():
                 return True
     except OSError:
         pass
     dirs = os.environ.get("LD_LIBRARY_PATH", "").split(":") + [
         "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64",
         "/usr/local/nvidia/lib64", "/usr/lib/wsl/lib"]
-    return any(d and os.path.exists(os.path.join(d, "libcuda.so.1")) for d in dirs)
+    return any(d and os.path.exists(os.path.join(d, cuda.LIBRARY)) for d in dirs)
 
 
 class _Buffer:
