@@ -32,6 +32,7 @@
 #include "status.h"
 #include "metrics.h"
 #include "prep.h"
+#include "span.h"
 
 /* Bump when a field changes meaning or moves; appending fields keeps it. */
 #define MTE_CORE_API_VERSION 1u

@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "regions.h"
+#include "span.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -59,17 +60,7 @@ void mte_regions_free(mte_regions_t *t)
 /* Index of the last region with addr <= a, or -1. Caller holds the lock. */
 static ptrdiff_t find_le(const mte_regions_t *t, uint64_t a)
 {
-    ptrdiff_t lo = 0, hi = (ptrdiff_t)t->n - 1, ans = -1;
-    while (lo <= hi) {
-        ptrdiff_t mid = (lo + hi) / 2;
-        if (t->v[mid]->addr <= a) {
-            ans = mid;
-            lo = mid + 1;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    return ans;
+    return MTE_SPAN_LAST_LE(t->v, t->n, indirect, mte_region_t, a);
 }
 
 int mte_regions_add(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned access)
@@ -148,8 +139,8 @@ int mte_regions_remove(mte_regions_t *t, uint64_t addr)
 
 static mte_region_t *lookup(mte_regions_t *t, uint64_t addr, uint64_t len, unsigned need, int *why)
 {
-    ptrdiff_t i = find_le(t, addr);
-    if (i < 0 || addr + len < addr || addr + len > t->v[i]->addr + t->v[i]->len) {
+    ptrdiff_t i = MTE_SPAN_FIND(t->v, t->n, indirect, mte_region_t, addr, len);
+    if (i < 0) {
         *why = -ENOENT;
         return NULL;
     }

@@ -17,20 +17,8 @@
 const lmr_t *rdma_lmr_find(mte_rdma_t *r, uint64_t addr, uint64_t len)
 {
     /* caller holds r->lk */
-    size_t lo = 0, hi = r->nmrs;
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        if (r->mrs[mid]->addr <= addr)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    if (lo == 0)
-        return NULL;
-    const lmr_t *m = r->mrs[lo - 1];
-    if (addr + len < addr || addr + len > m->addr + m->len)
-        return NULL;
-    return m;
+    ptrdiff_t i = MTE_SPAN_FIND(r->mrs, r->nmrs, indirect, lmr_t, addr, len);
+    return i < 0 ? NULL : r->mrs[i];
 }
 
 int mte_rdma_mr_add(mte_rdma_t *r, uint64_t addr, uint64_t len, const uint32_t *lkeys,
@@ -137,19 +125,7 @@ const rbuf_t *rdma_rbuf_find(const rtable_t *t, uint64_t addr, uint64_t len)
 {
     if (!t)
         return NULL;
-    size_t lo = 0, hi = t->n;
-    while (lo < hi) {
-        size_t mid = (lo + hi) / 2;
-        if (t->bufs[mid].addr <= addr)
-            lo = mid + 1;
-        else
-            hi = mid;
-    }
-    if (lo == 0)
-        return NULL;
-    const rbuf_t *b = &t->bufs[lo - 1];
-    if (addr + len < addr || addr + len > b->addr + b->len)
-        return NULL;
-    return b;
+    ptrdiff_t i = MTE_SPAN_FIND(t->bufs, t->n, direct, rbuf_t, addr, len);
+    return i < 0 ? NULL : &t->bufs[i];
 }
 
