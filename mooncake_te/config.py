@@ -29,51 +29,37 @@ except ModuleNotFoundError:             # pragma: no cover - older Pythons
 
 from .errors import ConfigError
 
-#: The values ``protocol`` may take (the engine's ``protocol=``, ``[transfer_engine]
-#: protocol``, the vLLM connector's and the CLI's ``--protocol``): the one list. Each
-#: name but "auto" is served by a transport (``Transport.serves``; a test checks it).
-PROTOCOLS = ("auto", "tcp", "shm", "rdma")
-
 # section -> key -> (accepted types, default, allowed values or None)
 _STR, _INT, _BOOL, _NUM = (str,), (int,), (bool,), (int, float)
 
+#: The values ``protocol`` may take (the engine's ``protocol=``, ``[transfer_engine]
+#: protocol``, the vLLM connector's and the CLI's ``--protocol``): "auto", then each
+#: transport's own names, added by :func:`declare_transport` (transports declare them;
+#: this module never names one). Read it through :func:`protocols`.
+_PROTOCOLS: list = ["auto"]
+#: Other projects' protocol names (Mooncake's) -> ours, as transports declare them.
+_ALIASES: dict = {}
+#: Which transport declared each key and variable (key or variable -> transport name).
+_OWNERS: dict = {}
+#: Variables that force a protocol when true (MC_FORCE_TCP -> "tcp"), as declared.
+_FORCE: dict = {}
 
-def default_tcp_lanes(cpus: "int | None" = None) -> int:
-    """TCP lanes per peer when nothing sets them: half the CPUs this process may run on,
-    2 to 8. Measured (docs/benchmarks.md, section 6): on 2 CPUs 2 lanes moved 1.02-1.13x
-    iperf3's one stream and 4 lanes 0.97-1.00x; on 16 CPUs 8 lanes moved 27 GB/s and 4
-    lanes 17."""
-    if cpus is None:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cpus = os.cpu_count() or 2
-    return max(2, min(8, cpus // 2))
+
 SCHEMA: dict[str, dict[str, tuple]] = {
     "metadata": {
         "server_type": (_STR, "p2p", ("p2p", "etcd", "redis", "http")),
         "server_address": (_STR, "", None),
     },
     "transfer_engine": {
-        "protocol": (_STR, "auto", PROTOCOLS),
+        "protocol": (_STR, "auto", _PROTOCOLS),
         "device_names": ((list,), [], None),
         "use_gpu_direct": (_BOOL, True, None),
         "enable_multi_nic": (_BOOL, True, None),
         "topology_aware": (_BOOL, True, None),
         "timeout_ms": (_INT, 30000, None),
         "retry_count": (_INT, 3, None),
-        "tcp_lanes": (_INT, default_tcp_lanes(), None),
-        "tcp_slice_size": (_INT, 256 << 10, None),
-        # RDMA (docs/rdma.md); each has Mooncake's MC_* variable.
-        "rdma_slice_size": (_INT, 64 << 10, None),
-        "rdma_qps_per_endpoint": (_INT, 2, None),
-        "rdma_max_wr": (_INT, 256, None),
-        "rdma_mtu": (_INT, 4096, (256, 512, 1024, 2048, 4096)),
-        "rdma_gid_index": (_INT, -1, None),
-        "rdma_ib_port": (_INT, 1, None),
-        "rdma_rail_pause_s": (_NUM, 30, None),
-        "rdma_cq_entries": (_INT, 4096, None),
-        "rdma_qp_timeout": (_INT, 14, None),
+        # A transport's own keys (tcp_*, rdma_*, the data port's limits) are declared by
+        # the transport (Transport.settings) and added by declare_transport.
         "host": (_STR, "", None),
         "port": (_INT, 0, None),
         "auth_token": (_STR, "", None),
@@ -81,12 +67,6 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "rpc_max_connections": (_INT, 256, None),
         "rpc_max_per_peer": (_INT, 64, None),
         "rpc_request_timeout_s": (_NUM, 10.0, None),
-        # The data port's limits (docs/security.md, issue #20 item 6); 0 connections: from
-        # the descriptor limit (transports.tcp.default_max_connections).
-        "data_max_connections": (_INT, 0, None),
-        "data_max_per_peer": (_INT, 128, None),
-        "data_auth_timeout_s": (_NUM, 10.0, None),
-        "data_idle_timeout_s": (_NUM, 600.0, None),
         # Observability (docs/observability.md): counters on/off, /metrics port (0: none).
         "metrics": (_BOOL, True, None),
         "metrics_port": (_INT, 0, None),
@@ -144,21 +124,7 @@ _BOUNDS: dict[str, tuple] = {
     "rpc_max_per_peer": (1, None, "a positive number of connections"),
     "rpc_request_timeout_s": (0.1, 3600, "seconds between 0.1 and 3600"),
     "timeout_ms": (1, None, "a positive number of milliseconds"),
-    "data_max_connections": (0, 1 << 20, "a number of connections (0: from the descriptor limit)"),
-    "data_max_per_peer": (1, 1 << 20, "a positive number of connections"),
-    "data_auth_timeout_s": (0.1, 3600, "seconds between 0.1 and 3600"),
-    "data_idle_timeout_s": (0, 10 ** 6, "seconds, 0 for never"),
-    "tcp_lanes": (1, None, "a positive number of TCP lanes per peer"),
-    "tcp_slice_size": (1, None, "a positive number of bytes"),
     "retry_count": (0, 127, "0 to 127 (Mooncake's MC_RETRY_CNT must be < 128)"),
-    "rdma_slice_size": (4096, 1 << 30, "4096 bytes to 1 GiB per RDMA slice"),
-    "rdma_qps_per_endpoint": (1, 16, "1 to 16 queue pairs per endpoint"),
-    "rdma_max_wr": (1, 1 << 15, "1 to 32768 work requests per queue pair"),
-    "rdma_gid_index": (-1, 255, "a GID table index, or -1 to pick one automatically"),
-    "rdma_ib_port": (1, 255, "an HCA port number (1 on almost every NIC)"),
-    "rdma_rail_pause_s": (0, None, "seconds, 0 or more"),
-    "rdma_cq_entries": (16, 1 << 22, "16 to 4194304 completion-queue entries"),
-    "rdma_qp_timeout": (1, 31, "1 to 31 (the ACK timeout is 4.096 us x 2^value)"),
     "port": (0, 65535, "a TCP port, 0 to pick a free one"),
     "metrics_port": (0, 65535, "a TCP port for /metrics, 0 to serve none"),
     "block_size": (1, None, "a positive number of tokens per KV block"),
@@ -201,36 +167,117 @@ def _device_list(v: str) -> list:
 
 ENV: dict[str, tuple[str, str, Any]] = {
     "MC_TRANSFER_TIMEOUT": ("transfer_engine", "timeout_ms", _seconds_to_ms),
-    "MC_TCP_LANES_PER_PEER": ("transfer_engine", "tcp_lanes", int),
-    "MC_TCP_MAX_CONNECTIONS_PER_PEER": ("transfer_engine", "tcp_lanes", int),
-    "MC_TCP_SLICE_SIZE": ("transfer_engine", "tcp_slice_size", int),
     "MC_TCP_BIND_ADDRESS": ("transfer_engine", "host", str),
     "MC_TE_FILTERS": ("transfer_engine", "device_names", _device_list),
     "MC_RETRY_CNT": ("transfer_engine", "retry_count", int),
-    "MC_SLICE_SIZE": ("transfer_engine", "rdma_slice_size", int),
-    "MC_NUM_QP_PER_EP": ("transfer_engine", "rdma_qps_per_endpoint", int),
-    "MC_MAX_WR": ("transfer_engine", "rdma_max_wr", int),
-    "MC_MTU": ("transfer_engine", "rdma_mtu", int),
-    # NCCL's name first, so MC_GID_INDEX (applied after it) wins when both are set.
-    "NCCL_IB_GID_INDEX": ("transfer_engine", "rdma_gid_index", int),
-    "MC_GID_INDEX": ("transfer_engine", "rdma_gid_index", int),
-    "MC_IB_PORT": ("transfer_engine", "rdma_ib_port", int),
-    "MC_RDMA_RAIL_PAUSE_SECONDS": ("transfer_engine", "rdma_rail_pause_s", float),
-    "MC_MAX_CQE_PER_CTX": ("transfer_engine", "rdma_cq_entries", int),
-    "MC_RDMA_QP_TIMEOUT": ("transfer_engine", "rdma_qp_timeout", int),
     "MC_AUTH_TOKEN": ("transfer_engine", "auth_token", str),
     "MC_KVCACHE_SHARE_WITHOUT_TOKEN": ("kvcache", "share_without_token", lambda v: _bool(v)),
     "MC_METRICS": ("transfer_engine", "metrics", lambda v: _bool(v)),
     "MC_METRICS_PORT": ("transfer_engine", "metrics_port", int),
-    "MC_FORCE_TCP": ("transfer_engine", "protocol", lambda v: "tcp" if _bool(v) else None),
-    # MC_FORCE_HCA: "force RDMA, error if no HCA" (Mooncake PR #1259) is protocol = "rdma".
-    "MC_FORCE_HCA": ("transfer_engine", "protocol", lambda v: "rdma" if _bool(v) else None),
 }
 
 # What a variable takes, where its parser is not the key's type (the key is in other units).
 _ENV_EXPECTS = {"MC_TRANSFER_TIMEOUT": "a number of seconds such as 30 or 2.5 (the "
                                        "variable is in seconds; timeout_ms in a file is in "
                                        "milliseconds)"}
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``[transfer_engine]`` key a transport owns (``Transport.settings``).
+
+    Attributes
+    ----------
+    key : str
+        The key (its transport's prefix: ``tcp_lanes``, ``rdma_mtu``).
+    types : tuple
+        Accepted Python types (``(int,)``, ``(int, float)``, ...).
+    default : object
+        The built-in default.
+    allowed : tuple, optional
+        The only values accepted.
+    bounds : tuple, optional
+        ``(lowest, highest or None, what it takes)`` for numbers.
+    env : tuple
+        ``(variable, parser)`` pairs (Mooncake's ``MC_*`` names), applied in this order
+        (a later one wins).
+    """
+
+    key: str
+    types: tuple
+    default: Any
+    allowed: "tuple | None" = None
+    bounds: "tuple | None" = None
+    env: tuple = ()
+
+
+def declare_transport(name: str, protocols=(), settings=(), aliases=None,
+                      force_env=None) -> None:
+    """Add what transport ``name`` declares: the ``protocol=`` names it introduces, its
+    ``[transfer_engine]`` keys (:class:`Setting`), other projects' protocol names for
+    ours (``aliases``: Mooncake's name -> ours) and variables that force a protocol
+    (``force_env``: variable -> protocol, set when the variable is true). Called by
+    ``mooncake_te.transports`` for each transport (built in or registered); a key or
+    variable another transport declared is a ValueError."""
+    for st in settings:
+        owner = _OWNERS.get(st.key)
+        if (owner is not None and owner != name) or \
+                (owner is None and st.key in SCHEMA["transfer_engine"]):
+            raise ValueError(f"transport {name!r} declares [transfer_engine] {st.key}, which "
+                             f"{'transport ' + repr(owner) if owner else 'the engine'} "
+                             f"already has: give it a key of its own ({name}_...)")
+    for st in settings:
+        SCHEMA["transfer_engine"][st.key] = (st.types, st.default, st.allowed)
+        if st.bounds is not None:
+            _BOUNDS[st.key] = st.bounds
+        _OWNERS[st.key] = name
+        for var, parse in st.env:
+            ENV[var] = ("transfer_engine", st.key, parse)
+            _OWNERS[var] = name
+    for var, proto in (force_env or {}).items():
+        ENV[var] = ("transfer_engine", "protocol",
+                    lambda v, p=proto: p if _bool(v) else None)
+        _FORCE[var] = proto
+        _OWNERS[var] = name
+    for proto in protocols:
+        if proto not in _PROTOCOLS:
+            _PROTOCOLS.append(proto)
+            _OWNERS[("protocol", proto)] = name
+    for theirs, ours in (aliases or {}).items():
+        _ALIASES[theirs] = ours
+
+
+def withdraw_transport(name: str) -> None:
+    """Undo :func:`declare_transport` for ``name`` (``transports.unregister``)."""
+    for what, owner in list(_OWNERS.items()):
+        if owner != name:
+            continue
+        del _OWNERS[what]
+        if isinstance(what, tuple):
+            _PROTOCOLS.remove(what[1])
+        elif what in ENV:
+            del ENV[what]
+            _FORCE.pop(what, None)
+        else:
+            SCHEMA["transfer_engine"].pop(what, None)
+            _BOUNDS.pop(what, None)
+
+
+def protocols() -> tuple:
+    """The values ``protocol`` may take: "auto", then each transport's own names."""
+    return tuple(_PROTOCOLS)
+
+
+def protocol_aliases() -> dict:
+    """Other projects' protocol names (Mooncake's ``cuda_ipc``, ``nvlink``, ...) -> the
+    protocol that carries them here, as the transports declare them."""
+    return dict(_ALIASES)
+
+
+def owner_of(key: str) -> "str | None":
+    """The transport that declared ``[transfer_engine]`` key or variable ``key``, or None
+    (the engine's own)."""
+    return _OWNERS.get(key)
+
 
 # MC_METADATA_SERVER holds a Mooncake connection string ("etcd://h:2379",
 # "redis://h:6379", "http://h:8080/metadata", "P2PHANDSHAKE", or a bare "h:2379", which
@@ -472,9 +519,11 @@ class Config:
                 self.data[section][key] = copy.deepcopy(value)
 
     def merge_env(self, env: Mapping[str, str]) -> None:
-        if _bool(env.get("MC_FORCE_TCP", "")) and _bool(env.get("MC_FORCE_HCA", "")):
-            raise ConfigError("MC_FORCE_TCP and MC_FORCE_HCA are both set; they contradict "
-                              "each other (TCP only vs RDMA only): unset one")
+        forced = [(var, p) for var, p in _FORCE.items() if _bool(env.get(var, ""))]
+        if len({p for _, p in forced}) > 1:
+            (a, pa), (b, pb) = forced[:2]
+            raise ConfigError(f"{a} and {b} are both set; they contradict each other "
+                              f"({pa} only vs {pb} only): unset one")
         for var, (section, key, parse) in ENV.items():
             if var not in env or env[var] == "":
                 continue

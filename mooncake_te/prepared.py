@@ -99,7 +99,10 @@ class PreparedTransfer:
     target : str
         The peer's segment name.
     transport : str
-        The route chosen at preparation ("tcp", "shm", "rdma", "cuda_ipc").
+        The route chosen at preparation (the name of the transport's route).
+    native : bool
+        Whether that transport posts in one native call (its ``prepared`` capability);
+        otherwise each post gathers addresses and queues a batch.
     local_blocks, remote_blocks : int
         Valid index range of :meth:`post` on each side (blocks per region for 2-D tables).
     """
@@ -145,7 +148,8 @@ class PreparedTransfer:
         self._rlens = rlens
         self._desc = desc
         self._routes = {}        # op -> (transport, route), picked on first use
-        self.transport = self._route(int(Op.WRITE))[1]
+        tr, self.transport = self._route(int(Op.WRITE))
+        self.native = bool(tr.capabilities.prepared)
         self._lens = {}          # number of descriptors -> lengths array (cached)
         self._per_id = int(bs.sum()) if len(bs) > 1 else int(bs[0]) * self._lrows.shape[0]
         self._table = self._native_table()
@@ -246,7 +250,7 @@ class PreparedTransfer:
         op = int(op)
         r = self._routes.get(op)
         tr, route = r if r is not None else self._route(op)
-        fast = getattr(tr, "post_prepared", None)
+        fast = tr.post_prepared if tr.capabilities.prepared else None
         if notify is not None:
             S.check_notify(notify)
             notify = bytes(notify)

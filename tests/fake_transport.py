@@ -5,7 +5,12 @@ engines of this process. No sockets, no threads: a request is copied and finishe
 ``submit``.
 
 It shows what adding a transport takes: this class plus one registration point
-(``mooncake_te.transports.register``). Its behaviour is set per class (make a subclass
+(``mooncake_te.transports.register``). What it declares is all the rest of the package
+learns about it: its ``protocol=`` name (``serves``), its ``[transfer_engine]`` key with
+an ``MC_*`` variable (``settings``), a foreign name for its protocol
+(``protocol_aliases``), a variable that forces it (``force_env``), its counters and a
+status text (tests/transports/test_fake_settings.py checks each reaches config.toml,
+the environment, the vLLM connector's settings, metrics and error messages). Its behaviour is set per class (make a subclass
 with ``fake_class(...)``) so one test can run several side by side.
 """
 from __future__ import annotations
@@ -16,6 +21,7 @@ import threading
 
 import numpy as np
 
+from mooncake_te.config import Setting
 from mooncake_te.core import ACC_READ, ACC_WRITE
 from mooncake_te.transports.base import Capabilities, DeviceCounter, Transport
 
@@ -28,6 +34,16 @@ _ids = itertools.count(1)
 _lock = threading.Lock()
 
 
+def _declarations(name: str) -> dict:
+    """What a fake transport called ``name`` declares besides its class: one key, its
+    variable, a foreign protocol name and a forcing variable, all named after it."""
+    return {"settings": (Setting(f"{name}_delay_us", (int,), 0,
+                                 bounds=(0, 10 ** 6, "microseconds, 0 to 1000000"),
+                                 env=((f"MC_{name.upper()}_DELAY_US", int),)),),
+            "protocol_aliases": {f"mooncake_{name}": name},
+            "force_env": {f"MC_FORCE_{name.upper()}": name}}
+
+
 class FakeTransport(Transport):
     """Reaches engines of this process that run a fake transport of the same ``name``."""
 
@@ -35,6 +51,9 @@ class FakeTransport(Transport):
     capabilities = Capabilities(sync=True)
     serves: tuple = ("auto", "fake")
     priority = 10                    # asked before TCP (40)
+    settings = _declarations("fake")["settings"]
+    protocol_aliases = _declarations("fake")["protocol_aliases"]
+    force_env = _declarations("fake")["force_env"]
     device_counter_defs = (DeviceCounter("copies", "copies", "Requests the fake copied"),
                            DeviceCounter("bytes", "copied_bytes", "Bytes the fake copied"))
 
@@ -43,6 +62,7 @@ class FakeTransport(Transport):
         self.regions = ctx.regions
         self.id = f"{self.name}-{next(_ids)}"
         self.calls: dict = {"route": 0, "submit": 0, "transfer_sync": 0}
+        self.delay_us = ctx.config.get(f"{self.name}_delay_us", 0)     # its own key
         self.refuse: set = set()    # peer names this transport will not route (a test's knob)
         self.fail_with = 0          # a status code every request then fails with (a knob)
         self.copied = [0, 0]        # requests, bytes (its device counters)
@@ -128,4 +148,5 @@ def fake_class(name: str = "fake", priority: int = 10, **caps):
     ``caps`` as its Capabilities (default: sync only)."""
     return type(f"Fake_{name}", (FakeTransport,),
                 {"name": name, "priority": priority, "serves": ("auto", name),
-                 "capabilities": Capabilities(**({"sync": True} | caps))})
+                 "capabilities": Capabilities(**({"sync": True} | caps)),
+                 **_declarations(name)})

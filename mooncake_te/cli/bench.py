@@ -12,7 +12,7 @@ import json
 import signal
 import sys
 
-from ..config import PROTOCOLS
+from ..config import protocols
 from ._parser import HelpFormatter, metadata_url, port, size
 
 _DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M"
@@ -42,7 +42,7 @@ def add_parser(subparsers) -> None:
     g.add_argument("--metadata", "--metadata_server", default=None, type=metadata_url,
                    help="metadata backend: p2p (no server), etcd://h:2379, redis://h:6379, "
                         "http://h:8080/metadata (default: the config's, else p2p)")
-    g.add_argument("--protocol", default=None, choices=PROTOCOLS,
+    g.add_argument("--protocol", default=None, choices=protocols(),
                    help="transport to measure (default: auto, the best this machine has)")
     g.add_argument("--device", default=None, metavar="NIC[,NIC]",
                    help="RDMA devices of this engine (default: all; also MC_TE_FILTERS)")
@@ -95,7 +95,7 @@ def _cannot_run(args, buffer_size: int) -> str | None:
         return (f"--buffer-size {format_size(buffer_size)} needs {format_size(buffer_size * sides)} "
                 f"of memory ({'both sides here' if sides == 2 else 'registered here'}), but this "
                 f"machine has {mem / 2**30:.1f} GiB; use a smaller --buffer-size, e.g. 128M")
-    if args.protocol not in (None, "auto", "tcp", "shm"):
+    if args.protocol not in (None, "auto"):
         from ..transports import probe
         t = probe().get(args.protocol)
         if t is not None and getattr(t, "available", True) is False:

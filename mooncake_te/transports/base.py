@@ -46,6 +46,8 @@ class Capabilities:
     #                              hands a group with local GPU memory to one without it
     same_host: bool = False      # reaches peers of this host only
     wants_keys: bool = False     # publishes per-buffer rkey/lkey lists (buffer_keys)
+    prepared: bool = False       # post_prepared(): a prepared transfer's post in one native
+    #                              call (else prepared posts gather addresses into a batch)
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,15 @@ class Transport(ABC):
     serves: tuple = ("auto",)
     #: Order in which the engine asks transports for a route: lower first.
     priority = 100
+    #: Its own ``[transfer_engine]`` keys (``config.Setting`` each, with their ``MC_*``
+    #: variables); ``mooncake_te.transports`` declares them to the configuration, so
+    #: config.toml, ``MC_*`` and the vLLM connector accept them with no other edit. The
+    #: new ``protocol=`` names in :attr:`serves` are declared the same way.
+    settings: tuple = ()
+    #: Other projects' protocol names for ours (Mooncake's name -> one of :attr:`serves`).
+    protocol_aliases: dict = {}
+    #: Variables that force a protocol when true (``MC_FORCE_TCP`` -> "tcp").
+    force_env: dict = {}
 
     def describe(self) -> dict:
         """Fields this transport adds to the segment descriptor (JSON-able)."""
@@ -157,6 +168,12 @@ class Transport(ABC):
         (route, 0 or a status code). Transports with ``sync_metrics`` also take a last
         argument ``cell``: the address of the metrics cell (src/core/metrics.h) the
         request counts in."""
+        raise NotImplementedError
+
+    def post_prepared(self, desc, table, op: int, lids, rids, deadline_ns: int, cell: int = 0,
+                      notify=None) -> tuple:
+        """One post of a prepared transfer (transports with ``prepared``): ``table`` a
+        ``core.PreparedTable``, ``lids``/``rids`` block indices; (native batch, route)."""
         raise NotImplementedError
 
     #: The per-device counters :meth:`device_counters` reports (DeviceCounter each);

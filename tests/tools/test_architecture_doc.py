@@ -105,3 +105,20 @@ def test_every_cli_module_is_a_command():
         if p.stem == "main":
             continue
         assert p.stem in commands.values(), f"cli/{p.name}: register it in cli/main.py"
+
+
+def test_a_transport_touches_its_package_and_at_most_three_registration_points():
+    """Issue 40's "done when": adding a transport touches its own package plus at most
+    three registration points. The fake transport shows it with one
+    (tests/transports/test_fake_settings.py); this counts the built-in route."""
+    change, files = next(r for r in _rows() if r[0].startswith("Transport"))
+    name = dict(re.findall(r"`(<\w+>)` = `([^`]+)`", change))["<name>"]
+    own = (f"mooncake_te/transports/{name}/", f"src/{name}/")
+    outside = [p for p in _paths(change, files) if not p.startswith(own)]
+    assert len(outside) <= 3, outside
+    assert (PKG / "transports" / name / "settings.py").exists()
+    # the configuration learns each transport's keys from its settings.py, not its own list
+    for d in sorted((PKG / "transports").iterdir()):
+        if (d / "__init__.py").exists():
+            assert (d / "settings.py").exists(), \
+                f"transports/{d.name}: declare SERVES (and its keys) in settings.py"

@@ -7,7 +7,8 @@ import textwrap
 
 import pytest
 
-from mooncake_te.config import (Config, default_tcp_lanes, find_problems, split_metadata_url,
+from mooncake_te.transports.tcp.settings import default_tcp_lanes
+from mooncake_te.config import (Config, find_problems, split_metadata_url,
                                 validate)
 from mooncake_te.errors import ConfigError
 

@@ -4,7 +4,8 @@
 The keys of Mooncake's own vLLM deployment files are accepted under their names
 (``mooncake_config_path``, ``transfer_engine_protocol`` / ``mooncake_protocol``,
 ``device_names`` / ``device_name``, ``metadata_server``, ``use_gpu_direct``,
-``enable_multi_nic``), and so are Mooncake's GPU protocol names (:data:`PROTOCOL_NAMES`),
+``enable_multi_nic``), and so are Mooncake's GPU protocol names (the transports declare
+them: ``config.protocol_aliases()``),
 so a copied ``kv_transfer_config`` works once ``kv_connector`` and
 ``kv_connector_module_path`` name this connector. Unknown keys and bad values are a :class:`~mooncake_te.ConfigError`
 naming the key, the value and what is expected. ``docs/vllm.md`` lists every key.
@@ -15,15 +16,10 @@ import difflib
 import os
 from dataclasses import dataclass, field
 
-from ...config import PROTOCOLS, Config
+from ...config import Config, protocol_aliases, protocols
 from ...metadata.url import parse as parse_metadata_url
 from ...errors import ConfigError
 
-# Mooncake's protocol names for GPU memory -> the engine's protocol that carries it here.
-# Same-host GPU memory moves by CUDA IPC (transports/cuda_ipc), which serves "shm" and
-# "auto"; there is no multi-node NVLink (fabric memory) transport, so Mooncake's "nvlink"
-# becomes "auto": CUDA IPC to peers on this host, RDMA (or TCP) to the others.
-PROTOCOL_NAMES = {"cuda_ipc": "shm", "nvlink_intra": "shm", "nvlink": "auto"}
 # [transfer_engine] booleans the extra config may set; they win over the file and MC_*.
 ENGINE_SWITCHES = ("use_gpu_direct", "enable_multi_nic")
 # canonical key -> accepted spellings (the first is ours; the rest are Mooncake's and
@@ -162,11 +158,12 @@ def parse_extra_config(extra, env=None) -> ConnectorSettings:
     proto = get.get("protocol")
     if proto is not None:
         name = proto.strip().lower() if isinstance(proto, str) else ""
-        name = PROTOCOL_NAMES.get(name, name)
-        if name not in PROTOCOLS:
+        aliases = protocol_aliases()
+        name = aliases.get(name, name)
+        if name not in protocols():
             raise ConfigError(f"kv_connector_extra_config.{vals['protocol'][0]} = {proto!r}: "
-                              f"expected one of {', '.join(PROTOCOLS)} (or Mooncake's "
-                              f"{', '.join(PROTOCOL_NAMES)}); mooncake_te has no transport "
+                              f"expected one of {', '.join(protocols())} (or Mooncake's "
+                              f"{', '.join(aliases)}); mooncake_te has no transport "
                               f"for it, use rdma or auto")
         s.protocol = name
 

@@ -466,7 +466,7 @@ class WorkerSide:
             log.info("mooncake_te connector: loads from %s take plan + submit_arrays (%s)",
                      name, e)
             return None
-        return prep if prep.transport in ("tcp", "shm") else None
+        return prep if prep.native else None     # a native post, else plan + coalescing
 
     def _check_lease(self, spec: LoadSpec, when: str) -> None:
         # LEASE_MARGIN_S: clock skew between the hosts and the producer's step latency.

@@ -37,6 +37,7 @@ from ...cuda import kvcopy
 from ...errors import MooncakeError
 from ..base import Capabilities, Transport
 from . import host_dma
+from . import settings as _declared
 from ...addresses import AddressTable
 from .slots import SlotTable, SlotView
 
@@ -137,7 +138,8 @@ class CudaIpcTransport(Transport):
 
     name = "cuda_ipc"
     capabilities = Capabilities(gpu_memory=True, same_host=True)
-    serves = ("auto", "shm")
+    serves = _declared.SERVES
+    protocol_aliases = _declared.ALIASES
     priority = 20
 
     def __init__(self, ctx):

@@ -32,6 +32,7 @@ from ... import errors as E
 from ...metadata.storage import resolve, storage_descriptor, storage_name  # noqa: F401
 from ...batch import register_status_text
 from ..base import Capabilities, Transport
+from . import settings as _declared
 from ._nvmeof import OUT_OF_RANGE, STORAGE_BASE, Device
 
 log = logging.getLogger("mooncake_te.nvmeof")
@@ -90,7 +91,7 @@ class StorageSegment:
 class NvmeofTransport(Transport):
     name = "nvmeof"
     capabilities = Capabilities(sync=True, storage=True, gpu_memory=True)
-    serves = ("*",)             # storage segments, whatever protocol carries memory
+    serves = _declared.SERVES   # storage segments, whatever protocol carries memory
     priority = 10
 
     def __init__(self, ctx):

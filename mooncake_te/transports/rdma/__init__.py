@@ -26,6 +26,7 @@ from ...metadata import framing
 from ...batch import register_status_text
 from ...topology import gids
 from ..base import Capabilities, DeviceCounter, Transport
+from . import settings as _declared
 
 log = logging.getLogger("mooncake_te.rdma")
 
@@ -137,7 +138,9 @@ class RdmaTransport(Transport):
 
     name = ROUTE
     capabilities = Capabilities(gpu_memory=True, wants_keys=True)
-    serves = ("auto", "rdma")
+    serves = _declared.SERVES
+    settings = _declared.SETTINGS
+    force_env = _declared.FORCE_ENV
     priority = 30
 
     def __init__(self, ctx):

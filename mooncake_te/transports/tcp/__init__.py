@@ -19,6 +19,7 @@ from ...errors import TransferError, error_class
 from ..base import Capabilities, Transport
 from ...core import HOST_ID, NativeBatch, now_ns, OP_READ as READ, OP_WRITE as WRITE  # noqa: F401
 from ._tcp import Peer, TcpServer
+from . import settings as _declared
 
 
 def default_max_connections() -> int:
@@ -56,8 +57,10 @@ class TcpTransport(Transport):
     # GPU memory: staged through pinned host memory on our side (src/tcp/client.c,
     # src/core/stage.h); the peer's side is its own transport's business.
     capabilities = Capabilities(sync=True, sync_metrics=True, notifications=True,
-                                gpu_memory=True)
-    serves = ("auto", "tcp", "shm")
+                                gpu_memory=True, prepared=True)
+    serves = _declared.SERVES
+    settings = _declared.SETTINGS
+    force_env = _declared.FORCE_ENV
     priority = 40
 
     def __init__(self, ctx):
