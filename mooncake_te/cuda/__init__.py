@@ -121,14 +121,21 @@ def device_count() -> int:
     return n.value
 
 
+def _each_device():
+    """(library, ordinal, CUdevice) for each device the driver lists."""
+    lib = _lib()
+    for i in range(device_count()):
+        dev = D.CUdevice()
+        _check(lib.cuDeviceGet(byref(dev), i), f"cuDeviceGet({i})")
+        yield lib, i, dev
+
+
 def pci_bus_ids() -> "list[str]":
     """PCI bus id of each device, by CUDA ordinal, as sysfs spells it ("0000:1a:00.0").
     The ordinals honour CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER, as a ``cuda:N``
     location does; mooncake_te.topology matches sysfs GPUs to ordinals through this."""
-    lib, out = _lib(), []
-    for i in range(device_count()):
-        dev = D.CUdevice()
-        _check(lib.cuDeviceGet(byref(dev), i), f"cuDeviceGet({i})")
+    out = []
+    for lib, i, dev in _each_device():
         bus = ctypes.create_string_buffer(64)
         _check(lib.cuDeviceGetPCIBusId(bus, 64, dev), f"cuDeviceGetPCIBusId({i})")
         dom, _, rest = bus.value.decode().lower().partition(":")
@@ -138,10 +145,8 @@ def pci_bus_ids() -> "list[str]":
 
 def device_names() -> "list[str]":
     """The name of each device (``cuDeviceGetName``), by CUDA ordinal."""
-    lib, out = _lib(), []
-    for i in range(device_count()):
-        dev = D.CUdevice()
-        _check(lib.cuDeviceGet(byref(dev), i), f"cuDeviceGet({i})")
+    out = []
+    for lib, i, dev in _each_device():
         name = ctypes.create_string_buffer(256)
         _check(lib.cuDeviceGetName(name, 256, dev), f"cuDeviceGetName({i})")
         out.append(name.value.decode(errors="replace"))
