@@ -118,3 +118,23 @@ def test_the_built_in_transports_declare_their_keys():
                       and n.value.startswith(("tcp_", "rdma_", "MC_TCP_L", "MC_TCP_S",
                                               "MC_FORCE_"))})
     assert not spelled, spelled
+
+
+def test_a_native_prepared_post_is_a_declared_capability(fakecfg, tmp_path):
+    """PreparedTransfer posts in one native call only through a transport declaring
+    ``prepared`` (TCP); others gather (before: a probe for post_prepared, and the vLLM
+    worker compared the route with "tcp"/"shm")."""
+    n, block = 8, 4096
+    for proto, native in (("tcp", True), ("fakecfg", False)):
+        cfg = _toml(tmp_path, f'[transfer_engine]\nprotocol = "{proto}"\n')
+        with mte.TransferEngine(host="127.0.0.1", config=str(cfg)) as a, \
+                mte.TransferEngine(host="127.0.0.1", config=str(cfg)) as b:
+            src = np.arange(n * block, dtype=np.uint64).view(np.uint8)[:n * block].copy()
+            dst = np.zeros(n * block, dtype=np.uint8)
+            ma, mb = a.register(src), b.register(dst)
+            steps = np.arange(n, dtype=np.uint64) * block
+            p = a.prepare(b.name, ma.address + steps, mb.address + steps, block)
+            assert p.native is native, (proto, p.transport)
+            p.post(mte.Op.WRITE, [1, 3], [1, 3]).wait()
+            assert bytes(dst[block:2 * block]) == bytes(src[block:2 * block])
+            assert bytes(dst[3 * block:4 * block]) == bytes(src[3 * block:4 * block])
