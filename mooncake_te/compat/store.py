@@ -1306,16 +1306,13 @@ class MooncakeDistributedStore:
             log.error("%s", e)
             return INTERNAL_ERROR
 
-    def setup_dummy(self, mem_pool_size=0, local_buffer_size=0, server_address: str = "",
-                    **kw) -> int:
-        """Refused (-1): Mooncake's dummy client borrows a real client's memory through
-        shared memory and that client's RPC server; here a client without memory is
-        ``setup(..., global_segment_size=0, ...)``, which reads and writes through
-        other processes' segments (docs/compat.md)."""
-        log.error("setup_dummy is not supported: use setup(local_hostname, metadata_server, "
-                  "global_segment_size=0, local_buffer_size=...) for a client that keeps "
-                  "no objects itself (it reads and writes through other stores)")
-        return INTERNAL_ERROR
+    def setup_dummy(self, mem_pool_size, local_buffer_size, server_address: str) -> int:
+        """Make this store a dummy client of the real client at ``server_address``
+        (``host:port`` of ``mooncake-te compat client`` / ``mooncake_client``): every
+        call runs in that process, on its segment; 0, or -1 when it cannot be reached
+        (:mod:`mooncake_te.compat.dummy`)."""
+        from .dummy import setup_dummy
+        return setup_dummy(self, mem_pool_size, local_buffer_size, server_address)
 
     # --- existence, size, removal -------------------------------------------------------
     def is_exist(self, key: str) -> int:
