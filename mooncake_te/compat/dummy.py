@@ -82,7 +82,8 @@ def _encode(obj, blobs: list):
         if obj._mem is not None:
             b = obj._mem.buffer_descriptor
             return {"$rd": [obj._kind, b.segment_name, b.buffer_address_, b.size_, ""]}
-        return {"$rd": [obj._kind, "", 0, obj._disk.object_size, obj._disk.file_path]}
+        d = obj._disk
+        return {"$rd": [obj._kind, "", 0, d.object_size if d else 0, d.file_path if d else ""]}
     if isinstance(obj, np.ndarray):
         blobs.append(np.ascontiguousarray(obj).view(np.uint8).reshape(-1).tobytes())
         return {"$a": len(blobs) - 1}
