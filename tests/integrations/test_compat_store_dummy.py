@@ -170,3 +170,39 @@ def test_two_dummies_and_a_full_store_share_objects(real_client, index_url):
         b.close()
         full.close()
     assert a.get("d-shared") == b""                      # closed: a failure, no raise
+
+
+def test_mooncake_client_entry_point_through_the_shim(index_url, tmp_path):
+    """``python -m mooncake.cli_client`` (Mooncake's ``mooncake_client``) from the
+    opt-in shim serves dummy clients."""
+    site = str(tmp_path / "site")
+    r = subprocess.run([sys.executable, "-m", "mooncake_te", "compat", "install", "--target",
+                        site], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert r.returncode == 0, r.stderr
+    port = _port()
+    logf = tmp_path / "client.log"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([site, ROOT]),
+               MC_TCP_BIND_ADDRESS="127.0.0.1")
+    with open(logf, "w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "mooncake.cli_client", f"--port={port}",
+                              "--global_segment_size=32MB", f"--metadata_server={index_url}",
+                              "--threads=4"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "serving dummy clients" not in logf.read_text():
+            assert p.poll() is None, logf.read_text()
+            assert time.monotonic() < deadline, logf.read_text()
+            time.sleep(0.1)
+        assert f"127.0.0.1:{port}" in logf.read_text()      # loopback by default
+        d = MooncakeDistributedStore()
+        assert d.setup_dummy(0, 0, f"127.0.0.1:{port}") == 0
+        try:
+            assert d.put("d-cli", b"via cli_client") == 0
+            assert d.get("d-cli") == b"via cli_client"
+            assert d.remove("d-cli") == 0
+        finally:
+            d.close()
+    finally:
+        p.terminate()
+        assert p.wait(timeout=30) == 0                       # SIGTERM: a clean exit
