@@ -11,6 +11,9 @@ and ``mooncake.store``. Installing writes a small package into the environment's
 - ``mooncake/engine.py``: makes ``mooncake.engine`` *be* :mod:`mooncake_te.compat.engine`;
 - ``mooncake/store.py``, ``mooncake/mooncake_config.py``: the same for
   :mod:`mooncake_te.compat.store` and :mod:`mooncake_te.compat.mooncake_config`;
+- ``mooncake/cli_client.py``: Mooncake's ``mooncake_client`` (``python -m
+  mooncake.cli_client``): a real client that dummy clients (``setup_dummy``) talk to,
+  :mod:`mooncake_te.compat.dummy`;
 - ``mooncake/allocator.py``: an ImportError that says why (Mooncake's NVLink allocator
   for torch has no counterpart here);
 - ``mooncake_te_compat_shim-<version>.dist-info``: so ``pip list`` shows it and
@@ -58,6 +61,14 @@ import sys as _sys
 import {target} as _mod
 
 _sys.modules[__name__] = _mod
+'''
+
+
+_CLI = '''# Written by `mooncake-te compat install`: Mooncake's `mooncake_client` entry point.
+from {target} import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())
 '''
 
 
@@ -125,6 +136,7 @@ def install(target: str | None = None) -> str:
         "engine.py": _ALIAS.format(target="mooncake_te.compat.engine"),
         "store.py": _ALIAS.format(target="mooncake_te.compat.store"),
         "mooncake_config.py": _ALIAS.format(target="mooncake_te.compat.mooncake_config"),
+        "cli_client.py": _CLI.format(target="mooncake_te.compat.dummy"),
         "allocator.py": _REFUSED.format(
             name="mooncake.allocator",
             why="Mooncake's NVLinkAllocator (a torch CUDAPluggableAllocator backed by its "

@@ -311,6 +311,7 @@ class MooncakeDistributedStore:
     def __init__(self):
         self._cache = None
         self._te = None              # a compat TransferEngine we created (closed by us)
+        self._te_key = None          # its (local_hostname, metadata_server) in _ENGINES
         self._eng = None
         self._remote = False
         self._lock = threading.Lock()
@@ -386,16 +387,19 @@ class MooncakeDistributedStore:
         if self._cache is not None:
             raise E.InvalidArgumentError("setup was called already; close() first")
         if engine is None:
-            te = CompatEngine()
             if metadata.strip().upper() != "P2PHANDSHAKE" and ":" not in hostname.strip("[]"):
                 # A store segment needs a name unique in the cluster; Mooncake's client
                 # adds a port to a bare host the same way.
                 hostname = f"{hostname}:{_free_port(_host_of(hostname))}"
-            if te.initialize(hostname, metadata, protocol, devices) != 0:
-                raise E.MetadataError(f"the transfer engine did not start with "
-                                      f"local_hostname={hostname!r}, metadata_server="
-                                      f"{metadata!r} (see the mooncake_te.compat log)")
-            self._te, eng = te, te.get_engine()
+            te = _shared_engine(hostname, metadata)
+            if te is None:
+                te = CompatEngine()
+                if te.initialize(hostname, metadata, protocol, devices) != 0:
+                    raise E.MetadataError(f"the transfer engine did not start with "
+                                          f"local_hostname={hostname!r}, metadata_server="
+                                          f"{metadata!r} (see the mooncake_te.compat log)")
+                _ENGINES[(hostname, metadata)] = [te, 1]
+            self._te, self._te_key, eng = te, (hostname, metadata), te.get_engine()
         elif isinstance(engine, int):
             eng = engine_from_ptr(engine)
             if eng is None:
@@ -573,7 +577,7 @@ class MooncakeDistributedStore:
             except E.MooncakeError:
                 pass
         te, self._te = self._te, None
-        if te is not None:
+        if te is not None and _release_engine(getattr(self, "_te_key", None), te):
             te.close()
         return 0
 
@@ -1306,16 +1310,13 @@ class MooncakeDistributedStore:
             log.error("%s", e)
             return INTERNAL_ERROR
 
-    def setup_dummy(self, mem_pool_size=0, local_buffer_size=0, server_address: str = "",
-                    **kw) -> int:
-        """Refused (-1): Mooncake's dummy client borrows a real client's memory through
-        shared memory and that client's RPC server; here a client without memory is
-        ``setup(..., global_segment_size=0, ...)``, which reads and writes through
-        other processes' segments (docs/compat.md)."""
-        log.error("setup_dummy is not supported: use setup(local_hostname, metadata_server, "
-                  "global_segment_size=0, local_buffer_size=...) for a client that keeps "
-                  "no objects itself (it reads and writes through other stores)")
-        return INTERNAL_ERROR
+    def setup_dummy(self, mem_pool_size, local_buffer_size, server_address: str) -> int:
+        """Make this store a dummy client of the real client at ``server_address``
+        (``host:port`` of ``mooncake-te compat client`` / ``mooncake_client``): every
+        call runs in that process, on its segment; 0, or -1 when it cannot be reached
+        (:mod:`mooncake_te.compat.dummy`)."""
+        from .dummy import setup_dummy
+        return setup_dummy(self, mem_pool_size, local_buffer_size, server_address)
 
     # --- existence, size, removal -------------------------------------------------------
     def is_exist(self, key: str) -> int:
@@ -1450,6 +1451,41 @@ def _mapped_rw(address: int, length: int) -> bool:
 #: stores set up and not closed: closed at interpreter exit (their finalizers cannot
 #: start the closing thread then), so an unclosed store never keeps a process alive.
 _LIVE: "weakref.WeakSet[MooncakeDistributedStore]" = weakref.WeakSet()
+
+
+#: (local_hostname, metadata_server) -> [engine, stores using it]: the engines stores of
+#: this process started. A second store set up with the segment name of a live one in
+#: this process shares its engine (one engine per name: Mooncake's tests set up stores
+#: named host:12345 in several test classes of one process, without closing the first;
+#: a second engine under that name would replace, or be refused, the first's record)
+_ENGINES: dict = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def _shared_engine(hostname: str, metadata: str):
+    with _ENGINES_LOCK:
+        entry = _ENGINES.get((hostname, metadata))
+        if entry is None or getattr(entry[0], "get_engine", lambda: None)() is None:
+            _ENGINES.pop((hostname, metadata), None)
+            return None
+        entry[1] += 1
+    log.warning("store: segment name %s is in use by another store of this process; this "
+                "store shares its transfer engine (the store directory lists the newer "
+                "store under that name)", hostname)
+    return entry[0]
+
+
+def _release_engine(key, te) -> bool:
+    """One store done with ``te``; True when it was the last (close the engine)."""
+    with _ENGINES_LOCK:
+        entry = _ENGINES.get(key)
+        if entry is None or entry[0] is not te:
+            return True
+        entry[1] -= 1
+        if entry[1] > 0:
+            return False
+        del _ENGINES[key]
+        return True
 
 
 @atexit.register

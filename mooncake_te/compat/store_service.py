@@ -96,13 +96,20 @@ def call(addr: str, head: dict, payload=b"", timeout: float = 30.0) -> "tuple[di
 
 class StoreService:
     """Serves ``handler(head, payload) -> (reply head, reply payload)`` on ``host``
-    (port chosen by the kernel), one thread per connection."""
+    (``port``, or one chosen by the kernel), one thread per connection."""
 
-    def __init__(self, host: str, handler):
+    def __init__(self, host: str, handler, port: int = 0):
         self._handler = handler
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(fam)
-        self._sock.bind((host, 0))
+        if port:
+            # a fixed port (a real client's) must come back at once after a restart
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError:
+            self._sock.close()
+            raise
         self._sock.listen(64)
         port = self._sock.getsockname()[1]
         self.addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
