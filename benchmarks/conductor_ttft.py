@@ -48,13 +48,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env() -> dict:
-    # The cluster token: without one a pool shares nothing through the owner index
-    # (docs/kvcache.md, *Sharing between instances*), so "shared" would be private pools
-    # that the conductor cannot see either (the runs before 2026-12-05b were).
+def env(token: str = "") -> dict:
+    """``token``: the cluster token every process gets (``MC_AUTH_TOKEN``)."""
     e = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", PYTHONPATH=ROOT,
-             TOKENIZERS_PARALLELISM="false", GOMP_SPINCOUNT="10000",
-             MC_AUTH_TOKEN=os.environ.get("MC_AUTH_TOKEN", "conductor-bench"))
+             TOKENIZERS_PARALLELISM="false", GOMP_SPINCOUNT="10000")
+    if token:
+        e["MC_AUTH_TOKEN"] = token
     e.pop("MC_TCP_BIND_ADDRESS", None)
     return e
 
@@ -62,12 +61,13 @@ def env() -> dict:
 class Procs:
     """Processes started here, killed (by their own ids) at the end."""
 
-    def __init__(self, d: str):
-        self.dir, self.p = d, {}
+    def __init__(self, d: str, token: str = ""):
+        self.dir, self.p, self.token = d, {}, token
 
     def start(self, name: str, argv: list) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{name}.log"), "w")
-        self.p[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env(),
+        self.p[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                        env=env(self.token),
                                         start_new_session=True)
         return self.p[name]
 
@@ -276,7 +276,10 @@ def main() -> int:
     a = ap.parse_args()
     py = sys.executable
     d = tempfile.mkdtemp(prefix="conductor-bench-")
-    procs = Procs(d)
+    # The cluster token: without one a pool shares nothing through the owner index
+    # (docs/kvcache.md, *Sharing between instances*), so "shared" would be private pools
+    # that the conductor cannot see either (the runs before 2026-12-05b were).
+    procs = Procs(d, os.environ.get("MC_AUTH_TOKEN", "conductor-bench"))
     try:
         model = os.path.join(d, "tiny")
         subprocess.run([py, os.path.join(ROOT, "tests", "integrations", "vllm_tiny_model.py"),
