@@ -48,9 +48,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env() -> dict:
+def env(token: str = "") -> dict:
+    """``token``: the cluster token every process gets (``MC_AUTH_TOKEN``)."""
     e = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", PYTHONPATH=ROOT,
              TOKENIZERS_PARALLELISM="false", GOMP_SPINCOUNT="10000")
+    if token:
+        e["MC_AUTH_TOKEN"] = token
     e.pop("MC_TCP_BIND_ADDRESS", None)
     return e
 
@@ -58,12 +61,13 @@ def env() -> dict:
 class Procs:
     """Processes started here, killed (by their own ids) at the end."""
 
-    def __init__(self, d: str):
-        self.dir, self.p = d, {}
+    def __init__(self, d: str, token: str = ""):
+        self.dir, self.p, self.token = d, {}, token
 
     def start(self, name: str, argv: list) -> subprocess.Popen:
         log = open(os.path.join(self.dir, f"{name}.log"), "w")
-        self.p[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env(),
+        self.p[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                        env=env(self.token),
                                         start_new_session=True)
         return self.p[name]
 
@@ -186,7 +190,7 @@ async def one(session, url: str, model: str, toks: list, max_tokens: int = 2) ->
                 usage = d["usage"]
     cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"ttft": ttft, "prompt": (usage or {}).get("prompt_tokens", len(toks)),
-            "cached": cached}
+            "cached": cached, "blocks": len(toks) // BLOCK}
 
 
 async def replay(urls: dict, model: str, chunks: list, concurrency: int) -> dict:
@@ -208,13 +212,20 @@ def pct(xs, q):
 
 
 def summarize(rs: list) -> dict:
+    """``hit_rate``: cached over prompt tokens as vLLM reports them; ``trace_hit_rate``:
+    the same without each prompt's salt block (the benchmark's, cached on every instance
+    for every policy alike, so it says nothing of routing and narrows every ratio)."""
     ok = [r for r in rs if "ttft" in r and r["ttft"] is not None]
     t = [r["ttft"] * 1e3 for r in ok]
     prompt = sum(r["prompt"] for r in ok)
+    cached = sum(r["cached"] for r in ok)
+    salt = sum(min(BLOCK, r["cached"]) for r in ok)
     return {"requests": len(rs), "errors": len(rs) - len(ok),
             "ttft_p50_ms": pct(t, 50), "ttft_p90_ms": pct(t, 90),
             "ttft_mean_ms": float(np.mean(t)) if t else float("nan"),
-            "hit_rate": sum(r["cached"] for r in ok) / prompt if prompt else 0.0}
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "trace_hit_rate": ((cached - salt) / (prompt - BLOCK * len(ok))
+                               if prompt > BLOCK * len(ok) else 0.0)}
 
 
 def salted(prompts: list, salt: int) -> list:
@@ -252,10 +263,11 @@ def main() -> int:
     ap.add_argument("--overhead", type=int, default=40, help="requests for the overhead "
                                                             "measurement (0: skip)")
     ap.add_argument("--kv-mb", type=int, default=8, help="each instance's vLLM KV cache")
+    ap.add_argument("--pool-mb", type=int, default=50, help="each instance's DRAM pool")
     ap.add_argument("--pool", choices=["shared", "local", "off"], default="shared",
                     help="shared: each instance's DRAM pool, read by the others through "
-                         "the owner index (default); local: no remote reads; off: vLLM's "
-                         "own prefix cache only")
+                         "the owner index (default); local: no remote reads (the index "
+                         "still says where blocks are); off: vLLM's own prefix cache only")
     ap.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
                     help="instances publish vLLM's KV events (--kv-events-config), which "
                          "the conductors read for the GPU tier (default on; --no-kv-events: "
@@ -264,7 +276,10 @@ def main() -> int:
     a = ap.parse_args()
     py = sys.executable
     d = tempfile.mkdtemp(prefix="conductor-bench-")
-    procs = Procs(d)
+    # The cluster token: without one a pool shares nothing through the owner index
+    # (docs/kvcache.md, *Sharing between instances*), so "shared" would be private pools
+    # that the conductor cannot see either (the runs before 2026-12-05b were).
+    procs = Procs(d, os.environ.get("MC_AUTH_TOKEN", "conductor-bench"))
     try:
         model = os.path.join(d, "tiny")
         subprocess.run([py, os.path.join(ROOT, "tests", "integrations", "vllm_tiny_model.py"),
@@ -274,7 +289,7 @@ def main() -> int:
                                  "127.0.0.1", "--port", str(mport)])
         md = f"http://127.0.0.1:{mport}/metadata"
         wait_http(f"http://127.0.0.1:{mport}/health", procs, "metadata", 60)
-        cfg = pool_config(d)
+        cfg = pool_config(d, a.pool_mb / 1000)
         ports = []
         for i in range(a.instances):
             port = free_port()
@@ -299,6 +314,7 @@ def main() -> int:
             for pi, pol in enumerate(POLICIES):
                 # each policy gets the same trace chunk, salted so caches are its own
                 chunks.append((pol, salted(trace[i:i + a.chunk], pi)))
+        load_start = os.getloadavg()
         t0 = time.monotonic()
         res = asyncio.run(replay(urls, model, chunks, a.concurrency))
         out = {"trace": os.path.basename(a.trace), "repeating": a.repeating, "pool": a.pool,
@@ -306,7 +322,13 @@ def main() -> int:
                "requests_per_policy": len(trace),
                "instances": a.instances, "concurrency": a.concurrency,
                "replay_s": time.monotonic() - t0,
-               "policies": {p: summarize(res[p]) for p in POLICIES}}
+               "pool_mb": a.pool_mb, "kv_mb": a.kv_mb, "max_blocks": a.max_blocks,
+               "chunk": a.chunk, "load_average_start": load_start,
+               "load_average_end": os.getloadavg(),
+               "policies": {p: summarize(res[p]) for p in POLICIES},
+               "raw": {p: [[None if r.get("ttft") is None else round(r["ttft"] * 1e3, 2),
+                            r.get("prompt"), r.get("cached")] for r in res[p]]
+                       for p in POLICIES}}
         if a.overhead:
             out["overhead"] = asyncio.run(overhead(f"http://127.0.0.1:{ports[0]}",
                                                    urls["cost"], model, a.overhead, 4))
@@ -340,8 +362,11 @@ def main() -> int:
         out["cost_vs_rr_ttft"] = p["cost"]["ttft_mean_ms"] / p["round_robin"]["ttft_mean_ms"]
         out["cost_vs_rr_hit"] = (p["cost"]["hit_rate"] / p["round_robin"]["hit_rate"]
                                  if p["round_robin"]["hit_rate"] else float("inf"))
+        out["cost_vs_rr_trace_hit"] = (
+            p["cost"]["trace_hit_rate"] / p["round_robin"]["trace_hit_rate"]
+            if p["round_robin"]["trace_hit_rate"] else float("inf"))
         out["cost_vs_ll_ttft"] = p["cost"]["ttft_mean_ms"] / p["least_loaded"]["ttft_mean_ms"]
-        print(json.dumps(out, indent=1))
+        print(json.dumps({k: v for k, v in out.items() if k != "raw"}, indent=1))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1)

@@ -106,6 +106,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "prior_prefill_s_per_token": (_NUM, 5e-5, None),
         "prior_load_dram_s_per_block": (_NUM, 2e-4, None),
         "prior_load_remote_s_per_block": (_NUM, 5e-4, None),
+        "prior_load_ssd_s_per_block": (_NUM, 1e-3, None),
+        "affinity": (_NUM, 1.0, None),
         "gpu_blocks": (_INT, 0, None),
         "policy": (_STR, "cost", ("cost", "round_robin", "least_loaded")),
         "kv_events": ((list,), [], None),
@@ -140,6 +142,9 @@ _BOUNDS: dict[str, tuple] = {
     "prior_prefill_s_per_token": (0, None, "seconds, 0 or more"),
     "prior_load_dram_s_per_block": (0, None, "seconds, 0 or more"),
     "prior_load_remote_s_per_block": (0, None, "seconds, 0 or more"),
+    "prior_load_ssd_s_per_block": (0, None, "seconds, 0 or more"),
+    "affinity": (0, 100, "a fraction of the best expected TTFT between 0 and 100 "
+                         "(0: no prefix affinity)"),
     "gpu_blocks": (0, None, "a number of KV blocks, 0 to read it from vLLM's /metrics"),
 }
 

@@ -23,7 +23,8 @@ from collections import OrderedDict
 from ..integrations.vllm.pool.keys import block_keys, namespace_root
 from ..metadata.base import key_prefix
 from .events import GpuBlocks
-from .cost import InstanceState, Priors, prefix_by_tier, rank_decode, rank_prefill, refit
+from .cost import (InstanceState, Priors, prefix_by_tier, rank_decode, rank_prefill, refit,
+                   with_affinity)
 from .registry import InstanceRecord
 
 log = logging.getLogger("mooncake_te.conductor")
@@ -234,17 +235,22 @@ class Cluster:
 
     @staticmethod
     def parse_owners(raws) -> list:
+        """``(owner, tier)`` of each raw index record (tier ``"dram"`` or ``"ssd"``;
+        a record without one is DRAM), None where there is none or it is malformed."""
         out = []
         for raw in raws:
             try:
-                out.append(str(json.loads(raw)["owner"]) if raw else None)
-            except (ValueError, KeyError, TypeError):
+                d = json.loads(raw) if raw else None
+                tier = "dram" if d is None else d.get("tier", "dram")
+                out.append(None if d is None or tier not in ("dram", "ssd")
+                           else (str(d["owner"]), tier))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 out.append(None)
         return out
 
     def owners(self, namespace: str, keys) -> list:
-        """The owner (engine name) of each key in the index, None where none; all None
-        without a store or when the store fails (the index is a hint)."""
+        """``(owner engine name, tier)`` of each key in the index, None where none; all
+        None without a store or when the store fails (the index is a hint)."""
         if self.store is None or not namespace or not keys:
             return [None] * len(keys)
         try:
@@ -274,10 +280,12 @@ class Cluster:
             got = (answers or {}).get((ns, keys))
             if got is None:
                 got = self.owners(ns, list(keys))
-            owners = [None if o in down else o for o in got]
+            owners = [None if o is None or (o if isinstance(o, str) else o[0]) in down
+                      else o for o in got]
             for n in names:
-                out[n] = prefix_by_tier(keys, self.gpu_view(n, now), owners,
-                                        self.records[n].engine)
+                rec = self.records[n]
+                out[n] = prefix_by_tier(keys, self.gpu_view(n, now), owners, rec.engine,
+                                        rec.remote)
         return out
 
     # -- decisions ------------------------------------------------------------------------
@@ -295,7 +303,7 @@ class Cluster:
             est += rank_prefill([s], len(tokens), hits, self.records[s.name].block_size,
                                 self.priors, now)
         est.sort(key=lambda e: (e.ttft_s, self.states[e.name].inflight, e.name))
-        return est, hits
+        return with_affinity(est, self.priors.affinity), hits
 
     def rank_prefill(self, tokens, roles=("prefill",), now: float = 0.0) -> tuple:
         """``(estimates best first, keys by name, hits by name)`` for a prompt (the index

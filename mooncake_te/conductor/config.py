@@ -23,9 +23,10 @@ def build(cfg: Config, tokenizer=None, env=None) -> Conductor:
     c = cfg["conductor"]
     priors = Priors(base_s=c["prior_base_s"], prefill_s_per_token=c["prior_prefill_s_per_token"],
                     load_s_per_block={"gpu": 0.0, "dram": c["prior_load_dram_s_per_block"],
+                                      "ssd": c["prior_load_ssd_s_per_block"],
                                       "remote": c["prior_load_remote_s_per_block"]},
                     full_kv_usage=c["full_kv_usage"], max_inflight=c["max_inflight"],
-                    fit_per_instance=c["fit_per_instance"])
+                    fit_per_instance=c["fit_per_instance"], affinity=c["affinity"])
     store = None
     if c["metadata_server"]:
         from ..metadata.base import KeyValueBackend

@@ -13,9 +13,10 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
   computes the last token);
 - ``blocks_i[t]``: that prefix's blocks by where they are for ``i``: ``gpu`` (vLLM's own
   prefix cache: from its KV events when it publishes them, else what the conductor
-  routed to ``i``, bounded by its KV capacity), ``dram``
-  (``i``'s pool, from the owner index), ``remote`` (another instance's pool, read over the
-  transfer engine);
+  routed to ``i``, bounded by its KV capacity), ``dram`` and ``ssd`` (``i``'s pool, from
+  the owner index, whose records say the tier), ``remote`` (another instance's DRAM pool,
+  read over the transfer engine, for instances that read other pools; another
+  instance's SSD is private, no hit for ``i``);
 - ``base_i``, ``tok_i``, ``load_i[t]``: measured. Every answered request is a sample
   ``(uncached, blocks by tier) -> measured TTFT - queue``; a least-squares fit over the
   last :attr:`Priors.window` samples replaces the priors once :attr:`Priors.min_samples`
@@ -23,6 +24,13 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
   The samples (and ``served``) of all instances of one model are pooled unless
   :attr:`Priors.fit_per_instance`: like instances then differ only by their queues and
   caches, not by the noise of their own few samples.
+
+Prefix affinity. Among the instances whose expected TTFT is within
+:attr:`Priors.affinity` times the best one's of it, the one holding the most of the prefix
+itself (``gpu`` + ``dram`` + ``ssd``: what only it can serve that cheaply) is picked, so a
+prompt family stays where its blocks are instead of following the shortest queue by a
+few milliseconds: a hit saves the compute of its tokens on the instance, which the
+requests behind it get back, and which a per-request TTFT alone does not price.
 
 A decode instance is picked by room: the lowest ``kv_usage + running / max_running`` among
 those that are not full. Full: KV usage at or above ``full_kv_usage``, or
@@ -35,7 +43,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TIERS = ("gpu", "dram", "remote")
+TIERS = ("gpu", "dram", "ssd", "remote")
+LOCAL_TIERS = ("gpu", "dram", "ssd")     # a prefix only this instance serves this cheaply
 
 
 @dataclass
@@ -47,13 +56,16 @@ class Priors:
     base_s: float = 0.010                    # per request: HTTP, scheduling, sampling
     prefill_s_per_token: float = 5e-5        # one uncached prompt token
     load_s_per_block: dict = field(default_factory=lambda: {
-        "gpu": 0.0, "dram": 2e-4, "remote": 5e-4})
+        "gpu": 0.0, "dram": 2e-4, "ssd": 1e-3, "remote": 5e-4})
     window: int = 128                        # samples kept per instance
     min_samples: int = 12                    # before the fit replaces the priors
     # False (default): one fit and one served time per model (instances announcing the
     # same key root and block size), from all their samples; True: per instance (only
     # for instances on unlike hardware: per-instance fits chase noise, docs/conductor.md).
     fit_per_instance: bool = False
+    # Prefix affinity: instances whose expected TTFT is within this fraction of the best
+    # one's count as tied, and the one holding most of the prefix locally wins (0: off).
+    affinity: float = 1.0
     full_kv_usage: float = 0.98              # a decode/plain instance this full is skipped
     max_inflight: int = 64                   # requests routed to one instance, unanswered
 
@@ -97,6 +109,11 @@ class Estimate:
     blocks: dict                              # tier -> blocks of the reused prefix
     keys: list = field(default_factory=list)  # block keys sent (set once routed)
 
+    @property
+    def local(self) -> int:
+        """Blocks of the prefix this instance holds itself (not read from a peer)."""
+        return sum(self.blocks.get(t, 0) for t in LOCAL_TIERS)
+
 
 def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: int,
                   priors: Priors) -> Estimate:
@@ -126,7 +143,21 @@ def rank_prefill(states, n_tokens: int, hits: dict, block_size: int, priors: Pri
             continue
         out.append((expected_ttft(s, n_tokens, hits.get(s.name, {}), block_size, priors), s))
     out.sort(key=lambda es: (es[0].ttft_s, es[1].inflight, es[0].name))
-    return [e for e, _ in out]
+    return with_affinity([e for e, _ in out], priors.affinity)
+
+
+def with_affinity(est: list, affinity: float) -> list:
+    """``est`` (best first by expected TTFT) with the instance holding most of the prefix
+    locally moved to the front, among those within ``affinity`` times the best expected
+    TTFT of it (ties: the better TTFT). The others keep their order (retries)."""
+    if affinity <= 0 or len(est) < 2:
+        return est
+    limit = est[0].ttft_s * (1.0 + affinity)
+    near = [e for e in est if e.ttft_s <= limit]
+    pick = max(near, key=lambda e: e.local)          # first of the most: best TTFT
+    if pick.local <= est[0].local:
+        return est
+    return [pick] + [e for e in est if e is not pick]
 
 
 def rank_decode(states, priors: Priors, now: float = 0.0) -> list:
@@ -137,13 +168,16 @@ def rank_decode(states, priors: Priors, now: float = 0.0) -> list:
     return [s.name for s in ok]
 
 
-def prefix_by_tier(keys, gpu_keys, owners, engine: str) -> dict:
+def prefix_by_tier(keys, gpu_keys, owners, engine: str, remote: bool = True) -> dict:
     """Blocks of the longest reusable prefix of ``keys`` for the instance whose pool is
-    ``engine``: a key in ``gpu_keys`` (its vLLM prefix cache) is ``gpu``; else owned by
-    ``engine`` in the index (``owners[i]``, None: nobody) is ``dram``; owned by another
-    instance is ``remote``. The prefix ends at the first key found nowhere. vLLM's own
-    cache only reuses a prefix, so ``gpu`` blocks count only before the first other."""
-    out = {"gpu": 0, "dram": 0, "remote": 0}
+    ``engine``: a key in ``gpu_keys`` (its vLLM prefix cache) is ``gpu``; else a record
+    of the index (``owners[i]``: ``(owner, tier)``, a bare owner meaning DRAM, None:
+    nobody) owned by ``engine`` is ``dram`` or ``ssd`` as it says; a DRAM record of
+    another instance is ``remote`` when ``remote`` (the instance reads other pools). The
+    prefix ends at the first key found nowhere this instance can reach (another
+    instance's SSD is private). vLLM's own cache only reuses a prefix, so ``gpu`` blocks
+    count only before the first other."""
+    out = {"gpu": 0, "dram": 0, "ssd": 0, "remote": 0}
     in_gpu = True
     for i, k in enumerate(keys):
         if in_gpu and k in gpu_keys:
@@ -151,17 +185,20 @@ def prefix_by_tier(keys, gpu_keys, owners, engine: str) -> dict:
             continue
         in_gpu = False
         o = owners[i] if i < len(owners) else None
-        if o is None:
-            if k in gpu_keys:      # evicted from the pool but still in vLLM: counts as load
-                out["dram"] += 1
-                continue
+        owner, tier = (o, "dram") if o is None or isinstance(o, str) else o
+        if owner == engine and tier in ("dram", "ssd"):
+            out[tier] += 1
+        elif owner is not None and remote and tier == "dram":
+            out["remote"] += 1
+        elif k in gpu_keys:        # evicted from the pool but still in vLLM: counts as load
+            out["dram"] += 1
+        else:
             break
-        out["dram" if o == engine else "remote"] += 1
     return out
 
 
 def refit(inst: InstanceState, priors: Priors) -> "dict | None":
-    """Least-squares ``base, tok, load_dram, load_remote`` from ``inst.samples``
+    """Least-squares ``base, tok, load_dram, load_ssd, load_remote`` from ``inst.samples``
     (``(uncached, blocks, seconds)``); None below ``min_samples``. A column that never
     varies keeps its prior (its coefficient is not identifiable)."""
     if len(inst.samples) < priors.min_samples:
@@ -171,6 +208,7 @@ def refit(inst: InstanceState, priors: Priors) -> "dict | None":
     cols = {"base": np.ones(len(rows)),
             "tok": np.array([r[0] for r in rows], dtype=float),
             "load_dram": np.array([r[1].get("dram", 0) for r in rows], dtype=float),
+            "load_ssd": np.array([r[1].get("ssd", 0) for r in rows], dtype=float),
             "load_remote": np.array([r[1].get("remote", 0) for r in rows], dtype=float)}
     # Known GPU-hit cost (about 0) is folded into y so it needs no column.
     use = [k for k, c in cols.items() if k == "base" or np.ptp(c) > 0]

@@ -20,7 +20,7 @@ _HELP = {
     "mooncake_te_conductor_dropped_kv_transfer_params_total":
         ("counter", "client requests whose own kv_transfer_params were dropped"),
     "mooncake_te_conductor_hit_tokens_total":
-        ("counter", "prompt tokens expected reusable at routing, by tier (gpu, dram, remote)"),
+        ("counter", "prompt tokens expected reusable at routing, by tier (gpu, dram, ssd, remote)"),
     "mooncake_te_conductor_prompt_tokens_total": ("counter", "prompt tokens routed"),
     "mooncake_te_conductor_cached_tokens_total":
         ("counter", "cached prompt tokens vLLM reported (usage.prompt_tokens_details)"),

@@ -3,14 +3,16 @@
 store, next to the engines' segment descriptors,
 
     ``mooncake/[<cluster>/]conductor/instances/<engine name>`` ->
-    ``{"url", "role", "engine", "model", "block_size", "root", "namespace", "kv_events",
-    "kv_events_replay"}``
+    ``{"url", "role", "engine", "model", "block_size", "root", "namespace", "remote",
+    "kv_events", "kv_events_replay"}``
 
 written by :class:`~mooncake_te.integrations.vllm.MooncakeTEConnector` when its
 ``kv_connector_extra_config`` has ``api_url`` (and a metadata store), withdrawn when it
 shuts down. ``root`` is the hex of the pool's key root (:func:`..integrations.vllm.pool.
 namespace_root`) and ``namespace`` the pool's index namespace, so the conductor computes a
-prompt's block keys and asks the owner index exactly as that instance's connector does.
+prompt's block keys and asks the owner index exactly as that instance's connector does;
+``remote`` is false when the instance does not read other instances' pools
+(``kvcache.remote: false``), so their blocks are no hit for it.
 ``kv_events`` / ``kv_events_replay``: vLLM's KV events publisher and replay endpoints
 (``--kv-events-config``) as the instance configured them (a wildcard host stands for the
 host of ``url``), empty when it publishes none.
@@ -55,6 +57,7 @@ class InstanceRecord:
     block_size: int = 16
     root: str = ""                 # hex of the pool key root ("" : computed by the conductor)
     namespace: str = ""            # the pool's owner-index namespace ("" : no pool)
+    remote: bool = True            # reads other instances' pools (kvcache.remote)
     kv_events: str = ""            # vLLM's KV events PUB endpoint ("" : none)
     kv_events_replay: str = ""     # its replay (ROUTER) endpoint ("" : none)
 
@@ -66,6 +69,7 @@ class InstanceRecord:
             raise ValueError(f"instance URL {self.url!r}: expected http://host:port")
         self.url = str(self.url).rstrip("/")
         self.block_size = int(self.block_size)
+        self.remote = bool(self.remote)
 
     @property
     def name(self) -> str:

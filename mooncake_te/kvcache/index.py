@@ -4,7 +4,17 @@
 One record per block, ``mooncake/[<cluster>/]kvcache/<namespace>/<key hex>`` ->
 ``{"owner": segment name, "addr": address of the slot in the owner's pool,
 "length": payload bytes, "crc": the block's CRC-32, "mac": ...}``, next to the segment
-descriptors under Mooncake's key layout (``metadata/base.py``). A reader resolves the
+descriptors under Mooncake's key layout (``metadata/base.py``).
+
+Tiers (issue 37). A block the owner demoted from its DRAM pool to its SSD tier keeps its
+record, rewritten as ``{"owner", "tier": "ssd", "addr": 0, "length", "crc", "mac"}``
+(:meth:`OwnerIndex.demote`), so a router (the conductor) sees that the owner can still
+serve it from its SSD; a promotion back to DRAM publishes the DRAM record again, and the
+record is withdrawn when the block leaves the SSD tier too. A record without ``tier`` is
+a DRAM record (records of older engines). Readers over the network
+(:meth:`OwnerIndex.lookup_many`, the ``remote`` tier) take only DRAM records: a peer's SSD
+is private, a one-sided READ cannot reach it; :meth:`OwnerIndex.lookup_tiers` gives
+``(owner, tier)`` of every record, ours included. A reader resolves the
 owner's segment, reads header + data of the slot in one transfer and checks the header's
 key, length and CRC against the record, so a stale record (the owner evicted or reused
 the slot since) costs one wasted read and counts as a miss, never returns wrong bytes.
@@ -48,9 +58,19 @@ _U64 = 1 << 64
 _MAX_OWNER = 256            # bytes of a segment name in a record
 
 
-def _parts(key: bytes, owner: str, addr: int, length: int, crc: int) -> tuple:
-    return (key, owner.encode(), addr.to_bytes(8, "little"), length.to_bytes(8, "little"),
-            crc.to_bytes(4, "little"))
+TIERS = ("dram", "ssd")     # where an owner holds a block (the record's "tier")
+
+
+def _parts(key: bytes, owner: str, addr: int, length: int, crc: int,
+           tier: str = "dram") -> tuple:
+    p = (key, owner.encode(), addr.to_bytes(8, "little"), length.to_bytes(8, "little"),
+         crc.to_bytes(4, "little"))
+    # A DRAM record's MAC is what it always was; another tier is bound into its MAC.
+    return p if tier == "dram" else p + (tier.encode(),)
+
+
+class _Demote(tuple):
+    """A queued :meth:`OwnerIndex.demote`: ``(length, crc)``."""
 
 
 class OwnerIndex:
@@ -95,6 +115,14 @@ class OwnerIndex:
             self._pending[key] = (addr, length, crc)
             self._cv.notify()
 
+    def demote(self, key: bytes, length: int, crc: int = 0) -> None:
+        """``key`` moved from this engine's DRAM pool to its SSD tier: its record says
+        so (``"tier": "ssd"``) instead of going away. Only our own record (or none) is
+        rewritten: a peer that published the block since keeps its (readable) record."""
+        with self._cv:
+            self._pending[key] = _Demote((int(length), int(crc)))
+            self._cv.notify()
+
     def withdraw(self, key: bytes) -> None:
         with self._cv:
             self._pending[key] = _DELETE
@@ -125,6 +153,16 @@ class OwnerIndex:
             log.warning("kvcache: owner index lookup failed: %s", e)
             return [None] * len(keys)
 
+    def lookup_tiers(self, keys) -> list:
+        """``(owner, tier)`` of each key's record (``tier``: ``"dram"`` or ``"ssd"``),
+        ours included, None where there is none or it is malformed or not authenticated
+        (one query). For routers; :meth:`lookup_many` gives what can be read."""
+        out = []
+        for k, raw in zip(keys, self._raw_many(keys)):
+            d = self._checked(k, raw)
+            out.append(None if d is None else (d["owner"], d.get("tier", "dram")))
+        return out
+
     def lookup_prefix(self, keys) -> int:
         """How many of ``keys``, from the first, other engines hold (one query; records
         past the first miss are not checked)."""
@@ -137,25 +175,38 @@ class OwnerIndex:
 
     def _record(self, key: bytes, raw):
         """The record of ``key`` checked: ``(owner, addr, length, crc)``, or None for no
-        record, our own, or one that is malformed or not authenticated (counted)."""
+        record, our own, one in a tier peers cannot read (SSD), or one that is malformed
+        or not authenticated (counted)."""
+        d = self._checked(key, raw, skip_own=True)
+        if d is None or d.get("tier", "dram") != "dram":
+            return None
+        return d["owner"], d["addr"], d["length"], d.get("crc", 0)
+
+    def _checked(self, key: bytes, raw, skip_own: bool = False) -> "dict | None":
+        """The decoded record of ``key`` when it is well formed and (with a MAC key)
+        authenticated; None otherwise (malformed and unauthenticated ones counted), and
+        for our own with ``skip_own``."""
         if not raw:
             return None
         try:
             d = json.loads(raw)
             owner, addr, length, crc = d["owner"], d["addr"], d["length"], d.get("crc", 0)
+            tier = d.get("tier", "dram")
             if not (isinstance(owner, str) and 0 < len(owner.encode()) <= _MAX_OWNER
                     and all(type(v) is int for v in (addr, length, crc))
-                    and 0 < addr and 0 <= length and addr + HEADER_SIZE + length <= _U64
+                    and tier in TIERS and (0 < addr or (tier != "dram" and addr == 0))
+                    and 0 <= length and addr + HEADER_SIZE + length <= _U64
                     and 0 <= crc < (1 << 32)
                     and (self.max_length is None or length <= self.max_length)):
                 raise ValueError("out of range")
         except (ValueError, KeyError, TypeError, AttributeError, UnicodeError):
             self.rejected += 1
             return None
-        if owner == self.owner:
+        if skip_own and owner == self.owner:
             return None
         if self.mac_key is not None and not mac_ok(self.mac_key, d.get("mac"),
-                                                   *_parts(key, owner, addr, length, crc)):
+                                                   *_parts(key, owner, addr, length, crc,
+                                                           tier)):
             self.rejected += 1
             if self.rejected in (1, 10, 100) or self.rejected % 1000 == 0:
                 log.warning("kvcache: owner index record for %s (owner %r) has no valid MAC; "
@@ -163,7 +214,7 @@ class OwnerIndex:
                             "cluster's auth_token, or by an engine of an older version",
                             key.hex(), owner, self.rejected)
             return None
-        return owner, addr, length, crc
+        return d
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every queued record reached the store."""
@@ -192,21 +243,31 @@ class OwnerIndex:
     def _send(self, batch: dict) -> None:
         drops = [self._key(k) for k, op in batch.items() if op is _DROP]
         withdraws = [self._key(k) for k, op in batch.items() if op is _DELETE]
+        demotes = [k for k, op in batch.items() if isinstance(op, _Demote)]
         puts = {self._key(k): self._encode(k, *op)
-                for k, op in batch.items() if op is not _DROP and op is not _DELETE}
-        if withdraws:
-            # Only our own records: another owner may have published since.
-            raws = self.store.get_many(withdraws)
+                for k, op in batch.items()
+                if op is not _DROP and op is not _DELETE and not isinstance(op, _Demote)}
+        if withdraws or demotes:
+            # Only our own records (or none, for a demotion): another owner may have
+            # published since.
+            raws = self.store.get_many(withdraws + [self._key(k) for k in demotes])
             drops += [k for k, raw in zip(withdraws, raws) if self._owned(raw)]
+            for k, raw in zip(demotes, raws[len(withdraws):]):
+                if not raw or self._owned(raw):
+                    length, crc = batch[k]
+                    puts[self._key(k)] = self._encode(k, 0, length, crc, "ssd")
         if drops:
             self.store.delete_many(drops)
         if puts:
             self.store.put_many(puts)
 
-    def _encode(self, key: bytes, addr: int, length: int, crc: int) -> bytes:
+    def _encode(self, key: bytes, addr: int, length: int, crc: int,
+                tier: str = "dram") -> bytes:
         d = {"owner": self.owner, "addr": addr, "length": length, "crc": crc}
+        if tier != "dram":
+            d["tier"] = tier
         if self.mac_key is not None:
-            d["mac"] = mac(self.mac_key, *_parts(key, self.owner, addr, length, crc))
+            d["mac"] = mac(self.mac_key, *_parts(key, self.owner, addr, length, crc, tier))
         return json.dumps(d).encode()
 
     def _owned(self, raw) -> bool:

@@ -273,6 +273,10 @@ class KVCache:
                 self._seq += 1
                 sslot, evicted = d.accept(k, n, self._seq, pinned, self._dpol.frequency(k))
                 self._c[f"evictions_{d.name}"] += len(evicted)
+                if self._index is not None:
+                    for e in evicted:
+                        if e not in self._dram:          # its SSD-tier record goes
+                            self._index.withdraw(e)
                 if sslot is None:
                     break
                 # Record the new seq in the header that goes to disk.
@@ -712,26 +716,40 @@ class KVCache:
             del self._dram[victim]
             self._free.append(vslot)
             c[f"evictions_{HUB}"] += 1
-            if self._index is not None:
-                self._index.withdraw(victim)
             # The demotion tier (SSD) takes the block now (so a later key of this call
             # finds it there); its bytes are written in step (1) of the round, before the
-            # DRAM slot is refilled.
+            # DRAM slot is refilled. The owner index keeps a record of a block that went
+            # to SSD, saying so (routers see it: issue 37); one that went nowhere, or
+            # left the SSD tier to make room, is withdrawn.
             d = self._demote
+            on_ssd = False
             if d is None:
                 c["dropped"] += 1
             elif d.holds(victim):
                 c["demotions_skipped"] += 1       # its SSD copy is still there
+                on_ssd = True
             else:
                 sslot, evicted = d.accept(victim, vlen, bounce[1] if bounce else
                                           self._next_seq(), self._pinned, vfreq)
                 c[f"evictions_{d.name}"] += len(evicted)
+                if self._index is not None:
+                    for k in evicted:
+                        if k not in self._dram:
+                            self._index.withdraw(k)
                 if sslot is None:
                     c["dropped"] += 1
                 else:
+                    on_ssd = True
                     # A reused SSD slot: the last block assigned to it wins.
                     self._writes[sslot] = (bounce[0] if bounce else vslot, vlen, victim)
                     c["demotions"] += 1
+            if self._index is not None:
+                if on_ssd and victim not in self._unverified:
+                    h = None if bounce else parse_header(self._slot_view(vslot))
+                    self._index.demote(victim, vlen,
+                                       h.crc if h is not None and h.key == victim else 0)
+                else:
+                    self._index.withdraw(victim)
         slot = self._free.pop()
         self._dram[key] = (slot, length)
         self._dpol.insert(key, freq)

@@ -196,6 +196,26 @@ def test_signed_client_roundtrips_odd_keys(auth_server):
         b.close()
 
 
+def test_signed_client_lists_keys(auth_server):
+    """The conductor lists instance records with the cluster token (issue 37): the
+    listing is signed for its own path and query, and its reply is checked."""
+    b = open_backend(auth_server.url, token=TOKEN)
+    try:
+        for key in ("mooncake/conductor/instances/a b", "mooncake/conductor/instances/c",
+                    "mooncake/other"):
+            b.put(key, b"1")
+        assert b.keys("mooncake/conductor/instances/") == [
+            "mooncake/conductor/instances/a b", "mooncake/conductor/instances/c"]
+    finally:
+        b.close()
+    wrong = open_backend(auth_server.url, token=b"other")
+    try:
+        with pytest.raises(AuthenticationError, match="401"):
+            wrong.keys("mooncake/")
+    finally:
+        wrong.close()
+
+
 # -- a client with a token refuses unsigned replies -------------------------------------------
 def test_client_with_a_token_refuses_unsigned_replies():
     """A server that does not sign (started without a token, or anything else answering

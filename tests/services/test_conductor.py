@@ -139,7 +139,7 @@ def test_owner_index_from_the_event_loop(store_server):
         async with Front(c) as f:
             assert (f.c._index_url() is not None) == (store.kind == "http")
             got = await f.c._owners("vllm-abc-tp0", keys)
-            assert got == ["127.0.0.1:14600"] * 4 + [None, None]
+            assert got == [("127.0.0.1:14600", "dram")] * 4 + [None, None]
             assert got == c.owners("vllm-abc-tp0", keys)
             assert await f.c._owners("other-ns", keys) == [None] * 6
     asyncio.run(main())

@@ -27,8 +27,17 @@ class FakeIndexStore:
 
     def get_many(self, keys):
         self.asked += 1
-        return [(b'{"owner": "%s", "addr": 0, "length": 1}' % self.owners[k].encode())
-                if k in self.owners else None for k in keys]
+        out = []
+        for k in keys:
+            o = self.owners.get(k)
+            if o is None:
+                out.append(None)
+            elif isinstance(o, tuple):      # (owner, tier): the record says its tier
+                out.append(b'{"owner": "%s", "tier": "%s", "addr": 0, "length": 1}'
+                           % (o[0].encode(), o[1].encode()))
+            else:                           # a record without a tier: DRAM
+                out.append(b'{"owner": "%s", "addr": 4096, "length": 1}' % o.encode())
+        return out
 
 
 def cluster(n=3, store=None, role="plain"):
@@ -59,8 +68,17 @@ def test_prefix_by_tier_order_and_stop():
     gpu = {keys[0], keys[1]}
     owners = [None, None, "me", "other", None, "me"]
     # gpu, gpu, own pool, another's pool, then nothing: the prefix ends at key 4
-    assert prefix_by_tier(keys, gpu, owners, "me") == {"gpu": 2, "dram": 1, "remote": 1}
-    assert prefix_by_tier(keys, set(), owners, "me") == {"gpu": 0, "dram": 0, "remote": 0}
+    assert prefix_by_tier(keys, gpu, owners, "me") == {"gpu": 2, "dram": 1, "ssd": 0,
+                                                        "remote": 1}
+    assert prefix_by_tier(keys, set(), owners, "me") == {"gpu": 0, "dram": 0, "ssd": 0,
+                                                         "remote": 0}
+    # records with tiers: our SSD counts, another's SSD is private (the prefix ends)
+    owners = [("me", "dram"), ("me", "ssd"), ("other", "dram"), ("other", "ssd"), None]
+    assert prefix_by_tier(keys, set(), owners, "me") == {"gpu": 0, "dram": 1, "ssd": 1,
+                                                         "remote": 1}
+    # an instance that does not read other pools (kvcache.remote = false)
+    assert prefix_by_tier(keys, set(), owners, "me", remote=False) == {
+        "gpu": 0, "dram": 1, "ssd": 1, "remote": 0}
 
 
 def test_routes_to_the_instance_holding_the_prefix():
@@ -71,9 +89,9 @@ def test_routes_to_the_instance_holding_the_prefix():
     own(store, keys, "e2")
     est, _, hits = c.rank_prefill(toks, ("plain",))
     assert est[0].name == "e2"
-    assert hits["e2"] == {"gpu": 0, "dram": 32, "remote": 0}
+    assert hits["e2"] == {"gpu": 0, "dram": 32, "ssd": 0, "remote": 0}
     # the others could read e2's blocks remotely: cheaper than computing, dearer than local
-    assert hits["e0"] == {"gpu": 0, "dram": 0, "remote": 32}
+    assert hits["e0"] == {"gpu": 0, "dram": 0, "ssd": 0, "remote": 32}
     assert est[0].ttft_s < est[1].ttft_s
     assert store.asked == 1                      # one index query for all instances
 
@@ -164,7 +182,7 @@ def test_index_outage_is_a_miss():
             raise ConnectionError("store down")
     c = cluster(2, Down())
     est, _, hits = c.rank_prefill(list(range(64)), ("plain",))
-    assert len(est) == 2 and hits["e0"] == {"gpu": 0, "dram": 0, "remote": 0}
+    assert len(est) == 2 and hits["e0"] == {"gpu": 0, "dram": 0, "ssd": 0, "remote": 0}
     assert c.index_errors == 1
 
 
@@ -293,3 +311,73 @@ def test_like_instances_share_their_terms():
         c.measured(f"e{i % 2}", 100, {}, 0.05, 0.0)
     assert c.states["e0"].fit == c.states["e1"].fit
     assert c.states["e0"].served_s == c.states["e1"].served_s
+
+
+def test_ssd_records_route_to_their_owner():
+    """The owner index says a block moved to its owner's SSD (issue 37): the owner can
+    serve the prefix from SSD, the others cannot read it (an SSD is private), so the
+    prompt goes to the owner; before, the record was withdrawn and nobody had a hit."""
+    store = FakeIndexStore()
+    c = cluster(3, store)
+    toks = list(range(2000, 2000 + 512))
+    keys = block_keys(toks, BS, c.default_root)
+    own(store, keys[:24], ("e1", "ssd"))
+    own(store, keys[24:], ("e1", "dram"))
+    est, _, hits = c.rank_prefill(toks, ("plain",))
+    assert hits["e1"] == {"gpu": 0, "dram": 8, "ssd": 24, "remote": 0}
+    assert hits["e0"] == {"gpu": 0, "dram": 0, "ssd": 0, "remote": 0}
+    assert est[0].name == "e1"
+    # an SSD block costs its load term: more than DRAM, less than computing it
+    p = c.priors
+    e = expected_ttft(c.states["e1"], 512, {"ssd": 32}, BS, p)
+    assert e.ttft_s == pytest.approx(p.base_s + p.prefill_s_per_token
+                                     + 32 * p.load_s_per_block["ssd"])
+
+
+def test_an_instance_without_remote_reads_has_no_remote_hits():
+    """An instance whose connector does not read other pools (``kvcache.remote =
+    false``, announced in its record) gets no hit from another instance's blocks, so the
+    prompt goes where its blocks are; before, every instance counted them as a remote
+    hit and routing followed the queues only."""
+    store = FakeIndexStore()
+    c = cluster(3, store)
+    for r in c.records.values():
+        r.remote = False
+    toks = list(range(3000, 3000 + 640))
+    keys = block_keys(toks, BS, c.default_root)
+    own(store, keys, "e2")
+    c.states["e2"].inflight = 1                      # one request ahead there
+    c.states["e2"].served_s = 0.02
+    est, _, hits = c.rank_prefill(toks, ("plain",))
+    assert hits["e0"] == {"gpu": 0, "dram": 0, "ssd": 0, "remote": 0}
+    assert est[0].name == "e2"
+    assert InstanceRecord.decode(InstanceRecord(url="http://h:1", remote=False).encode()
+                                 ).remote is False
+    assert InstanceRecord.decode(b'{"url": "http://h:1"}').remote is True   # older records
+
+
+def test_affinity_keeps_a_prefix_family_where_it_is():
+    """Near-tied instances (expected TTFT within ``affinity`` of the best): the one
+    holding most of the prefix itself wins, so a conversation's next turn lands where
+    its earlier turns are cached; past the tie the queue wins, and where nobody holds
+    more than another (a prompt cached nowhere) the choice is the cost model's."""
+    def route(inflight0, affinity=1.0, cached=True):
+        c = cluster(2, FakeIndexStore())
+        c.priors.affinity = affinity
+        toks = list(range(4000, 4000 + 640))            # 40 blocks
+        if cached:
+            c.shadows["e0"].add(block_keys(toks, BS, c.default_root)[:20])
+        c.states["e0"].inflight = inflight0
+        c.states["e0"].served_s = c.states["e1"].served_s = 0.05
+        est, _, _ = c.rank_prefill(toks, ("plain",))
+        return [e.name for e in est]
+
+    # one request ahead on e0 (50 ms) against a 20-block hit (16 ms of prefill saved):
+    # the cost model alone prefers the idle e1, affinity keeps the family on e0
+    assert route(1, affinity=0.0) == ["e1", "e0"]
+    assert route(1) == ["e0", "e1"]
+    # three requests ahead: no longer a tie
+    assert route(3) == ["e1", "e0"]
+    # nothing cached anywhere: least-loaded's choice, whatever the affinity
+    assert route(1, cached=False) == ["e1", "e0"]
+    assert route(0, cached=False) == ["e0", "e1"]

@@ -143,7 +143,9 @@ class MooncakeTEConnector(KVConnectorBase_V1):
             url=self.settings.api_url, role=role_of(self.is_producer, self.is_consumer),
             engine=w.engine.name, model=str(self._vllm_config.model_config.model),
             block_size=self.block_size, root=pool_root(self._vllm_config).hex(),
-            namespace=w.pool_namespace or "", **kv_events_of(self._vllm_config))
+            namespace=w.pool_namespace or "",
+            remote=bool(w.pool is not None and w.pool.remote),
+            **kv_events_of(self._vllm_config))
         try:
             self._announced = publish_instance(w.engine.metadata, rec)
         except Exception as e:              # the conductor is optional: serve anyway

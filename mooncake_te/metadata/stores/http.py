@@ -218,15 +218,26 @@ class HttpStore(LeasedStore):
         url = urlunsplit((u.scheme, u.netloc, u.path.rstrip("/") + "/keys",
                           urlencode({"prefix": prefix}), ""))
         headers = {}
+        nonce = None
         if self._token:
-            from ..server import sign_request
-            headers[AUTH_HEADER] = sign_request(self._token, "GET", "", "", b"")
+            # The signature covers the listing's own path and query (the server checks
+            # what it was sent), and the reply must be signed (issue 37: the listing was
+            # signed for /metadata and every token-holding conductor got 401).
+            from ..server import canonical_target, sign_request
+            v = urlsplit(url)
+            headers[AUTH_HEADER] = sign_request(
+                self._token, "GET", "", "", b"",
+                target=canonical_target(unquote(v.path),
+                                        parse_qsl(v.query, keep_blank_values=True)))
+            nonce = headers[AUTH_HEADER].split()[2]
         try:
             with self._lock:
                 resp = self._session.get(url, headers=headers, timeout=self._timeout)
         except _requests.exceptions.RequestException as e:
             raise MetadataError(f"HTTP metadata server {self.address}: listing {prefix!r} "
                                 f"failed: {type(e).__name__}: {e}", status=ERR_SOCKET) from None
+        if nonce is not None:
+            self._check_reply("GET", f"/keys?prefix={prefix}", nonce, resp)
         if resp.status_code != 200:
             raise self._unexpected("GET", f"/keys?prefix={prefix}", resp)
         try:
