@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from servers import ROOT, EtcdServer, HttpMetadataServer, RedisServer, _serve  # noqa: F401
+from servers import ROOT
 from mooncake_te.compat.store import (INVALID_PARAMS, NO_AVAILABLE_HANDLE,
                                       MooncakeDistributedStore, ReplicateConfig)
 
@@ -40,15 +40,7 @@ print(json.dumps("closed"), flush=True)
 """
 
 
-@pytest.fixture(autouse=True)
-def _loopback(monkeypatch):
-    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-
-
-@pytest.fixture(scope="module", params=["etcd", "redis", "http"])
-def index_url(request):
-    cls = {"etcd": EtcdServer, "redis": RedisServer, "http": HttpMetadataServer}[request.param]
-    yield from (srv.url for srv in _serve(cls))
+from store_fixtures import _loopback, index_url  # noqa: F401  (fixtures)
 
 
 def _cfg(url, segment=16 * MIB, local=16 * MIB):

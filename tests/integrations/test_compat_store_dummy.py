@@ -20,7 +20,7 @@ import time
 
 import pytest
 
-from servers import ROOT, EtcdServer, HttpMetadataServer, RedisServer, _serve
+from servers import ROOT
 from mooncake_te.compat.store import (INVALID_PARAMS, OBJECT_NOT_FOUND,
                                       MooncakeDistributedStore, ReplicateConfig)
 
@@ -28,15 +28,7 @@ pytestmark = pytest.mark.timeout(180)
 MIB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _loopback(monkeypatch):
-    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-
-
-@pytest.fixture(scope="module", params=["etcd", "redis", "http"])
-def index_url(request):
-    cls = {"etcd": EtcdServer, "redis": RedisServer, "http": HttpMetadataServer}[request.param]
-    yield from (srv.url for srv in _serve(cls))
+from store_fixtures import _loopback, index_url  # noqa: F401  (fixtures)
 
 
 def _port() -> int:

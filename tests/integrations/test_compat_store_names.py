@@ -14,22 +14,13 @@ import socket
 
 import pytest
 
-from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve
 from mooncake_te.compat.store import MooncakeDistributedStore, ReplicateConfig
 
 pytestmark = pytest.mark.timeout(120)
 MIB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _loopback(monkeypatch):
-    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-
-
-@pytest.fixture(scope="module", params=["etcd", "redis", "http"])
-def index_url(request):
-    cls = {"etcd": EtcdServer, "redis": RedisServer, "http": HttpMetadataServer}[request.param]
-    yield from (srv.url for srv in _serve(cls))
+from store_fixtures import _loopback, index_url  # noqa: F401  (fixtures)
 
 
 def _port() -> int:

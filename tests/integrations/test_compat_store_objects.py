@@ -10,7 +10,6 @@ import os
 import numpy as np
 import pytest
 
-from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve  # noqa: F401
 from mooncake_te.compat.store import (NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND,
                                       MooncakeDistributedStore)
 
@@ -18,15 +17,7 @@ pytestmark = pytest.mark.timeout(180)
 MIB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _loopback(monkeypatch):
-    monkeypatch.setenv("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-
-
-@pytest.fixture(scope="module", params=["etcd", "redis", "http"])
-def index_url(request):
-    cls = {"etcd": EtcdServer, "redis": RedisServer, "http": HttpMetadataServer}[request.param]
-    yield from (srv.url for srv in _serve(cls))
+from store_fixtures import _loopback, index_url  # noqa: F401  (fixtures)
 
 
 def _store(url="P2PHANDSHAKE", segment=64 * MIB, local=128 * MIB, **kw):
