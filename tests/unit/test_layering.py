@@ -184,11 +184,24 @@ def _cycles(edges) -> list:
     return out
 
 
+# Cycles kept on purpose, each with its reason; the test below fails when one goes away.
+CYCLES_ALLOWED = {
+    # Mooncake's API puts setup_dummy on MooncakeDistributedStore, and the dummy client it
+    # makes is one (DummyStore subclasses it): store -> dummy is the method's lazy import.
+    ("mooncake_te.compat.dummy", "mooncake_te.compat.store"),
+}
+
+
 def test_no_import_cycles():
     """No two modules import each other, directly or around a loop, lazy imports included
     (a cycle hidden in a function is still one: neither module can be read alone)."""
-    cycles = _cycles(EDGES)
+    cycles = [c for c in _cycles(EDGES) if tuple(c) not in CYCLES_ALLOWED]
     assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_allowed_cycles_are_still_cycles():
+    found = {tuple(c) for c in _cycles(EDGES)}
+    assert not (CYCLES_ALLOWED - found), f"remove from CYCLES_ALLOWED: {CYCLES_ALLOWED - found}"
 
 
 def test_the_cycle_check_finds_a_cycle():
@@ -325,6 +338,8 @@ NAME_ALLOWED = {
     # Mooncake's API takes and returns its protocol names ("tcp", "rdma") as strings
     "mooncake_te.compat.engine", "mooncake_te.compat.mooncake_config",
     "mooncake_te.compat.store",
+    # mooncake_client's --protocol flag (Mooncake's names)
+    "mooncake_te.compat.dummy",
     # checks of the RDMA devices and the RDMA transport's settings: about it by design
     "mooncake_te.doctor.checks",
     # the lab builds a Soft-RoCE and NVMe-oF fabric for the rdma and nvmeof suites
