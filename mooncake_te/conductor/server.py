@@ -51,6 +51,9 @@ class Settings:
     api_key: str = ""
     tokenizer: str = ""
     health_interval_s: float = 2.0
+    # Health checks that time out (an API server busy behind a prefill) before an
+    # instance counts as down; a refused connection or an error status counts at once.
+    down_after_slow_checks: int = 3
     discovery_interval_s: float = 2.0
     connect_timeout_s: float = 5.0
     first_byte_timeout_s: float = 300.0
@@ -239,8 +242,19 @@ class Conductor:
                 st.kv_usage = float(m.get("kv_usage", st.kv_usage))
                 cap = self.cluster.gpu_blocks or int(m.get("num_gpu_blocks", 0))
                 self.cluster.shadows[name].capacity = cap
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except asyncio.TimeoutError:
+            # A slow answer is not a dead instance: vLLM's API server can stall for
+            # seconds behind a long prefill on a busy host. Down after a few in a row;
+            # a refused connection or an error status is down at once.
+            st.slow_checks += 1
+            ok = st.healthy and st.slow_checks < self.settings.down_after_slow_checks
+            if ok:
+                log.info("conductor: instance %s answered no health check in %.1f s "
+                         "(%d in a row)", name, t.total, st.slow_checks)
+        except (aiohttp.ClientError, OSError):
             ok = False
+        else:
+            st.slow_checks = 0
         if ok != st.healthy:
             log.warning("conductor: instance %s is %s", name, "back" if ok else "down")
             sub = self._subs.get(name, (None,))[0]

@@ -121,6 +121,58 @@ def test_bearer_token_and_down_instance():
     asyncio.run(main())
 
 
+def test_slow_health_checks_do_not_take_an_instance_down_at_once():
+    """A vLLM API server stalled behind a long prefill answers /health late: that is not a
+    dead instance (the only survivor of a kill must keep serving); a few in a row are."""
+    from aiohttp import web
+    slow = {"on": False}
+
+    async def health(_request):
+        if slow["on"]:
+            await asyncio.sleep(1.6)              # past the 1 s health-check timeout
+        return web.Response(text="")
+
+    async def metrics(_request):
+        return web.Response(text="")
+
+    async def main():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        c = Cluster()
+        c.add(InstanceRecord(url=f"http://127.0.0.1:{port}", role="plain", engine="e0"),
+              static=True)
+        try:
+            async with Front(c) as f:
+                st = f.c.cluster.states["e0"]
+                assert st.healthy
+                slow["on"] = True
+                seen = []
+                while st.healthy:
+                    await asyncio.sleep(0.05)
+                    if st.slow_checks and (not seen or seen[-1] != st.slow_checks):
+                        seen.append(st.slow_checks)
+                        if st.slow_checks < 3:
+                            assert st.healthy, st.slow_checks
+                assert st.slow_checks == 3 and seen[:2] == [1, 2], seen
+                slow["on"] = False                # answering again: back, count reset
+                while not st.healthy:
+                    await asyncio.sleep(0.05)
+                assert st.slow_checks == 0
+                await runner.cleanup()            # nothing listening: down at once
+                while st.healthy:
+                    await asyncio.sleep(0.05)
+                assert st.slow_checks == 0
+        finally:
+            await runner.cleanup()
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
 def test_owner_index_from_the_event_loop(store_server):
     # The conductor reads the pools' owner index: from the event loop on our HTTP server
     # (its batch route), through the store's client in a thread on etcd and redis. Both
