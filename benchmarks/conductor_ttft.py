@@ -272,6 +272,9 @@ def main() -> int:
                     help="instances publish vLLM's KV events (--kv-events-config), which "
                          "the conductors read for the GPU tier (default on; --no-kv-events: "
                          "the conductor's record of what it sent where stands in)")
+    ap.add_argument("--cost-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a [conductor] key for the cost conductor (TOML value), e.g. "
+                         "load_bound=0 or affinity=1.0; repeatable")
     ap.add_argument("--json", metavar="FILE", help="write the results here too")
     a = ap.parse_args()
     py = sys.executable
@@ -302,9 +305,14 @@ def main() -> int:
         for i, port in enumerate(ports):
             wait_http(f"http://127.0.0.1:{port}/health", procs, f"vllm{i}", 600)
         urls = {}
+        cost_cfg = os.path.join(d, "cost-conductor.toml")
+        with open(cost_cfg, "w") as f:          # --cost-set: the cost conductor's keys
+            f.write("[conductor]\n" + "".join(f"{k} = {v}\n" for k, v in
+                                              (kv.split("=", 1) for kv in a.cost_set)))
         for pol in POLICIES:
             port = free_port()
-            procs.start(f"conductor-{pol}", conductor_argv(py, port, md, model, pol))
+            procs.start(f"conductor-{pol}", conductor_argv(
+                py, port, md, model, pol, ["--config", cost_cfg] if pol == "cost" else ()))
             urls[pol] = f"http://127.0.0.1:{port}"
         for pol in POLICIES:
             wait_http(urls[pol] + "/health", procs, f"conductor-{pol}", 120)
@@ -322,7 +330,8 @@ def main() -> int:
                "requests_per_policy": len(trace),
                "instances": a.instances, "concurrency": a.concurrency,
                "replay_s": time.monotonic() - t0,
-               "pool_mb": a.pool_mb, "kv_mb": a.kv_mb, "max_blocks": a.max_blocks,
+               "pool_mb": a.pool_mb, "cost_set": a.cost_set, "kv_mb": a.kv_mb,
+               "max_blocks": a.max_blocks,
                "chunk": a.chunk, "load_average_start": load_start,
                "load_average_end": os.getloadavg(),
                "policies": {p: summarize(res[p]) for p in POLICIES},

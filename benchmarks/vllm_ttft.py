@@ -612,6 +612,7 @@ def main():
     rows, outs, cached_per = {}, {}, {}
     modes = a.modes.split(",")
     md_srv = None
+    pool_token = "pd-pool-bench-" + os.urandom(8).hex()
     group_done = False
 
     def pool_config(mode):
@@ -721,11 +722,15 @@ def main():
                  "--role", "fullhit", "--fullhit-n", str(len(lens)), "--out-tokens",
                  str(a.out_tokens), "--kv-mb", str(kv_mb)]
         mport = _free_port()
+        # The pools share blocks only among holders of one token, and the metadata
+        # server signs its replies with it.
+        token = "fullhit-bench-" + os.urandom(8).hex()
         md = subprocess.Popen([sys.executable, "-m", "mooncake_te", "metadata-server",
                                "--host", "127.0.0.1", "--port", str(mport), "--log-level",
-                               "WARNING"], env=_env(), stdout=log, stderr=log)
+                               "WARNING"], env=_env(MC_AUTH_TOKEN=token), stdout=log,
+                              stderr=log)
         shared = {"metadata_server": f"http://127.0.0.1:{mport}/metadata",
-                  "auth_token": "fullhit-bench-" + os.urandom(8).hex()}
+                  "auth_token": token}
         pool = {"dram_cache_gb": gb(a.dram_mb), "ssd_cache_gb": gb(a.ssd_mb),
                 "cache_dir": cd, "block_size": BLOCK}
 
@@ -880,9 +885,11 @@ def main():
                         md_srv = subprocess.Popen(
                             [sys.executable, "-m", "mooncake_te", "metadata-server",
                              "--host", "127.0.0.1", "--port", str(mport), "--log-level",
-                             "WARNING"], env=_env(), stdout=log, stderr=log)
+                             "WARNING"], env=_env(MC_AUTH_TOKEN=pool_token),
+                            stdout=log, stderr=log)
                         time.sleep(2)
                     extra = {"metadata_server": f"http://127.0.0.1:{mport}/metadata",
+                             "auth_token": pool_token,
                              "kvcache": {"dram_cache_gb": gb(a.dram_mb), "block_size": BLOCK}}
                 penv = denv = None
                 conn_args = []

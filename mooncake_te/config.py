@@ -107,7 +107,8 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "prior_load_dram_s_per_block": (_NUM, 2e-4, None),
         "prior_load_remote_s_per_block": (_NUM, 5e-4, None),
         "prior_load_ssd_s_per_block": (_NUM, 1e-3, None),
-        "affinity": (_NUM, 1.0, None),
+        "affinity": (_NUM, 0.0, None),
+        "load_bound": (_NUM, 1.25, None),
         "gpu_blocks": (_INT, 0, None),
         "policy": (_STR, "cost", ("cost", "round_robin", "least_loaded")),
         "kv_events": ((list,), [], None),
@@ -145,6 +146,8 @@ _BOUNDS: dict[str, tuple] = {
     "prior_load_ssd_s_per_block": (0, None, "seconds, 0 or more"),
     "affinity": (0, 100, "a fraction of the best expected TTFT between 0 and 100 "
                          "(0: no prefix affinity)"),
+    "load_bound": (0, 100, "a multiple of the mean load between 0 and 100 (0: no bound; "
+                           "1.25 lets an instance take a quarter more than its share)"),
     "gpu_blocks": (0, None, "a number of KV blocks, 0 to read it from vLLM's /metrics"),
 }
 

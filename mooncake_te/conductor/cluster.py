@@ -23,8 +23,8 @@ from collections import OrderedDict
 from ..integrations.vllm.pool.keys import block_keys, namespace_root
 from ..metadata.base import key_prefix
 from .events import GpuBlocks
-from .cost import (InstanceState, Priors, prefix_by_tier, rank_decode, rank_prefill, refit,
-                   with_affinity)
+from .cost import (InstanceState, Priors, expected_ttft, order, prefix_by_tier, rank_decode,
+                   refit)
 from .registry import InstanceRecord
 
 log = logging.getLogger("mooncake_te.conductor")
@@ -298,12 +298,10 @@ class Cluster:
              now: float = 0.0) -> tuple:
         """``(estimates best first, hits by name)``."""
         hits = self.hits(keys, answers, now)
-        est = []
-        for s in cands:
-            est += rank_prefill([s], len(tokens), hits, self.records[s.name].block_size,
-                                self.priors, now)
-        est.sort(key=lambda e: (e.ttft_s, self.states[e.name].inflight, e.name))
-        return with_affinity(est, self.priors.affinity), hits
+        ok = {s.name: s for s in cands if s.healthy and not s.full(self.priors, now)}
+        est = [expected_ttft(s, len(tokens), hits.get(n, {}), self.records[n].block_size,
+                             self.priors) for n, s in ok.items()]
+        return order(est, ok, self.priors), hits
 
     def rank_prefill(self, tokens, roles=("prefill",), now: float = 0.0) -> tuple:
         """``(estimates best first, keys by name, hits by name)`` for a prompt (the index

@@ -26,7 +26,8 @@ def build(cfg: Config, tokenizer=None, env=None) -> Conductor:
                                       "ssd": c["prior_load_ssd_s_per_block"],
                                       "remote": c["prior_load_remote_s_per_block"]},
                     full_kv_usage=c["full_kv_usage"], max_inflight=c["max_inflight"],
-                    fit_per_instance=c["fit_per_instance"], affinity=c["affinity"])
+                    fit_per_instance=c["fit_per_instance"], affinity=c["affinity"],
+                    load_bound=c["load_bound"])
     store = None
     if c["metadata_server"]:
         from ..metadata.base import KeyValueBackend

@@ -6,8 +6,8 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
     ttft_i = queue_i + base_i + uncached_i * tok_i + sum_t blocks_i[t] * load_i[t]
 
 - ``queue_i``: the prefill work already routed to ``i`` and not answered yet
-  (``queued_tokens * tok_i + inflight * served_i``), plus vLLM's own waiting requests from
-  its ``/metrics`` (``waiting * served_i``) for work the conductor did not send;
+  (``queued_tokens * tok_i + max(inflight, waiting) * served_i``; vLLM's waiting count
+  from its ``/metrics`` covers work the conductor did not send, and its own);
   ``served_i`` is the moving average of the TTFT measured there (at least ``base_i``);
 - ``uncached_i``: tokens past the longest prefix ``i`` can reuse (at least 1: vLLM always
   computes the last token);
@@ -25,7 +25,10 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
   :attr:`Priors.fit_per_instance`: like instances then differ only by their queues and
   caches, not by the noise of their own few samples.
 
-Prefix affinity. Among the instances whose expected TTFT is within
+Bounded load. Instances whose outstanding requests would pass ``load_bound`` times the
+mean go behind the others (:func:`within_load_bound`).
+
+Prefix affinity (off by default). Among the instances whose expected TTFT is within
 :attr:`Priors.affinity` times the best one's of it, the one holding the most of the prefix
 itself (``gpu`` + ``dram`` + ``ssd``: what only it can serve that cheaply) is picked, so a
 prompt family stays where its blocks are instead of following the shortest queue by a
@@ -38,6 +41,7 @@ those that are not full. Full: KV usage at or above ``full_kv_usage``, or
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -65,7 +69,10 @@ class Priors:
     fit_per_instance: bool = False
     # Prefix affinity: instances whose expected TTFT is within this fraction of the best
     # one's count as tied, and the one holding most of the prefix locally wins (0: off).
-    affinity: float = 1.0
+    affinity: float = 0.0
+    # Bounded load: an instance takes a request only while its outstanding requests, this
+    # one included, stay within ceil(load_bound * mean) over the candidates (0: off).
+    load_bound: float = 1.25
     full_kv_usage: float = 0.98              # a decode/plain instance this full is skipped
     max_inflight: int = 64                   # requests routed to one instance, unanswered
 
@@ -84,6 +91,7 @@ class InstanceState:
     kv_usage: float = 0.0                    # 0..1
     max_running: int = 256
     cooldown_until: float = 0.0              # answered 429/503: skipped until then
+    slow_checks: int = 0                     # health checks timed out in a row
     served_s: float = 0.0                    # EWMA of measured TTFT here (0: none yet)
     samples: deque = field(default_factory=lambda: deque(maxlen=128))
     fit: "dict | None" = None                # measured terms (see Model.refit)
@@ -125,7 +133,7 @@ def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: 
     # A request ahead costs at least what requests here have taken (they share the
     # instance's compute), not only its own tokens.
     per = max(t["base"], inst.served_s)
-    queue = inst.queued_tokens * t["tok"] + (inst.inflight + inst.waiting) * per
+    queue = inst.queued_tokens * t["tok"] + outstanding(inst) * per
     load = sum(blocks.get(k, 0) * t.get(f"load_{k}", 0.0) for k in TIERS)
     return Estimate(inst.name, queue + t["base"] + uncached * t["tok"] + load, queue,
                     uncached, dict(blocks))
@@ -137,13 +145,43 @@ def rank_prefill(states, n_tokens: int, hits: dict, block_size: int, priors: Pri
     :class:`Estimate` over the healthy instances that are not full. ``hits``: instance
     name -> tier -> blocks (missing: nothing cached there). Ties go to the instance with
     fewer requests in flight, then by name (stable)."""
-    out = []
-    for s in states:
-        if not s.healthy or s.full(priors, now):
-            continue
-        out.append((expected_ttft(s, n_tokens, hits.get(s.name, {}), block_size, priors), s))
-    out.sort(key=lambda es: (es[0].ttft_s, es[1].inflight, es[0].name))
-    return with_affinity([e for e, _ in out], priors.affinity)
+    by_name = {s.name: s for s in states if s.healthy and not s.full(priors, now)}
+    est = [expected_ttft(s, n_tokens, hits.get(s.name, {}), block_size, priors)
+           for s in by_name.values()]
+    return order(est, by_name, priors)
+
+
+def outstanding(inst: InstanceState) -> int:
+    """Requests ahead of a new one on ``inst``: the conductor's own (``inflight``, exact)
+    or vLLM's waiting count (scraped; it includes the conductor's own, so the larger of
+    the two, not their sum)."""
+    return max(inst.inflight, inst.waiting)
+
+
+def order(est: list, states: dict, priors: Priors) -> list:
+    """Estimates best first: by expected TTFT (ties: fewer in flight, then name), the
+    instances within the load bound ahead of the others, then prefix affinity."""
+    est = sorted(est, key=lambda e: (e.ttft_s, states[e.name].inflight, e.name))
+    return with_affinity(within_load_bound(est, states, priors.load_bound),
+                         priors.affinity)
+
+
+def within_load_bound(est: list, states: dict, bound: float) -> list:
+    """``est`` with the instances whose outstanding requests, this one included, would
+    exceed ``ceil(bound * (total + 1) / n)`` moved behind the others (kept for retries).
+
+    Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2018) applied
+    to the cost order: an expected TTFT is an estimate, and on a shared host its queue
+    term is the part most often wrong, so a cached prefix may pull a request onto an
+    instance only while that instance stays near the mean load. Without the bound, the
+    cost policy stacked 81 of 150 requests on one of three instances and its TTFT p90 was
+    2-3x least-loaded's (benchmarks/results/conductor-2026-12-05b)."""
+    if bound <= 0 or len(est) < 2:
+        return est
+    loads = {e.name: outstanding(states[e.name]) for e in est}
+    limit = math.ceil(bound * (sum(loads.values()) + 1) / len(est))
+    ok = [e for e in est if loads[e.name] + 1 <= limit]
+    return ok + [e for e in est if loads[e.name] + 1 > limit]
 
 
 def with_affinity(est: list, affinity: float) -> list:
