@@ -156,6 +156,9 @@ def run(args) -> int:
             return _serve(args, buffer_size)
         return _measure(args, cfg, buffer_size, report)
     except KeyboardInterrupt:
+        # Ctrl-C during set-up, before the runner's own handler: nothing was measured.
+        print("mooncake-te bench: interrupted before the first point; nothing measured",
+              file=sys.stderr)
         return 130
     except (MooncakeError, VerifyError, RuntimeError, TimeoutError, ValueError) as e:
         from ..errors import describe
