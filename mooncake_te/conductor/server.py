@@ -19,7 +19,6 @@ Per request (``/v1/completions``, ``/v1/chat/completions``):
 from __future__ import annotations
 
 import asyncio
-import base64
 import hmac
 import json
 import logging
@@ -407,32 +406,25 @@ class Conductor:
                                               st[e.name].queued_tokens, e.name))
         return est
 
-    def _index_url(self) -> "str | None":
-        """Our HTTP metadata server's batch route, asked from the event loop; None for
-        other stores (their own client, in a thread)."""
-        st = self.cluster.store
-        if getattr(st, "kind", "") != "http" or getattr(st, "_token", None):
-            return None
-        from urllib.parse import urlsplit, urlunsplit
-        u = urlsplit(st.url)
-        return urlunsplit((u.scheme, u.netloc, u.path.rstrip("/") + "/batch", "", ""))
-
     async def _owners(self, ns: str, keys: list) -> list:
-        """:meth:`Cluster.owners`, without blocking the event loop."""
+        """:meth:`Cluster.owners`, without blocking the event loop: our HTTP metadata
+        server's batch route asked from the loop (signed and its reply checked when the
+        store has a token); other stores through their own client, in a thread."""
         c = self.cluster
         if c.store is None or not ns or not keys:
             return [None] * len(keys)
-        url = self._index_url()
-        if url is None or len(keys) > 1000:
+        st = c.store
+        if getattr(st, "kind", "") != "http" or getattr(st, "_batch", None) is False \
+                or len(keys) > 1000:
             return await asyncio.get_running_loop().run_in_executor(None, c.owners, ns, keys)
         import aiohttp
         try:
-            async with self._session.post(url, json={"get": c.index_keys(ns, keys)},
+            url, body, headers, nonce = st.batch_read_request(c.index_keys(ns, keys))
+            async with self._session.post(url, data=body, headers=headers,
                                           timeout=aiohttp.ClientTimeout(total=2)) as r:
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-                vals = (await r.json())["values"]
-            return c.parse_owners([None if v is None else base64.b64decode(v) for v in vals])
+                content = await r.read()
+                vals = st.check_batch_reply(nonce, r.status, r.headers, content, len(keys))
+            return c.parse_owners(vals)
         except Exception as e:          # the index is a hint: an outage is a miss
             c.index_failed(e)
             return [None] * len(keys)

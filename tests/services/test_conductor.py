@@ -189,9 +189,39 @@ def test_owner_index_from_the_event_loop(store_server):
 
     async def main():
         async with Front(c) as f:
-            assert (f.c._index_url() is not None) == (store.kind == "http")
             got = await f.c._owners("vllm-abc-tp0", keys)
             assert got == [("127.0.0.1:14600", "dram")] * 4 + [None, None]
             assert got == c.owners("vllm-abc-tp0", keys)
             assert await f.c._owners("other-ns", keys) == [None] * 6
     asyncio.run(main())
+
+
+def test_signed_owner_index_from_the_event_loop():
+    """With the cluster token (pools share only then), the conductor's batch read from
+    its event loop is signed and believes only a reply signed with the token; a server
+    with another token is an index outage (a miss), not forged owners."""
+    from mooncake_te.kvcache.index import OwnerIndex
+    from servers import HttpMetadataServer, _serve
+    gen = _serve(HttpMetadataServer, token="conductor-token")
+    srv = next(gen)
+    try:
+        keys = [bytes([i]) * 16 for i in range(5)]
+        idx = OwnerIndex(open_backend(srv.url, token=b"conductor-token"), "127.0.0.1:14601",
+                         "vllm-signed")
+        for k in keys[:3]:
+            idx.publish(k, 4096, 1024, 0)
+        assert idx.flush()
+        idx.close()
+
+        async def ask(token):
+            c = Cluster(store=open_backend(srv.url, token=token))
+            async with Front(c) as f:
+                got = await f.c._owners("vllm-signed", keys)
+                return got, (c.owners("vllm-signed", keys)
+                             if token == b"conductor-token" else None)
+        got, direct = asyncio.run(ask(b"conductor-token"))
+        assert got == [("127.0.0.1:14601", "dram")] * 3 + [None, None] == direct
+        got, _ = asyncio.run(ask(b"another-token"))
+        assert got == [None] * 5
+    finally:
+        gen.close()

@@ -102,17 +102,7 @@ class HttpStore(LeasedStore):
         else:
             sep = "&" if "?" in self.url else "?"
             url = f"{self.url}{sep}{urlencode({'key': key})}"
-        nonce = None
-        if self._token:
-            from ..server import canonical_target, sign_request
-            headers = dict(headers or {})
-            u = urlsplit(url)
-            target = canonical_target(unquote(u.path),
-                                      parse_qsl(u.query, keep_blank_values=True))
-            headers[AUTH_HEADER] = sign_request(self._token, method, key,
-                                                headers.get(TTL_HEADER, ""), data or b"",
-                                                target=target)
-            nonce = headers[AUTH_HEADER].split()[2]
+        headers, nonce = self._signed(method, key, url, data, headers)
         try:
             with self._lock:
                 resp = self._session.request(method, url, data=data, headers=headers,
@@ -135,6 +125,53 @@ class HttpStore(LeasedStore):
             raise MetadataError(f"HTTP metadata server {self.address}: {method} {key!r} "
                                 f"failed: {type(e).__name__}: {e}.{port_hint('http', self.port)}",
                                 status=ERR_SOCKET) from None
+
+    def _signed(self, method: str, key: str, url: str, data: "bytes | None",
+                headers: "dict | None") -> tuple:
+        """``(headers, nonce)``: ``headers`` with this client's request MAC added when it
+        has a token, and the nonce the reply must be signed with (None: no token)."""
+        if not self._token:
+            return headers, None
+        from ..server import canonical_target, sign_request
+        headers = dict(headers or {})
+        u = urlsplit(url)
+        target = canonical_target(unquote(u.path), parse_qsl(u.query, keep_blank_values=True))
+        headers[AUTH_HEADER] = sign_request(self._token, method, key,
+                                            headers.get(TTL_HEADER, ""), data or b"",
+                                            target=target)
+        return headers, headers[AUTH_HEADER].split()[2]
+
+    def batch_read_request(self, keys: list) -> tuple:
+        """``(url, body, headers, nonce)`` of one batch read of ``keys`` (at most
+        ``MAX_BATCH``), for a caller with its own HTTP client (the conductor asks from its
+        event loop); pass the reply to :meth:`check_batch_reply`."""
+        u = urlsplit(self.url)
+        url = urlunsplit((u.scheme, u.netloc, u.path.rstrip("/") + "/batch", u.query, ""))
+        body = json.dumps({"get": list(keys)}).encode()
+        headers, nonce = self._signed("POST", "", url, body,
+                                      {"Content-Type": "application/json"})
+        return url, body, headers, nonce
+
+    def check_batch_reply(self, nonce: "str | None", status: int, headers, content: bytes,
+                          n: int) -> list:
+        """The values of a batch read's reply (see :meth:`batch_read_request`), its
+        signature checked when this client has a token; raises :class:`MetadataError`
+        (or :class:`AuthenticationError`) otherwise."""
+        from types import SimpleNamespace
+        resp = SimpleNamespace(status_code=status, headers=headers, content=content)
+        if nonce is not None:
+            self._check_reply("POST", "", nonce, resp)
+        if status != 200:
+            raise MetadataError(f"HTTP metadata server {self.address}: a batch read of {n} "
+                                f"keys answered HTTP {status}", status=ERR_SOCKET)
+        try:
+            values = json.loads(content)["values"]
+            if len(values) != n:
+                raise ValueError
+            return [None if v is None else base64.b64decode(v) for v in values]
+        except (ValueError, KeyError, TypeError):
+            raise MetadataError(f"HTTP metadata server {self.address}: a batch read of "
+                                f"{n} keys got a malformed answer", status=ERR_SOCKET) from None
 
     def _check_reply(self, method: str, key: str, nonce: str, resp) -> None:
         """A client with a token believes only replies signed with it (issue 35: an
