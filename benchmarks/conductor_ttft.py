@@ -6,9 +6,12 @@ Starts an HTTP metadata server, ``--instances`` plain ``vllm serve`` instances (
 the tiny random Llama of tests/integrations/vllm_tiny_model.py, MooncakeTEConnector with a
 DRAM pool, announced to the conductor through ``api_url``) and one conductor per policy
 (``cost``, ``round_robin``, ``least_loaded``), all finding the instances in the metadata
-store. A Mooncake trace (``data/traces/``) is replayed in chunks; chunk ``i`` goes through
-policy ``i mod 3`` (alternating), each chunk's prompts salted with a first block of its own
-so no policy reuses another's cache. Per policy: TTFT p50 / p90 / mean (client side, first
+store. A Mooncake trace (``data/traces/``) is replayed in chunks, each chunk through every
+policy in turn (the order rotating chunk by chunk), each policy's prompts salted with a
+first block of its own so no policy reuses another's cache; the three share the
+instances' capacity. With ``--isolate`` each policy instead runs alone on instances
+started for it (empty caches, the trace unsalted), ``--rounds`` times in rotating order.
+Per policy: TTFT p50 / p90 / mean (client side, first
 streamed chunk) and the hit rate (``usage.prompt_tokens_details.cached_tokens`` over
 prompt tokens: vLLM's own prefix cache plus the pool tiers).
 
@@ -207,11 +210,17 @@ async def replay(urls: dict, model: str, chunks: list, concurrency: int) -> dict
     return res
 
 
+def metrics_text(url: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(url + "/metrics") as r:
+        return r.read().decode()
+
+
 def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-def summarize(rs: list) -> dict:
+def summarize(rs: list, salt_block: bool = True) -> dict:
     """``hit_rate``: cached over prompt tokens as vLLM reports them; ``trace_hit_rate``:
     the same without each prompt's salt block (the benchmark's, cached on every instance
     for every policy alike, so it says nothing of routing and narrows every ratio)."""
@@ -219,13 +228,13 @@ def summarize(rs: list) -> dict:
     t = [r["ttft"] * 1e3 for r in ok]
     prompt = sum(r["prompt"] for r in ok)
     cached = sum(r["cached"] for r in ok)
-    salt = sum(min(BLOCK, r["cached"]) for r in ok)
+    salt = sum(min(BLOCK, r["cached"]) for r in ok) if salt_block else 0
+    head = BLOCK * len(ok) if salt_block else 0
     return {"requests": len(rs), "errors": len(rs) - len(ok),
             "ttft_p50_ms": pct(t, 50), "ttft_p90_ms": pct(t, 90),
             "ttft_mean_ms": float(np.mean(t)) if t else float("nan"),
             "hit_rate": cached / prompt if prompt else 0.0,
-            "trace_hit_rate": ((cached - salt) / (prompt - BLOCK * len(ok))
-                               if prompt > BLOCK * len(ok) else 0.0)}
+            "trace_hit_rate": ((cached - salt) / (prompt - head) if prompt > head else 0.0)}
 
 
 def salted(prompts: list, salt: int) -> list:
@@ -275,6 +284,12 @@ def main() -> int:
     ap.add_argument("--cost-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a [conductor] key for the cost conductor (TOML value), e.g. "
                          "load_bound=0 or affinity=1.0; repeatable")
+    ap.add_argument("--isolate", action="store_true",
+                    help="each policy alone on instances started for it (empty caches, "
+                         "unsalted trace), in turn, instead of alternating chunks over one "
+                         "set of instances that every policy's traffic shares")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --isolate: rounds of the three policies, order rotating")
     ap.add_argument("--json", metavar="FILE", help="write the results here too")
     a = ap.parse_args()
     py = sys.executable
@@ -287,67 +302,103 @@ def main() -> int:
         model = os.path.join(d, "tiny")
         subprocess.run([py, os.path.join(ROOT, "tests", "integrations", "vllm_tiny_model.py"),
                         model], check=True, env=env(), capture_output=True, timeout=300)
-        mport = free_port()
-        procs.start("metadata", [py, "-m", "mooncake_te", "metadata-server", "--host",
-                                 "127.0.0.1", "--port", str(mport)])
-        md = f"http://127.0.0.1:{mport}/metadata"
-        wait_http(f"http://127.0.0.1:{mport}/health", procs, "metadata", 60)
         cfg = pool_config(d, a.pool_mb / 1000)
-        ports = []
-        for i in range(a.instances):
-            port = free_port()
-            ports.append(port)
-            procs.start(f"vllm{i}", vllm_argv(
-                py, model, port, free_port(), "kv_both", md, cfg, kv_mb=a.kv_mb,
-                kvcache={"shared": None, "local": {"remote": False},
-                         "off": {"dram_cache_gb": 0}}[a.pool],
-                kv_events=(free_port(), free_port()) if a.kv_events else None))
-        for i, port in enumerate(ports):
-            wait_http(f"http://127.0.0.1:{port}/health", procs, f"vllm{i}", 600)
-        urls = {}
         cost_cfg = os.path.join(d, "cost-conductor.toml")
         with open(cost_cfg, "w") as f:          # --cost-set: the cost conductor's keys
             f.write("[conductor]\n" + "".join(f"{k} = {v}\n" for k, v in
                                               (kv.split("=", 1) for kv in a.cost_set)))
-        for pol in POLICIES:
-            port = free_port()
-            procs.start(f"conductor-{pol}", conductor_argv(
-                py, port, md, model, pol, ["--config", cost_cfg] if pol == "cost" else ()))
-            urls[pol] = f"http://127.0.0.1:{port}"
-        for pol in POLICIES:
-            wait_http(urls[pol] + "/health", procs, f"conductor-{pol}", 120)
+
+        def cluster(tag: str, pols) -> tuple:
+            """A metadata server, the instances and a conductor per policy in ``pols``:
+            ``(instance ports, {policy: url})``."""
+            mport = free_port()
+            procs.start(f"metadata{tag}", [py, "-m", "mooncake_te", "metadata-server",
+                                           "--host", "127.0.0.1", "--port", str(mport)])
+            md = f"http://127.0.0.1:{mport}/metadata"
+            wait_http(f"http://127.0.0.1:{mport}/health", procs, f"metadata{tag}", 60)
+            ports = []
+            for i in range(a.instances):
+                port = free_port()
+                ports.append(port)
+                procs.start(f"vllm{i}{tag}", vllm_argv(
+                    py, model, port, free_port(), "kv_both", md, cfg, kv_mb=a.kv_mb,
+                    kvcache={"shared": None, "local": {"remote": False},
+                             "off": {"dram_cache_gb": 0}}[a.pool],
+                    kv_events=(free_port(), free_port()) if a.kv_events else None))
+            for i, port in enumerate(ports):
+                wait_http(f"http://127.0.0.1:{port}/health", procs, f"vllm{i}{tag}", 600)
+            urls = {}
+            for pol in pols:
+                port = free_port()
+                procs.start(f"conductor-{pol}{tag}", conductor_argv(
+                    py, port, md, model, pol, ["--config", cost_cfg] if pol == "cost" else ()))
+                urls[pol] = f"http://127.0.0.1:{port}"
+            for pol in pols:
+                wait_http(urls[pol] + "/health", procs, f"conductor-{pol}{tag}", 120)
+            return ports, urls
+
         trace = load_trace(a.trace, a.requests, a.max_blocks, a.start, a.repeating)
-        chunks = []
-        for ci, i in enumerate(range(0, len(trace), a.chunk)):
-            # each policy gets the same trace chunk, salted so caches are its own (the
-            # same salt every chunk: a prefix recurs across chunks); the order rotates,
-            # so no policy always goes first (an A/A run, least-loaded in the cost
-            # slot, gave that slot 1.28x least-loaded's mean TTFT with a fixed order)
-            for k in range(len(POLICIES)):
-                pi = (ci + k) % len(POLICIES)
-                chunks.append((POLICIES[pi], salted(trace[i:i + a.chunk], pi)))
         load_start = os.getloadavg()
         t0 = time.monotonic()
-        res = asyncio.run(replay(urls, model, chunks, a.concurrency))
+        extra = {}
+        if a.isolate:
+            # Each policy alone on instances started for it (empty caches, the whole
+            # capacity its own), the trace unsalted; the policies' order rotates with the
+            # round. What a policy's placement does to the hit rate shows here; the
+            # alternating mode shares every cache among the three.
+            res: dict = {p: [] for p in POLICIES}
+            for rnd in range(a.rounds):
+                for k in range(len(POLICIES)):
+                    pol = POLICIES[(rnd + k) % len(POLICIES)]
+                    tag = f"-{pol}-{rnd}"
+                    ports, urls = cluster(tag, [pol])
+                    res[pol] += asyncio.run(replay(
+                        urls, model, [(pol, trace[i:i + a.chunk])
+                                      for i in range(0, len(trace), a.chunk)],
+                        a.concurrency))[pol]
+                    if pol == "cost" and rnd == 0:
+                        if a.overhead:
+                            extra["overhead"] = asyncio.run(overhead(
+                                f"http://127.0.0.1:{ports[0]}", urls["cost"], model,
+                                a.overhead, 4))
+                        extra["metrics"] = metrics_text(urls["cost"])
+                    for name in [n for n in procs.p if n.endswith(tag)]:
+                        procs.kill(name, signal.SIGTERM)
+        else:
+            ports, urls = cluster("", POLICIES)
+            chunks = []
+            for ci, i in enumerate(range(0, len(trace), a.chunk)):
+                # each policy gets the same trace chunk, salted so caches are its own
+                # (the same salt every chunk: a prefix recurs across chunks); the order
+                # rotates, so no policy always goes first (an A/A run, least-loaded in
+                # the cost slot, gave that slot 1.28x least-loaded's mean TTFT with a
+                # fixed order)
+                for k in range(len(POLICIES)):
+                    pi = (ci + k) % len(POLICIES)
+                    chunks.append((POLICIES[pi], salted(trace[i:i + a.chunk], pi)))
+            res = asyncio.run(replay(urls, model, chunks, a.concurrency))
+            if a.overhead:
+                extra["overhead"] = asyncio.run(overhead(f"http://127.0.0.1:{ports[0]}",
+                                                         urls["cost"], model, a.overhead, 4))
+            extra["metrics"] = metrics_text(urls["cost"])
+        replay_s = time.monotonic() - t0
         out = {"trace": os.path.basename(a.trace), "repeating": a.repeating, "pool": a.pool,
-               "kv_events": a.kv_events,
+               "kv_events": a.kv_events, "isolate": a.isolate,
+               "rounds": a.rounds if a.isolate else 1,
                "requests_per_policy": len(trace),
                "instances": a.instances, "concurrency": a.concurrency,
-               "replay_s": time.monotonic() - t0,
+               "replay_s": replay_s,
                "pool_mb": a.pool_mb, "cost_set": a.cost_set, "kv_mb": a.kv_mb,
                "max_blocks": a.max_blocks,
                "chunk": a.chunk, "load_average_start": load_start,
                "load_average_end": os.getloadavg(),
-               "policies": {p: summarize(res[p]) for p in POLICIES},
+               "policies": {p: summarize(res[p], not a.isolate) for p in POLICIES},
                "raw": {p: [[None if r.get("ttft") is None else round(r["ttft"] * 1e3, 2),
                             r.get("prompt"), r.get("cached")] for r in res[p]]
                        for p in POLICIES}}
-        if a.overhead:
-            out["overhead"] = asyncio.run(overhead(f"http://127.0.0.1:{ports[0]}",
-                                                   urls["cost"], model, a.overhead, 4))
-        import urllib.request
-        with urllib.request.urlopen(urls["cost"] + "/metrics") as r:
-            text = r.read().decode()
+        if "overhead" in extra:
+            out["overhead"] = extra["overhead"]
+        text = extra["metrics"]
         m = {}
         for line in text.splitlines():
             if line.startswith("mooncake_te_conductor_route_seconds_total "):
