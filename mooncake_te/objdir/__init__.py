@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from .checksum import CRC32_IMPL, crc32_held, crc32_many, crc32_released
 from .directory import ObjectDirectory, area_prefix
-from .owners import TIERS, Owner, OwnerDirectory, parse_tier
+from .owners import TIERS, OwnerDirectory, parse_tier
 from .read import read_verified
 
-__all__ = ["ObjectDirectory", "area_prefix", "OwnerDirectory", "Owner", "TIERS", "parse_tier",
+__all__ = ["ObjectDirectory", "area_prefix", "OwnerDirectory", "TIERS", "parse_tier",
            "read_verified", "crc32_held", "crc32_released", "crc32_many", "CRC32_IMPL"]

@@ -56,16 +56,20 @@ class ObjectDirectory:
     def get_many(self, names) -> list:
         """The raw records of ``names`` (None where there is none), one round trip. A
         store outage answers all None (a lookup is a hint: an outage is a miss), logged."""
-        if not names:
+        return self.get_keys([self.prefix + n for n in names])
+
+    def get_keys(self, keys: list) -> list:
+        """:meth:`get_many` of full store keys (:meth:`key`)."""
+        if not keys:
             return []
         try:
-            return self.store.get_many([self.prefix + n for n in names])
+            return self.store.get_many(keys)
         except Exception as e:
             self.errors += 1
             if self.errors in (1, 10, 100) or self.errors % 1000 == 0:
                 log.warning("%s: lookup in the metadata store failed (%d so far): %s",
                             self.area, self.errors, e)
-            return [None] * len(names)
+            return [None] * len(keys)
 
     def get_json(self, name: str, default):
         """The JSON value of ``name``, ``default`` when there is none or it is not JSON

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import NamedTuple
 
 from ..auth import mac, mac_ok
 from ..metadata.base import KeyValueBackend
@@ -43,15 +42,6 @@ _DROP = object()
 _U64 = 1 << 64
 MAX_OWNER = 256            # bytes of a segment name in a record
 TIERS = ("dram", "ssd")     # where an owner holds an object (the record's "tier")
-
-
-class Owner(NamedTuple):
-    """A readable record: ``owner`` holds ``length`` bytes at ``addr``, CRC-32 ``crc``."""
-
-    owner: str
-    addr: int
-    length: int
-    crc: int
 
 
 def _parts(name: bytes, owner: str, addr: int, length: int, crc: int,
@@ -148,8 +138,9 @@ class OwnerDirectory:
         self._queue(key, _DROP)
 
     # -- lookups (one round trip each) ------------------------------------------------------
-    def lookup(self, key: bytes) -> "Owner | None":
-        """The record of another engine holding ``key`` in DRAM, or None."""
+    def lookup(self, key: bytes) -> "tuple | None":
+        """``(owner, addr, length, crc)`` of another engine holding ``key`` in DRAM (a
+        record it can be read with), or None."""
         return self.lookup_many([key])[0]
 
     def lookup_many(self, keys) -> list:
@@ -157,7 +148,8 @@ class OwnerDirectory:
         return [self._record(k, raw) for k, raw in zip(keys, self._raw_many(keys))]
 
     def _raw_many(self, keys) -> list:
-        return self.dir.get_many([k.hex() for k in keys])
+        prefix = self.prefix
+        return self.dir.get_keys([prefix + k.hex() for k in keys])
 
     def lookup_tiers(self, keys) -> list:
         """``(owner, tier)`` of each key's valid record, ours included, None where there
@@ -179,11 +171,12 @@ class OwnerDirectory:
             n += 1
         return n
 
-    def _record(self, key: bytes, raw) -> "Owner | None":
+    def _record(self, key: bytes, raw) -> "tuple | None":
         d = self._checked(key, raw, skip_own=True)
         if d is None or d.get("tier", "dram") != "dram":
             return None
-        return Owner(d["owner"], d["addr"], d["length"], d.get("crc", 0))
+        # A plain tuple: built per key on vLLM's hot path (a NamedTuple costs more).
+        return d["owner"], d["addr"], d["length"], d.get("crc", 0)
 
     def _checked(self, key: bytes, raw, skip_own: bool = False) -> "dict | None":
         """The decoded record when it is well formed and (with a MAC key) authenticated;

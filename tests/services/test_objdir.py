@@ -13,7 +13,7 @@ import pytest
 import mooncake_te as mte
 from mooncake_te.auth import derive_key, mac
 from mooncake_te.metadata import open_backend
-from mooncake_te.objdir import (ObjectDirectory, Owner, OwnerDirectory, area_prefix,
+from mooncake_te.objdir import (ObjectDirectory, OwnerDirectory, area_prefix,
                                 crc32_held, crc32_released, parse_tier, read_verified)
 from store_fixtures import _loopback, index_url  # noqa: F401
 
@@ -40,7 +40,7 @@ def test_batch_publish_and_lookup_on_each_store(store):
             a.publish(k, 4096 * (i + 1), 100 + i, i * 7)
         assert a.flush()
         got = b.lookup_many(ks + keys(3, 2))            # 40 records and 3 never published
-        assert got[:40] == [Owner("eng-a", 4096 * (i + 1), 100 + i, i * 7) for i in range(40)]
+        assert got[:40] == [("eng-a", 4096 * (i + 1), 100 + i, i * 7) for i in range(40)]
         assert got[40:] == [None] * 3
         assert b.lookup_prefix(ks) == 40 and a.lookup_many(ks[:2]) == [None, None]  # ours
         assert b.rejected == 0
@@ -50,7 +50,7 @@ def test_batch_publish_and_lookup_on_each_store(store):
         b.withdraw(ks[2])                               # not b's: stays
         assert a.flush() and b.flush()
         assert b.lookup_tiers(ks[:3]) == [("eng-a", "ssd"), None, ("eng-a", "dram")]
-        assert b.lookup_many(ks[:3]) == [None, None, Owner("eng-a", 4096 * 3, 102, 14)]
+        assert b.lookup_many(ks[:3]) == [None, None, ("eng-a", 4096 * 3, 102, 14)]
         assert b.lookup_prefix(ks) == 0
         b.drop(ks[2])                                   # removed: whoever owns it
         assert b.flush() and b.lookup_many([ks[2]]) == [None]
@@ -72,7 +72,7 @@ def test_a_tampered_record_is_refused(store):
         a.publish(k, 8192, 64, 0x1234)
         assert a.flush()
         good = json.loads(store.get(a._key(k)))
-        assert b.lookup(k) == Owner("eng-a", 8192, 64, 0x1234)
+        assert b.lookup(k) == ("eng-a", 8192, 64, 0x1234)
         assert other.lookup(k) is None and other.rejected == 1     # another token's key
         for field, value in [("addr", 4096), ("length", 63), ("crc", 0x1235),
                              ("owner", "eng-x"), ("tier", "ssd"), ("mac", "0" * 64)]:
@@ -87,7 +87,7 @@ def test_a_tampered_record_is_refused(store):
         # Without a MAC key records are read unauthenticated, malformed ones still refused.
         store.put(a._key(k), json.dumps(dict(good, mac="forged")).encode())
         plain = OwnerDirectory(store, "objdir-test/mac", "eng-c")
-        assert plain.lookup(k) == Owner("eng-a", 8192, 64, 0x1234)
+        assert plain.lookup(k) == ("eng-a", 8192, 64, 0x1234)
         plain.close()
     finally:
         store.delete(a._key(k))
@@ -110,7 +110,7 @@ def test_the_record_is_the_one_older_engines_wrote(store):
         assert d._key(k) == area_prefix(store, "kvcache/compat") + k.hex()
         store.put(d._key(k), legacy)
         reader = OwnerDirectory(store, "kvcache/compat", "eng-b", mac_key=KEY)
-        assert reader.lookup(k) == Owner("eng-a", 4096, 10, 7)
+        assert reader.lookup(k) == ("eng-a", 4096, 10, 7)
         reader.close()
     finally:
         store.delete(d._key(k))
