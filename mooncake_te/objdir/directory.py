@@ -53,10 +53,18 @@ class ObjectDirectory:
         """The store key of the record ``name``."""
         return self.prefix + name
 
-    def get_many(self, names) -> list:
-        """The raw records of ``names`` (None where there is none), one round trip. A
-        store outage answers all None (a lookup is a hint: an outage is a miss), logged."""
-        return self.get_keys([self.prefix + n for n in names])
+    def get(self, name: str) -> "bytes | None":
+        """The raw record ``name``, None where there is none; store errors propagate."""
+        return self.store.get(self.key(name))
+
+    def get_many(self, names, hint: bool = True) -> list:
+        """The raw records of ``names`` (None where there is none), one round trip. With
+        ``hint`` a store outage answers all None (a lookup is a hint: an outage is a
+        miss), logged; without, the store's error propagates."""
+        keys = [self.prefix + n for n in names]
+        if not hint:
+            return self.store.get_many(keys) if keys else []
+        return self.get_keys(keys)
 
     def get_keys(self, keys: list) -> list:
         """:meth:`get_many` of full store keys (:meth:`key`)."""

@@ -61,6 +61,10 @@ class Directory(ABC):
     @abstractmethod
     def manifest(self, name: str) -> Manifest | None: ...
 
+    def manifests(self, names) -> list:
+        """:meth:`manifest` of each name (a store answers all in one round trip)."""
+        return [self.manifest(n) for n in names]
+
     @abstractmethod
     def holders(self, name: str, object_id: str) -> list[HolderRef]: ...
 
@@ -144,8 +148,12 @@ class StoreDirectory(Directory):
         self.dir.update(INDEX, lambda d: _with_name(d, manifest.name, False), {"names": []})
 
     def manifest(self, name: str) -> Manifest | None:
-        raw = self.backend.get(self.dir.key(f"objects/{name}"))
+        raw = self.dir.get(f"objects/{name}")
         return None if raw is None else Manifest.decode(raw)
+
+    def manifests(self, names) -> list:
+        raws = self.dir.get_many([f"objects/{n}" for n in names], hint=False)
+        return [None if raw is None else Manifest.decode(raw) for raw in raws]
 
     def holders(self, name: str, object_id: str) -> list[HolderRef]:
         d = self.dir.get_json(f"holders/{name}", {})

@@ -194,3 +194,31 @@ def test_a_checksum_mismatch_is_a_miss_and_nothing_lands_beyond_the_destination(
         assert read_verified(reader, [(seg, outside.ctypes.data,
                                        src.ctypes.data, 64)], lambda i: True) == [False]
         assert (outside == GUARD).all()
+
+
+def test_p2p_store_lists_what_it_does_not_hold_with_one_batch_lookup(index_url,  # noqa: F811
+                                                                     monkeypatch):
+    """The P2P store's manifests are records of the object directory: ``list()`` reads
+    those of objects it does not hold in one ``get_many``, not one ``get`` each."""
+    from mooncake_te.p2p_store import P2PStore
+    with mte.TransferEngine(host="127.0.0.1", metadata=index_url) as ea, \
+            mte.TransferEngine(host="127.0.0.1", metadata=index_url) as eb:
+        pub, other = P2PStore(ea), P2PStore(eb)
+        try:
+            for i in range(3):
+                pub.register(f"objdir-list-{i}", np.full(1 << 12, i, np.uint8))
+            backend = other.directory.backend
+            calls = {"get": 0, "get_many": 0}
+            for name in calls:
+                real = getattr(backend, name)
+
+                def counted(*a, _real=real, _name=name):
+                    calls[_name] += 1
+                    return _real(*a)
+                monkeypatch.setattr(backend, name, counted)
+            got = [(o.name, o.held, o.size) for o in other.list()]
+            assert got == [(f"objdir-list-{i}", None, 1 << 12) for i in range(3)]
+            assert calls == {"get": 1, "get_many": 1}       # the name list, the manifests
+        finally:
+            other.close()
+            pub.close()
