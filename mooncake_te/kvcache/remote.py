@@ -111,7 +111,8 @@ class RemoteTier(Tier):
         return read_verified(self._cache.engine,
                              [(rec[0], local, rec[1], HEADER_SIZE + n)
                               for _k, rec, n, _v, local in items], check,
-                             "kvcache: remote get", logger=log)
+                             "kvcache: remote get", logger=log,
+                             bounds=[(local, len(view)) for _k, _r, _n, view, local in items])
 
     def stats(self) -> dict:
         return {"index_errors": self.index.errors, "rejected_records": self.index.rejected}

@@ -7,8 +7,9 @@ checked by the caller's ``check(i)`` (a checksum against the record, a header, a
 tag). A failed submit, a failed batch or a failed check is a miss for that item, never an
 exception for the whole read, and nothing is written outside the destinations: each READ
 lands only at the local address and length the caller named, inside memory it registered
-(the engine refuses a local range outside a registered region), and a length a record
-named is never trusted beyond the destination the caller sized for it.
+(the engine refuses a local range outside a registered region), and with ``bounds`` an
+item whose READs would pass its destination (a record naming more bytes than the slot
+holds) is refused before anything is read.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ log = logging.getLogger("mooncake_te.objdir")
 
 def read_verified(engine, items, check, what: str = "objdir", timeout=None,
                   errors: "dict | None" = None,
-                  logger: "logging.Logger | None" = None) -> list:
+                  logger: "logging.Logger | None" = None, bounds=None) -> list:
     """READ each of ``items`` and check it: a list of bool, True where the item arrived
     and ``check(i)`` accepted it.
 
@@ -44,6 +45,10 @@ def read_verified(engine, items, check, what: str = "objdir", timeout=None,
         Of each batch (the engine's default when None).
     logger : logging.Logger, optional
         Where failed READs are logged (INFO; the caller's logger, else objdir's).
+    bounds : list, optional
+        Per item, ``(address, size)`` of its destination: an item with a READ that
+        would land outside it (a record naming more bytes than the destination holds)
+        is a miss, and is not read at all.
     errors : dict, optional
         Filled with ``{item: the MooncakeError of its READ}`` for items that did not
         arrive (a check that failed is not an error: the item is simply False).
@@ -52,6 +57,13 @@ def read_verified(engine, items, check, what: str = "objdir", timeout=None,
     by_seg: dict = {}
     for i, it in enumerate(items):
         pieces = [it] if isinstance(it[0], str) else list(it)
+        if bounds is not None:
+            lo, size = bounds[i]
+            if not all(lo <= p[1] and p[1] + p[3] <= lo + size for p in pieces):
+                logger.warning("%s: a read of %d bytes from %s does not fit its "
+                               "destination of %d bytes; not read", what,
+                               sum(p[3] for p in pieces), pieces[0][0], size)
+                continue
         for seg, local, remote, length in pieces:
             g = by_seg.setdefault(seg, ([], [], [], []))
             g[0].append(i)

@@ -189,6 +189,13 @@ def test_a_checksum_mismatch_is_a_miss_and_nothing_lands_beyond_the_destination(
         # A READ past the owner's registered memory fails (a miss), it is never served.
         bad = (seg, local, src.ctypes.data + n - 8, 64)
         assert read_verified(reader, [bad], lambda i: True) == [False]
+        # A record naming more bytes than the destination holds: refused before any READ,
+        # although the bytes past it are registered memory the engine would write.
+        mid[:] = 0
+        long = (seg, local + 64, src.ctypes.data, n)      # ends 64 bytes past the slot
+        assert read_verified(reader, [long], lambda i: True, bounds=[(local, n)]) == [False]
+        assert (mid == 0).all() and (dst[2 << 16:] == GUARD).all()
+        assert read_verified(reader, [item], lambda i: True, bounds=[(local, n)]) == [True]
         # A destination outside the reader's registered memory is refused, not written.
         outside = np.full(64, GUARD, np.uint8)
         assert read_verified(reader, [(seg, outside.ctypes.data,
