@@ -2,8 +2,9 @@
 """The ``remote`` tier: other instances' DRAM hubs, found through the owner index
 (:mod:`.index`, the object directory's owner records in the metadata store) and read
 with one-sided READs straight into this cache's hub slots (the object directory's
-verified READ, :func:`mooncake_te.objdir.read_verified`), each record checked (key, length, CRC) before it is served, so a stale
-index record costs a wasted read, never wrong bytes.
+verified READ, :func:`mooncake_te.objdir.read_verified`), each record checked (key,
+length, CRC) before it is served, so a stale index record costs a wasted read, never
+wrong bytes.
 
 Not local (:class:`~.tiers.Tier`): a prefix or a batch is one index query, asked only
 when the caller passes ``remote=True``. The hub publishes its own blocks to the same
