@@ -9,7 +9,8 @@ computed them); without events (or while the event history has a hole) it is sha
 here (the keys the conductor sent there, newest kept, at most that instance's KV blocks).
 The pools are
 in the metadata store's owner index (``mooncake/[<cluster>/]kvcache/<namespace>/<key>``,
-:mod:`mooncake_te.kvcache.index`, owner records of :mod:`mooncake_te.objdir`), read with one batch query per prompt. Keys are
+:mod:`mooncake_te.kvcache.index`, owner records of :mod:`mooncake_te.objdir`), read
+with one batch query per prompt. Keys are
 computed by :func:`mooncake_te.integrations.vllm.pool.keys.block_keys`, the connector's
 own function, from the root the instance announced (or the configured model, dtype and
 block size: :func:`~mooncake_te.integrations.vllm.pool.keys.namespace_root`).

@@ -8,12 +8,13 @@ descriptors, under the same prefix (``MC_METADATA_CLUSTER_ID`` applies):
 * ``mooncake/[<cluster>/]p2p_store/holders/<name>``: ``{"object_id", "holders": [...]}``;
 * ``mooncake/[<cluster>/]p2p_store/index``: ``{"names": [...]}``, for ``list()``.
 
-They are the object directory's area ``p2p_store`` (:class:`mooncake_te.objdir.
-ObjectDirectory`, shared with the KV cache's owner index). The stores offer no
-compare-and-swap, so two getters adding themselves at the same moment can lose one
-update. Three things make that harmless: every change is read back after a random
-pause and redone if it was lost (:meth:`~mooncake_te.objdir.ObjectDirectory.update`); every holder re-checks its own entry each refresh
-period; and holders gossip (a getter names itself in each chunk request, and getters
+They are the object directory's area ``p2p_store``
+(:class:`mooncake_te.objdir.ObjectDirectory`, shared with the KV cache's owner index).
+The stores offer no compare-and-swap, so two getters adding themselves at the same
+moment can lose one update. Three things make that harmless: every change is read back
+after a random pause and redone if it was lost
+(:meth:`~mooncake_te.objdir.ObjectDirectory.update`); every holder re-checks its own
+entry each refresh period; and holders gossip (a getter names itself in each chunk request, and getters
 ask holders for the holders they know). A holder that died stays listed until someone
 notices its engine's segment has expired from the store (the engines' keys carry a
 TTL) and prunes it; until then getters skip it at the first refused connection.
