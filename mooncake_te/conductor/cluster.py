@@ -9,19 +9,19 @@ computed them); without events (or while the event history has a hole) it is sha
 here (the keys the conductor sent there, newest kept, at most that instance's KV blocks).
 The pools are
 in the metadata store's owner index (``mooncake/[<cluster>/]kvcache/<namespace>/<key>``,
-:mod:`mooncake_te.kvcache.index`), read with one batch query per prompt. Keys are
+:mod:`mooncake_te.kvcache.index`, owner records of :mod:`mooncake_te.objdir`), read
+with one batch query per prompt. Keys are
 computed by :func:`mooncake_te.integrations.vllm.pool.keys.block_keys`, the connector's
 own function, from the root the instance announced (or the configured model, dtype and
 block size: :func:`~mooncake_te.integrations.vllm.pool.keys.namespace_root`).
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections import OrderedDict
 
 from ..integrations.vllm.pool.keys import block_keys, namespace_root
-from ..metadata.base import key_prefix
+from ..objdir import area_prefix, parse_tier
 from .events import GpuBlocks
 from .cost import (InstanceState, Priors, expected_ttft, order, prefix_by_tier, rank_decode,
                    refit)
@@ -224,7 +224,7 @@ class Cluster:
 
     def index_keys(self, namespace: str, keys) -> list:
         """The owner index's key names of ``keys`` in ``namespace``."""
-        prefix = f"{key_prefix(getattr(self.store, 'cluster_id', None))}kvcache/{namespace}/"
+        prefix = area_prefix(self.store, f"kvcache/{namespace}")
         return [prefix + k.hex() for k in keys]
 
     def index_failed(self, e) -> None:
@@ -237,16 +237,7 @@ class Cluster:
     def parse_owners(raws) -> list:
         """``(owner, tier)`` of each raw index record (tier ``"dram"`` or ``"ssd"``;
         a record without one is DRAM), None where there is none or it is malformed."""
-        out = []
-        for raw in raws:
-            try:
-                d = json.loads(raw) if raw else None
-                tier = "dram" if d is None else d.get("tier", "dram")
-                out.append(None if d is None or tier not in ("dram", "ssd")
-                           else (str(d["owner"]), tier))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                out.append(None)
-        return out
+        return [parse_tier(raw) for raw in raws]
 
     def owners(self, namespace: str, keys) -> list:
         """``(owner engine name, tier)`` of each key in the index, None where none; all

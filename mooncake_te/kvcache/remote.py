@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The ``remote`` tier: other instances' DRAM hubs, found through the owner index
-(:mod:`.index`, in the metadata store) and read with one-sided READs straight into this
-cache's hub slots, each record checked (key, length, CRC) before it is served, so a stale
-index record costs a wasted read, never wrong bytes.
+(:mod:`.index`, the object directory's owner records in the metadata store) and read
+with one-sided READs straight into this cache's hub slots (the object directory's
+verified READ, :func:`mooncake_te.objdir.read_verified`), each record checked (key,
+length, CRC) before it is served, so a stale index record costs a wasted read, never
+wrong bytes.
 
 Not local (:class:`~.tiers.Tier`): a prefix or a batch is one index query, asked only
 when the caller passes ``remote=True``. The hub publishes its own blocks to the same
@@ -21,10 +23,9 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
 from ..config import Config
-from ..errors import InvalidArgumentError, MooncakeError
+from ..errors import InvalidArgumentError
+from ..objdir.read import read_verified
 from .record import HEADER_SIZE, crc32_held, parse_header
 from .tiers import Tier
 
@@ -99,38 +100,20 @@ class RemoteTier(Tier):
         self.index.drop(key)
 
     def read_into(self, items) -> list:
-        """Every owner's READs in flight at once, then each record checked."""
-        import mooncake_te as mte
-        engine = self._cache.engine
-        by_owner: dict = {}
-        for j, (_k, rec, _n, _v, _a) in enumerate(items):
-            by_owner.setdefault(rec[0], []).append(j)
-        batches = []
-        for owner, js in by_owner.items():
-            local = np.array([items[j][4] for j in js], np.uint64)
-            addrs = np.array([items[j][1][1] for j in js], np.uint64)
-            lens = np.array([HEADER_SIZE + items[j][2] for j in js], np.uint64)
-            try:
-                batches.append((owner, js, engine.submit_arrays(mte.READ, owner, local,
-                                                                addrs, lens)))
-            except MooncakeError as e:
-                log.info("kvcache: remote get from %s failed: %s", owner, e)
-        ok = [False] * len(items)
-        for owner, js, batch in batches:
-            try:
-                batch.wait()
-            except MooncakeError as e:
-                log.info("kvcache: remote get from %s failed: %s", owner, e)
-                continue
-            for j in js:
-                k, _, n, view, _ = items[j]
-                h = parse_header(view)
-                # The record's CRC was MAC'd by the publisher (with a token): the block
-                # must be the one it published, not just any block with that key.
-                ok[j] = h is not None and h.key == k and h.length == n and \
-                    h.crc == items[j][1][3] and \
-                    crc32_held(view[HEADER_SIZE:HEADER_SIZE + n]) == h.crc
-        return ok
+        """Every owner's READs in flight at once (:func:`~mooncake_te.objdir.read_verified`),
+        then each slot's header checked against the record."""
+        def check(j: int) -> bool:
+            k, rec, n, view, _ = items[j]
+            h = parse_header(view)
+            # The record's CRC was MAC'd by the publisher (with a token): the block must
+            # be the one it published, not just any block with that key.
+            return h is not None and h.key == k and h.length == n and h.crc == rec[3] and \
+                crc32_held(view[HEADER_SIZE:HEADER_SIZE + n]) == h.crc
+        return read_verified(self._cache.engine,
+                             [(rec[0], local, rec[1], HEADER_SIZE + n)
+                              for _k, rec, n, _v, local in items], check,
+                             "kvcache: remote get", logger=log,
+                             bounds=[(local, len(view)) for _k, _r, _n, view, local in items])
 
     def stats(self) -> dict:
         return {"index_errors": self.index.errors, "rejected_records": self.index.rejected}

@@ -8,11 +8,13 @@ descriptors, under the same prefix (``MC_METADATA_CLUSTER_ID`` applies):
 * ``mooncake/[<cluster>/]p2p_store/holders/<name>``: ``{"object_id", "holders": [...]}``;
 * ``mooncake/[<cluster>/]p2p_store/index``: ``{"names": [...]}``, for ``list()``.
 
-The stores offer only get/put/delete (:class:`~mooncake_te.metadata.KeyValueBackend`),
-no compare-and-swap, so two getters adding themselves at the same moment can lose one
-update. Three things make that harmless: every change is read back after a random
-pause and redone if it was lost; every holder re-checks its own entry each refresh
-period; and holders gossip (a getter names itself in each chunk request, and getters
+They are the object directory's area ``p2p_store``
+(:class:`mooncake_te.objdir.ObjectDirectory`, shared with the KV cache's owner index).
+The stores offer no compare-and-swap, so two getters adding themselves at the same
+moment can lose one update. Three things make that harmless: every change is read back
+after a random pause and redone if it was lost
+(:meth:`~mooncake_te.objdir.ObjectDirectory.update`); every holder re-checks its own
+entry each refresh period; and holders gossip (a getter names itself in each chunk request, and getters
 ask holders for the holders they know). A holder that died stays listed until someone
 notices its engine's segment has expired from the store (the engines' keys carry a
 TTL) and prunes it; until then getters skip it at the first refused connection.
@@ -24,14 +26,12 @@ from what it holds and what it has been told.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
-import random
-import time
 from abc import ABC, abstractmethod
 
 from ..errors import MetadataError
-from ..metadata import KeyValueBackend, key_prefix, ram_key
+from ..metadata import KeyValueBackend, ram_key
+from ..objdir import ObjectDirectory
 from .control import ControlClient
 from .errors import ObjectExistsError
 from .manifest import HolderRef, Manifest
@@ -40,6 +40,8 @@ log = logging.getLogger("mooncake_te.p2p_store")
 
 #: entries of an object's holder list in a metadata store
 MAX_HOLDERS = 256
+#: the name list's key in the directory's area
+INDEX = "index"
 
 
 class Directory(ABC):
@@ -59,6 +61,10 @@ class Directory(ABC):
 
     @abstractmethod
     def manifest(self, name: str) -> Manifest | None: ...
+
+    def manifests(self, names) -> list:
+        """:meth:`manifest` of each name (a store answers all in one round trip)."""
+        return [self.manifest(n) for n in names]
 
     @abstractmethod
     def holders(self, name: str, object_id: str) -> list[HolderRef]: ...
@@ -107,46 +113,14 @@ class StoreDirectory(Directory):
         self.backend = backend
         self.kind = backend.kind
         self._owned = owned
-        self._prefix = key_prefix(getattr(backend, "cluster_id", None)) + "p2p_store/"
+        self.dir = ObjectDirectory(backend, "p2p_store")
 
     def describe(self) -> str:
         return f"the {self.kind} metadata store {getattr(self.backend, 'address', '')}".rstrip()
 
-    # -- keys ----------------------------------------------------------------------------
-    def _mkey(self, name: str) -> str:
-        return f"{self._prefix}objects/{name}"
-
     def _hkey(self, name: str) -> str:
-        return f"{self._prefix}holders/{name}"
-
-    def _ikey(self) -> str:
-        return f"{self._prefix}index"
-
-    def _get_json(self, key: str, default):
-        raw = self.backend.get(key)
-        if raw is None:
-            return default
-        try:
-            return json.loads(raw)
-        except ValueError:
-            log.warning("key %r in %s is not JSON; treating it as empty", key, self.describe())
-            return default
-
-    def _update(self, key: str, change, default) -> None:
-        """Apply the idempotent ``change(value) -> value`` with read-back and retry."""
-        for _ in range(8):
-            cur = self._get_json(key, default)
-            new = change(cur)
-            if new == cur:
-                return
-            self.backend.put(key, json.dumps(new, separators=(",", ":")).encode())
-            # Without compare-and-swap a concurrent writer may have overwritten us;
-            # after a random pause (so two writers desynchronise) read back and redo.
-            time.sleep(random.uniform(0.002, 0.02))
-            back = self._get_json(key, default)
-            if change(back) == back:
-                return
-        log.debug("update of %r kept losing races; the refresh loop will redo it", key)
+        """The store key of ``name``'s holder list."""
+        return self.dir.key(f"holders/{name}")
 
     # -- Directory -----------------------------------------------------------------------
     def publish(self, manifest: Manifest) -> None:
@@ -159,28 +133,31 @@ class StoreDirectory(Directory):
                     f"unregister it there first or pick another name")
             log.warning("replacing object %r: its publisher %s no longer runs",
                         manifest.name, old.origin.address)
-        self.backend.put(self._mkey(manifest.name), manifest.encode())
+        self.dir.put(f"objects/{manifest.name}", manifest.encode())
         origin = manifest.origin.to_json()
         if self.token:
             origin["mac"] = manifest.origin.mac(self.token, manifest.object_id)
-        self.backend.put(self._hkey(manifest.name), json.dumps(
-            {"object_id": manifest.object_id, "holders": [origin]}).encode())
-        self._update(self._ikey(), lambda d: _with_name(d, manifest.name, True), {"names": []})
+        self.dir.put_json(f"holders/{manifest.name}",
+                          {"object_id": manifest.object_id, "holders": [origin]})
+        self.dir.update(INDEX, lambda d: _with_name(d, manifest.name, True), {"names": []})
 
     def withdraw(self, manifest: Manifest) -> None:
         cur = self.manifest(manifest.name)
         if cur is not None and cur.object_id != manifest.object_id:
             return      # already replaced by someone else's object: not ours to delete
-        self.backend.delete(self._mkey(manifest.name))
-        self.backend.delete(self._hkey(manifest.name))
-        self._update(self._ikey(), lambda d: _with_name(d, manifest.name, False), {"names": []})
+        self.dir.delete_many([f"objects/{manifest.name}", f"holders/{manifest.name}"])
+        self.dir.update(INDEX, lambda d: _with_name(d, manifest.name, False), {"names": []})
 
     def manifest(self, name: str) -> Manifest | None:
-        raw = self.backend.get(self._mkey(name))
+        raw = self.dir.get(f"objects/{name}")
         return None if raw is None else Manifest.decode(raw)
 
+    def manifests(self, names) -> list:
+        raws = self.dir.get_many([f"objects/{n}" for n in names], hint=False)
+        return [None if raw is None else Manifest.decode(raw) for raw in raws]
+
     def holders(self, name: str, object_id: str) -> list[HolderRef]:
-        d = self._get_json(self._hkey(name), {})
+        d = self.dir.get_json(f"holders/{name}", {})
         if not isinstance(d, dict) or d.get("object_id") != object_id:
             return []
         out = []
@@ -215,7 +192,7 @@ class StoreDirectory(Directory):
             if len(hs) > MAX_HOLDERS:
                 hs = hs[:1] + hs[len(hs) - MAX_HOLDERS + 1:]
             return {"object_id": manifest.object_id, "holders": hs}
-        self._update(self._hkey(manifest.name), change, {})
+        self.dir.update(f"holders/{manifest.name}", change, {})
 
     def add_holder(self, manifest: Manifest, ref: HolderRef) -> None:
         self._change_holders(manifest, ref, True)
@@ -236,7 +213,7 @@ class StoreDirectory(Directory):
             log.debug("could not prune %s: %s", ref.name, e)
 
     def names(self) -> list[str]:
-        return list(self._get_json(self._ikey(), {"names": []}).get("names", ()))
+        return list(self.dir.get_json(INDEX, {"names": []}).get("names", ()))
 
     def close(self) -> None:
         if self._owned:

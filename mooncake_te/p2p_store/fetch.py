@@ -3,7 +3,8 @@
 
 Worker threads each loop: pick a (holder, chunk) pair from the holders' bitmaps, tell
 the holder (no answer awaited), read the chunk one-sided through the transfer engine
-into the caller's memory, verify its CRC-32 against the manifest, tell the holder the
+into the caller's memory and verify its CRC-32 against the manifest (the object
+directory's verified READ, :func:`mooncake_te.objdir.read_verified`), tell the holder the
 outcome, and mark the chunk held, which is the moment other getters may fetch it from
 us. The calling thread meanwhile keeps the picture fresh: new holders from the
 directory and from gossip, bitmaps of holders still downloading, every holder's load,
@@ -27,8 +28,8 @@ import time
 
 import numpy as np
 
-from ..batch import READ
 from ..errors import MetadataError, MooncakeError
+from ..objdir import read_verified
 from .control import ControlClient
 from .errors import NoHolderError, ObjectUnregisteredError
 from .manifest import HolderRef, Manifest, transfer_plan
@@ -357,19 +358,21 @@ class Fetch:
             return
         off, length = m.chunk_range(c)
         result = "ok"
-        try:
-            local, remote, lens = transfer_plan(self.pieces, peer.layout, off, length)
-            b = self.engine.submit_arrays(READ, peer.ref.segment, np.array(local, np.uint64),
-                                          np.array(remote, np.uint64), np.array(lens, np.uint64),
-                                          timeout=self.store.transfer_timeout)
-            b.wait()
-        except MooncakeError as e:
+        seg = peer.ref.segment
+        errors: dict = {}
+        # The object directory's verified READ: the chunk lands only in our copy's
+        # pieces; its CRC (with a token, its keyed tag too: a CRC a lying holder can
+        # match) is checked before anyone may use it.
+        ok = read_verified(self.engine, [[(seg, a, r, n) for a, r, n in zip(*transfer_plan(
+            self.pieces, peer.layout, off, length))]],
+            lambda _: m.chunk_ok(self.pieces, c, self.store.directory.token),
+            "p2p_store", self.store.transfer_timeout, errors, log)[0]
+        if errors:
             result = "failed"
             self._report(peer, c, result, length)
-            self._peer_failed(peer, f"read failed: {e}")
+            self._peer_failed(peer, f"read failed: {errors[0]}")
             return
-        # With a token, the chunk's keyed tag too: a CRC a lying holder can match.
-        if not m.chunk_ok(self.pieces, c, self.store.directory.token):
+        if not ok:
             result = "corrupt"
         self._report(peer, c, result, length)
         if result == "corrupt":

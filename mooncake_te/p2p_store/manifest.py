@@ -22,11 +22,11 @@ import json
 import os
 import secrets
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from ..errors import ERR_MALFORMED_JSON, AuthenticationError, MetadataError
+from ..objdir.checksum import crc32_released
 
 #: default chunk size: big enough that one control round trip (~0.1 ms) is small next to
 #: the data (4 MiB is ~1 ms over loopback TCP), small enough that a 1 GiB object has 256
@@ -58,9 +58,11 @@ def pieces_in(pieces, offset: int, length: int):
 
 
 def crc_of(pieces, offset: int, length: int) -> int:
+    """CRC-32 of object bytes ``[offset, offset+length)`` (the object directory's
+    checksum, letting go of the GIL so chunks are checked in parallel)."""
     crc = 0
     for addr, n in pieces_in(pieces, offset, length):
-        crc = zlib.crc32(view(addr, n), crc)
+        crc = crc32_released(view(addr, n), crc)
     return crc & 0xFFFFFFFF
 
 
@@ -194,7 +196,7 @@ class Manifest:
             crc = crc_of(pieces, o, n)
             return crc, (tag_of(token, object_id, o // chunk_size, pieces, o, n)
                          if token else b"")
-        # zlib.crc32 releases the GIL for large buffers, so threads checksum chunks in
+        # crc32_released releases the GIL for large buffers, so threads checksum chunks in
         # parallel: a 64 GiB checkpoint is ~27 s on one core, a few seconds on eight.
         workers = max(1, min(8, os.cpu_count() or 1, len(offsets)))
         with ThreadPoolExecutor(workers, thread_name_prefix="mte-p2p-crc") as pool:

@@ -553,9 +553,13 @@ class P2PStore:
         out: dict[str, ObjectInfo] = {}
         with self._lock:
             local = {n: (o.manifest, o.held) for n, o in self._objects.items()}
-        for name in self.directory.names():
+        names = self.directory.names()
+        # Manifests of objects we do not hold: one batch lookup in a metadata store.
+        missing = [n for n in names if n not in local]
+        fetched = dict(zip(missing, self.directory.manifests(missing)))
+        for name in names:
             held = local.get(name)
-            m = held[0] if held else self.directory.manifest(name)
+            m = held[0] if held else fetched.get(name)
             if m is not None:
                 out[name] = _info(m, held[1] if held else None)
         for name, (m, held) in local.items():

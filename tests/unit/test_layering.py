@@ -32,7 +32,7 @@ LAYER = {
     "": FACADE, "engine": FACADE, "routing": FACADE, "regions": FACADE,
     "segments": FACADE, "submit": FACADE, "auth": FACADE, "netif": FACADE,
     "prepared": FACADE,
-    "kvcache": SERVICES, "p2p_store": SERVICES, "integrations": SERVICES,
+    "kvcache": SERVICES, "p2p_store": SERVICES, "objdir": SERVICES, "integrations": SERVICES,
     "compat": SERVICES, "conductor": SERVICES,
     "cli": TOOLS, "bench": TOOLS, "doctor": TOOLS, "lab": TOOLS, "__main__": TOOLS,
     "_spawn": TOOLS, "arguments": CORE, "metrics": CORE, "hugepages": CORE,
@@ -383,3 +383,17 @@ def test_no_module_outside_transports_names_one():
 def test_allowed_transport_names_are_still_needed():
     seen = {m for m, _, _ in _names_as_strings()}
     assert not (NAME_ALLOWED - seen), f"remove from NAME_ALLOWED: {NAME_ALLOWED - seen}"
+
+
+def test_kvcache_and_p2p_store_share_only_the_object_directory():
+    """The KV cache's owner index and the P2P store are two users of one object directory
+    (``mooncake_te.objdir``, issue 40): neither imports the other, and both import it."""
+    bad, uses = [], set()
+    for m, target, line in EDGES:
+        src, dst = (m.split(".") + [""])[1], (target.split(".") + [""])[1]
+        if {src, dst} == {"kvcache", "p2p_store"}:
+            bad.append(f"{m}:{line} imports {target}")
+        if dst == "objdir" and src in ("kvcache", "p2p_store"):
+            uses.add(src)
+    assert not bad, "kvcache and p2p_store import each other:\n" + "\n".join(bad)
+    assert uses == {"kvcache", "p2p_store"}, f"only {sorted(uses)} use mooncake_te.objdir"
