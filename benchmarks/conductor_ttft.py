@@ -284,6 +284,9 @@ def main() -> int:
     ap.add_argument("--cost-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a [conductor] key for the cost conductor (TOML value), e.g. "
                          "load_bound=0 or affinity=1.0; repeatable")
+    ap.add_argument("--cost-slot-policy", choices=POLICIES, default="cost",
+                    help="the policy the 'cost' slot's conductor runs: least_loaded makes "
+                         "an A/A run that shows what the slot itself does to the figures")
     ap.add_argument("--isolate", action="store_true",
                     help="each policy alone on instances started for it (empty caches, "
                          "unsalted trace), in turn, instead of alternating chunks over one "
@@ -331,7 +334,9 @@ def main() -> int:
             for pol in pols:
                 port = free_port()
                 procs.start(f"conductor-{pol}{tag}", conductor_argv(
-                    py, port, md, model, pol, ["--config", cost_cfg] if pol == "cost" else ()))
+                    py, port, md, model, pol,
+                    ["--config", cost_cfg, "--policy", a.cost_slot_policy]
+                    if pol == "cost" else ()))
                 urls[pol] = f"http://127.0.0.1:{port}"
             for pol in pols:
                 wait_http(urls[pol] + "/health", procs, f"conductor-{pol}{tag}", 120)
@@ -388,7 +393,8 @@ def main() -> int:
                "requests_per_policy": len(trace),
                "instances": a.instances, "concurrency": a.concurrency,
                "replay_s": replay_s,
-               "pool_mb": a.pool_mb, "cost_set": a.cost_set, "kv_mb": a.kv_mb,
+               "pool_mb": a.pool_mb, "cost_set": a.cost_set,
+               "cost_slot_policy": a.cost_slot_policy, "kv_mb": a.kv_mb,
                "max_blocks": a.max_blocks,
                "chunk": a.chunk, "load_average_start": load_start,
                "load_average_end": os.getloadavg(),
