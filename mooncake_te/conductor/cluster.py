@@ -123,6 +123,10 @@ class Cluster:
         self.records: dict = {}
         self.states: dict = {}
         self.shadows: dict = {}
+        # name -> the block keys sent to it, at most its pool's capacity: the owner index
+        # keeps one owner per block (the last to publish it), so an earlier holder's copy
+        # is invisible there; what the conductor sent each pool fills that in.
+        self.pool_shadows: dict = {}
         self.events: dict = {}                  # name -> GpuBlocks (KV events subscribed)
         self.pending: dict = {}                 # name -> Pending
         self.static: set = set()
@@ -137,12 +141,22 @@ class Cluster:
             self.states[name] = InstanceState(name=name, role=rec.role)
             self.shadows[name] = GpuShadow(self.gpu_blocks)
             self.pending[name] = Pending()
+        if name not in self.pool_shadows:
+            self.pool_shadows[name] = GpuShadow(rec.pool_blocks)
+        self.pool_shadows[name].capacity = int(rec.pool_blocks)
         self.states[name].role = rec.role
         if static:
             self.static.add(name)
 
+    def pool_restarted(self, name: str) -> None:
+        """``name`` came back after being down: what was sent to its pool is gone."""
+        rec = self.records.get(name)
+        if rec is not None:
+            self.pool_shadows[name] = GpuShadow(rec.pool_blocks)
+
     def remove(self, name: str) -> None:
-        for d in (self.records, self.states, self.shadows, self.events, self.pending):
+        for d in (self.records, self.states, self.shadows, self.pool_shadows, self.events,
+                  self.pending):
             d.pop(name, None)
         self.static.discard(name)
 
@@ -276,7 +290,7 @@ class Cluster:
             for n in names:
                 rec = self.records[n]
                 out[n] = prefix_by_tier(keys, self.gpu_view(n, now), owners, rec.engine,
-                                        rec.remote)
+                                        rec.remote, self.pool_shadows.get(n, ()))
         return out
 
     # -- decisions ------------------------------------------------------------------------

@@ -206,13 +206,16 @@ def rank_decode(states, priors: Priors, now: float = 0.0) -> list:
     return [s.name for s in ok]
 
 
-def prefix_by_tier(keys, gpu_keys, owners, engine: str, remote: bool = True) -> dict:
+def prefix_by_tier(keys, gpu_keys, owners, engine: str, remote: bool = True,
+                   pool_keys=()) -> dict:
     """Blocks of the longest reusable prefix of ``keys`` for the instance whose pool is
     ``engine``: a key in ``gpu_keys`` (its vLLM prefix cache) is ``gpu``; else a record
     of the index (``owners[i]``: ``(owner, tier)``, a bare owner meaning DRAM, None:
     nobody) owned by ``engine`` is ``dram`` or ``ssd`` as it says; a DRAM record of
-    another instance is ``remote`` when ``remote`` (the instance reads other pools). The
-    prefix ends at the first key found nowhere this instance can reach (another
+    another instance is ``remote`` when ``remote`` (the instance reads other pools). A key
+    in ``pool_keys`` (what the conductor sent this instance, bounded by its pool's
+    capacity) is ``dram`` whatever the record says: the index keeps the last publisher
+    only. The prefix ends at the first key found nowhere this instance can reach (another
     instance's SSD is private). vLLM's own cache only reuses a prefix, so ``gpu`` blocks
     count only before the first other."""
     out = {"gpu": 0, "dram": 0, "ssd": 0, "remote": 0}
@@ -226,6 +229,8 @@ def prefix_by_tier(keys, gpu_keys, owners, engine: str, remote: bool = True) -> 
         owner, tier = (o, "dram") if o is None or isinstance(o, str) else o
         if owner == engine and tier in ("dram", "ssd"):
             out[tier] += 1
+        elif k in pool_keys:       # sent to this pool, the record since taken by another
+            out["dram"] += 1
         elif owner is not None and remote and tier == "dram":
             out["remote"] += 1
         elif k in gpu_keys:        # evicted from the pool but still in vLLM: counts as load

@@ -58,6 +58,7 @@ class InstanceRecord:
     root: str = ""                 # hex of the pool key root ("" : computed by the conductor)
     namespace: str = ""            # the pool's owner-index namespace ("" : no pool)
     remote: bool = True            # reads other instances' pools (kvcache.remote)
+    pool_blocks: int = 0           # its pool's capacity in blocks, DRAM + SSD (0: none)
     kv_events: str = ""            # vLLM's KV events PUB endpoint ("" : none)
     kv_events_replay: str = ""     # its replay (ROUTER) endpoint ("" : none)
 

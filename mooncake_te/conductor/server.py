@@ -259,6 +259,8 @@ class Conductor:
             sub = self._subs.get(name, (None,))[0]
             if ok and sub is not None:
                 sub.restarted()               # a new vLLM: a new, empty cache
+            if ok:                            # and a new, empty DRAM pool
+                self.cluster.pool_restarted(name)
         st.healthy = ok
 
     # -- the front ------------------------------------------------------------------------
@@ -441,6 +443,7 @@ class Conductor:
                                   n * c.records[e.name].block_size, tier=tier)
         e.keys = list(keys.get(e.name, []))
         c.shadows[e.name].add(e.keys)
+        c.pool_shadows[e.name].add(e.keys)
         c.pending[e.name].add(e.keys)
 
     def _answered(self, e, measured: "float | None") -> None:

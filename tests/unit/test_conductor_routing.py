@@ -417,3 +417,36 @@ def test_load_bound_keeps_a_cached_prefix_from_stacking_requests():
     s = c.states["e0"]
     s.inflight, s.waiting = 2, 3
     assert outstanding(s) == 3
+
+
+def test_a_pool_keeps_what_was_sent_to_it_after_another_publishes_it():
+    """The owner index keeps one owner per block, the last to publish it: after e1
+    computes (and publishes) a prefix e0 already holds, the index names e1 only. e0's
+    pool still holds the prefix; what the conductor sent e0 (bounded by the capacity e0
+    announced) says so, and with local pools the prompt may go to either holder; before,
+    e0 had no hit at all."""
+    store = FakeIndexStore()
+    c = cluster(3, store)
+    for n, r in c.records.items():
+        r.remote = False
+        r.pool_blocks = 1000 if n == "e0" else 0
+        c.add(r)
+    c.priors.load_bound = 0
+    toks = list(range(7000, 7000 + 640))
+    keys = block_keys(toks, BS, c.default_root)
+    c.pool_shadows["e0"].add(keys)                  # routed to e0 earlier
+    own(store, keys, "e1")                          # then e1 published the same blocks
+    _, _, hits = c.rank_prefill(toks, ("plain",))
+    assert hits["e0"]["dram"] == len(keys)
+    assert hits["e1"]["dram"] == len(keys)
+    assert hits["e2"] == {"gpu": 0, "dram": 0, "ssd": 0, "remote": 0}
+    # the capacity announced bounds it (least recently sent first out)
+    c.pool_shadows["e0"].add(block_keys(list(range(9000, 9000 + 16 * 1000)), BS,
+                                        c.default_root))
+    assert c.rank_prefill(toks, ("plain",))[2]["e0"]["dram"] == 0
+    # a restart empties it
+    c.pool_shadows["e0"].add(keys)
+    c.pool_restarted("e0")
+    assert c.rank_prefill(toks, ("plain",))[2]["e0"]["dram"] == 0
+    assert InstanceRecord.decode(InstanceRecord(url="http://h:1", pool_blocks=7).encode()
+                                 ).pool_blocks == 7

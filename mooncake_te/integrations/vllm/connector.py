@@ -145,6 +145,7 @@ class MooncakeTEConnector(KVConnectorBase_V1):
             block_size=self.block_size, root=pool_root(self._vllm_config).hex(),
             namespace=w.pool_namespace or "",
             remote=bool(w.pool is not None and w.pool.remote),
+            pool_blocks=_pool_blocks(w.pool),
             **kv_events_of(self._vllm_config))
         try:
             self._announced = publish_instance(w.engine.metadata, rec)
@@ -276,6 +277,14 @@ class MooncakeTEConnector(KVConnectorBase_V1):
                 self.get_kv_connector_stats()
                 self._worker.hit_rate_log.maybe_log(force=True)
             self._worker.close()
+
+
+def _pool_blocks(pool) -> int:
+    """The pool's capacity in blocks (DRAM and SSD), for the conductor; 0 without one."""
+    if pool is None:
+        return 0
+    s = pool.cache.stats()
+    return int(s.get("dram_capacity_blocks", 0)) + int(s.get("ssd_capacity_blocks", 0))
 
 
 def pool_root(vllm_config) -> bytes:
