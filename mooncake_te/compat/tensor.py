@@ -46,6 +46,7 @@ log = logging.getLogger("mooncake_te.compat.store")
 OK = 0
 INTERNAL_ERROR = -1
 INVALID_PARAMS = -600
+FILE_NOT_FOUND = -1100
 
 MAGIC = 0x4D4F4F4E
 VERSION = 1
@@ -372,6 +373,10 @@ class TensorCalls:
         return out
 
     def _tensor_get_into(self, keys, buffer_ptrs, sizes, what: str) -> list:
+        """Read each object into its buffer; the tensors (views of the buffers) or None.
+        A buffer registered with ``register_buffer`` is filled by ``batch_get_into``; one
+        that is not (a ``ctypes`` buffer, as Mooncake's TCP path accepts) is filled by a
+        copy, after checking that this process has the range mapped writable."""
         torch = torch_module()
         st: Any = self
         keys = list(keys)
@@ -382,13 +387,38 @@ class TensorCalls:
         if any(not p for p in buffer_ptrs):
             log.error("%s: a buffer pointer is NULL", what)
             return [INVALID_PARAMS] * len(keys)
-        got = st.batch_get_into(keys, list(buffer_ptrs), list(sizes))
+        from .store import _mapped_rw
+        got: list = [INVALID_PARAMS] * len(keys)
+        reg, copy = [], []
+        for i, (p, n) in enumerate(zip(buffer_ptrs, sizes)):
+            if int(n) > 0 and self._tensor_buffer_ok(int(p), int(n)):
+                reg.append(i)
+            elif int(n) > 0 and _mapped_rw(int(p), int(n)):
+                copy.append(i)
+            else:
+                log.error("%s %r: [%#x, +%d) is neither a registered buffer nor memory "
+                          "this process has mapped writable", what, keys[i], int(p), int(n))
+        if reg:
+            for i, n in zip(reg, st.batch_get_into([keys[i] for i in reg],
+                                                   [buffer_ptrs[i] for i in reg],
+                                                   [sizes[i] for i in reg])):
+                got[i] = n
+        if copy:
+            for i, h in zip(copy, st.batch_get_buffer([keys[i] for i in copy])):
+                if h is None:
+                    got[i] = -704
+                    continue
+                src = np.asarray(h).view(np.uint8).reshape(-1)
+                if src.nbytes > int(sizes[i]):
+                    continue                                   # INVALID_PARAMS
+                view_at(int(buffer_ptrs[i]), src.nbytes)[:] = src
+                got[i] = src.nbytes
         out: list = []
         for k, p, n in zip(keys, buffer_ptrs, got):
             if not isinstance(n, int) or n < 0:
                 why = ("no such object" if n == -704 else
                        "the buffer is smaller than the object (get_size(key) says how many "
-                       "bytes it needs) or not registered" if n == INVALID_PARAMS else
+                       "bytes it needs) or unusable" if n == INVALID_PARAMS else
                        "the read failed")
                 log.error("%s %r: %s (%s); nothing was written", what, k, why, n)
                 out.append(None)
@@ -610,6 +640,58 @@ class TensorCalls:
                 d.copy_(src)
                 out.append(src.numel() * src.element_size())
         return out
+
+    # safetensors files ----------------------------------------------------------------------
+    def save_tensor_to_safetensor(self, key: str, file_name=None) -> int:
+        """Write the tensor under ``key`` to a safetensors file (``file_name``, else the
+        key), as the file's entry ``key``. 0; -1100 (FILE_NOT_FOUND) when the key holds no
+        tensor; -600 when the file cannot be written or ``safetensors`` is missing."""
+        t = self.get_tensor(key)
+        if t is None:
+            log.error("save_tensor_to_safetensor: no tensor under %r", key)
+            return FILE_NOT_FOUND
+        try:
+            from safetensors.torch import save_file
+            save_file({str(key): t}, str(key if file_name is None else file_name))
+        except ImportError:
+            log.error("save_tensor_to_safetensor needs the safetensors package: pip "
+                      "install safetensors")
+            return INVALID_PARAMS
+        except Exception as e:                       # noqa: BLE001  (Mooncake: -600)
+            log.error("save_tensor_to_safetensor %r: %s: %s", key, type(e).__name__, e)
+            return INVALID_PARAMS
+        return OK
+
+    def load_tensor_from_safetensor(self, key=None, file_name: str = ""):
+        """Read a safetensors file and :meth:`put_tensor` one of its tensors under ``key``
+        (else the file name): the entry named ``key`` when there is one, else the first
+        (logged). The tensor, or None when the file cannot be read or the put fails."""
+        torch_module()
+        try:
+            from safetensors.torch import load_file
+            loaded = load_file(str(file_name))
+        except ImportError:
+            log.error("load_tensor_from_safetensor needs the safetensors package: pip "
+                      "install safetensors")
+            return None
+        except Exception as e:                       # noqa: BLE001  (Mooncake: None)
+            log.error("load_tensor_from_safetensor %r: %s: %s", file_name, type(e).__name__,
+                      e)
+            return None
+        if not loaded:
+            log.error("load_tensor_from_safetensor: no tensors in %r", file_name)
+            return None
+        target = str(file_name) if key is None else str(key)
+        entry = target if key is not None and target in loaded else next(iter(loaded))
+        if key is not None and entry != target:
+            log.warning("load_tensor_from_safetensor: %r is not in %r; using its first "
+                        "entry %r", target, file_name, entry)
+        t = loaded[entry]
+        rc = self.put_tensor(target, t)
+        if rc != OK:
+            log.error("load_tensor_from_safetensor: put_tensor %r failed (%d)", target, rc)
+            return None
+        return t
 
     # the parallelism forms: with no parallelism request, the plain calls ------------------
     def _no_parallelism(self, what: str, *requests) -> bool:

@@ -244,11 +244,19 @@ def get_tensor_into_and_put_tensor_from():
         assert same(got[0], t)
     finally:
         B.unregister_buffer(ptr - 64)
-    # an unregistered buffer: refused before a byte is read or written
+    # an unregistered buffer: put_tensor_from refuses it (as put_from); get_tensor_into
+    # fills it by a copy when this process has it mapped (Mooncake's TCP path reads into
+    # any memory; Mooncake's structured object store does), never past its size
     keep2, p2 = _buffer(n)
     assert B.put_tensor_from("unreg", p2, n) == -600
-    assert B.get_tensor_into("into", p2, n) is None
+    assert B.get_tensor_into("into", p2, n - 1) is None
     assert bytes(keep2) == b"\xab" * (n + 128)
+    got = B.get_tensor_into("into", p2, n)
+    assert same(got, t) and got.data_ptr() == p2 + 304
+    assert bytes(keep2[:64]) == b"\xab" * 64 and bytes(keep2[64 + n:]) == b"\xab" * 64
+    # memory nobody mapped (below mmap_min_addr): refused, no fault
+    assert B.get_tensor_into("into", 0x1000, n) is None
+    assert B.batch_get_tensor_into(["into", "into"], [0x1000, p2], [n, n])[0] is None
 
 
 @check
@@ -310,6 +318,20 @@ def get_tensor_into_cuda_copies_through_the_host():
     if torch.cuda.is_available():
         assert A.put_tensor("cu-src", t.to("cuda")) == 0
         assert same(B.get_tensor("cu-src"), t)
+
+
+@check
+def safetensors_files():
+    import tempfile
+    t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    assert A.put_tensor("st", t) == 0
+    with tempfile.TemporaryDirectory() as d:
+        f = os.path.join(d, "st.safetensors")
+        assert A.save_tensor_to_safetensor("st", f) == 0
+        assert A.save_tensor_to_safetensor("st-missing", f + "2") == -1100
+        got = B.load_tensor_from_safetensor("st-loaded", f)     # not in the file: 1st
+        assert same(got, t) and same(A.get_tensor("st-loaded"), t)
+        assert B.load_tensor_from_safetensor("x", os.path.join(d, "none")) is None
 
 
 def main() -> int:

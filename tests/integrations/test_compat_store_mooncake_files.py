@@ -26,6 +26,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from servers import EtcdServer, HttpMetadataServer, RedisServer, _serve
+from torch_env import overlay, torch_python, why_no_torch
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -43,7 +44,19 @@ EXPECTED = {
     "test_buffer_pool_native.py": 16,
     "test_dummy_client.py": 6,
     "test_multi_dummy_clients.py": 2,
+    "test_put_get_tensor.py": 0,
+    "test_safetensor_functions.py": 0,
+    "test_structured_object_store.py": 0,
 }
+#: files whose tests need torch: they run with a Python that has it (this one, else
+#: MTE_VLLM_VENV's, with the packages it lacks linked in: torch_env.overlay); without
+#: one, those in TORCH_ONLY are skipped and the others run here (their torch tests skip)
+NEEDS_TORCH = ("test_put_get_tensor.py", "test_safetensor_functions.py",
+               "test_structured_object_store.py", "test_dummy_client.py")
+TORCH_ONLY = ("test_put_get_tensor.py", "test_safetensor_functions.py")
+#: Mooncake's own pure-Python modules a file imports from the ``mooncake`` package: linked
+#: from the checkout into the temporary shim site (never copied into this repository)
+MOONCAKE_MODULES = {"test_structured_object_store.py": ("structured_object_store.py",)}
 #: files that talk to a real client (Mooncake's ``mooncake_client``) on 127.0.0.1:50052
 NEEDS_REAL_CLIENT = ("test_dummy_client.py", "test_multi_dummy_clients.py")
 REAL_CLIENT_PORT = 50052
@@ -87,8 +100,8 @@ def metadata_url(request):
     yield from (srv.url for srv in _serve(cls))
 
 
-def _env(site: str, url: str) -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join([site, ROOT]),
+def _env(site: str, url: str, libs: str = "") -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([site, ROOT] + ([libs] if libs else [])),
                 MC_METADATA_SERVER=url, LOCAL_HOSTNAME=os.environ.get("MTE_MOONCAKE_LOCAL_HOSTNAME", "localhost"),
                 PROTOCOL="tcp",
                 DEVICE_NAME="", MC_TCP_BIND_ADDRESS="127.0.0.1",
@@ -127,14 +140,40 @@ def real_client(site: str, url: str, tmp):
         log.close()
 
 
+def _python_for(name: str, tmp) -> "tuple[str, str]":
+    """The Python a file runs with and the directory of linked packages for it."""
+    if name not in NEEDS_TORCH:
+        return sys.executable, ""
+    py = torch_python()
+    if py is None:
+        if name in TORCH_ONLY:
+            pytest.skip(f"{name} needs torch: {why_no_torch()}")
+        return sys.executable, ""
+    if py == sys.executable:
+        return py, ""
+    return py, overlay(py, os.path.join(str(tmp), "libs"),
+                       dists=("etcd3gw", "redis", "pytest", "pytest-timeout", "msgpack"))
+
+
+def _link_mooncake_modules(tests_dir: str, name: str, site: str) -> None:
+    for mod in MOONCAKE_MODULES.get(name, ()):
+        src = os.path.join(os.path.dirname(tests_dir), "mooncake", mod)
+        dst = os.path.join(site, "mooncake", mod)
+        if os.path.isfile(src) and not os.path.lexists(dst):
+            os.symlink(src, dst)
+
+
 def run_file(tests_dir: str, name: str, site: str, url: str, tmp) -> dict:
     """Run one of Mooncake's files; ``{"passed", "failed", "errors", "skipped",
-    "total", "failures": [test ids]}``."""
+    "total", "failures": [test ids], "python"}``."""
     xml = os.path.join(str(tmp), "junit.xml")
-    env = _env(site, url)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+    py, libs = _python_for(name, tmp)
+    _link_mooncake_modules(tests_dir, name, site)
+    env = _env(site, url, libs)
+    cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-p", "no:randomly", "-o", "junit_family=xunit2", "--timeout", "240"]
-    out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "total": 0, "failures": []}
+    out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "total": 0, "failures": [],
+           "python": py}
     if name == "test_multi_dummy_clients.py":
         # Mooncake's CI runs it as a script, two processes (--client-id client1 /
         # client2) waiting for each other's keys; unittest's verbose lines say how each
@@ -185,7 +224,8 @@ def test_mooncake_file(tests_dir, shim_site, metadata_url, name, tmp_path, reque
         res = run_file(tests_dir, name, shim_site, metadata_url, tmp_path)
     kind = metadata_url.split(":", 1)[0]
     line = (f"{name} [{kind}]: {res['passed']} passed, {res['failed']} failed, "
-            f"{res['errors']} errors, {res['skipped']} skipped of {res['total']}")
+            f"{res['errors']} errors, {res['skipped']} skipped of {res['total']} "
+            f"({res['python']})")
     print(line)
     if os.environ.get("MTE_MOONCAKE_LOG"):          # one line per case, for reports
         with open(os.environ["MTE_MOONCAKE_LOG"], "a") as f:
