@@ -334,6 +334,38 @@ def safetensors_files():
         assert B.load_tensor_from_safetensor("x", os.path.join(d, "none")) is None
 
 
+@check
+def dummy_client_tensor_calls():
+    """A dummy client (setup_dummy) runs the tensor calls in its own process over the
+    byte calls the real client serves; its shared-memory buffers take get_tensor_into."""
+    import socket
+    from mooncake_te.compat.dummy import RealClient
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    real = RealClient(store(), "127.0.0.1", port)
+    C = MooncakeDistributedStore()
+    try:
+        assert C.setup_dummy(64 * MIB, 16 * MIB, real.addr) == 0
+        t = torch.arange(20, dtype=torch.float16).reshape(4, 5)
+        assert C.put_tensor("dm", t) == 0
+        assert same(C.get_tensor("dm"), t) and same(A.get_tensor("dm"), t)
+        assert C.put_tensor_with_tp("dmtp", t, tp_size=2, split_dim=0) == 0
+        assert same(A.get_tensor_with_tp("dmtp", 1, 2), t[2:].contiguous())
+        n = C.get_size("dm")
+        ptr = C.alloc_from_mem_pool(n)
+        assert ptr and C.register_buffer(ptr, n) == 0
+        got = C.get_tensor_into("dm", ptr, n)
+        assert same(got, t) and got.data_ptr() == ptr + 304
+        assert C.get_tensor_into("dm", ptr, n - 1) is None
+        assert C.put_tensor_from("dm-from", ptr, n) == 0
+        assert same(A.get_tensor("dm-from"), t)
+        assert C.unregister_buffer(ptr) == 0
+    finally:
+        C.close()
+        real.close()
+
+
 def main() -> int:
     bad = 0
     only = set(os.environ.get("MTE_TENSOR_CHECKS", "").split(",")) - {""}
