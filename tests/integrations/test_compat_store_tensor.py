@@ -78,3 +78,17 @@ def test_tensor_calls_under_torch(index_url, tmp_path):
     oks = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
     print(f"{len(oks)} checks passed under {py}")
     assert r.returncode == 0 and len(oks) == 14, r.stdout[-8000:] + r.stderr[-4000:]
+
+
+def test_importing_the_store_does_not_import_torch():
+    """torch is imported on the first tensor call, never by ``import mooncake.store``."""
+    py = torch_python()
+    if py is None:
+        pytest.skip(why_no_torch())
+    r = subprocess.run([py, "-c", "import sys, mooncake_te.compat.store as s\n"
+                        "assert 'torch' not in sys.modules\n"
+                        "s.MooncakeDistributedStore().get_tensor('k')\n"
+                        "assert 'torch' in sys.modules\n"],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=ROOT),
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
