@@ -63,6 +63,11 @@ from ..units import parse_size
 from .. import errors as E
 from ..kvcache.keys import as_key
 from ..kvcache.record import HEADER_SIZE, slot_size_for
+from .tensor import TensorCalls
+# Mooncake's module-level tensor helpers (mooncake.store._serialize_tensor, ...)
+from .tensor import deserialize_tensor as _deserialize_tensor  # noqa: F401
+from .tensor import serialize_tensor as _serialize_tensor  # noqa: F401
+from .tensor import tensor_metadata_size as _tensor_metadata_size  # noqa: F401
 
 log = logging.getLogger("mooncake_te.compat.store")
 
@@ -294,7 +299,7 @@ def _free_port(host: str = "127.0.0.1") -> int:
                                  f"give local_hostname as host:port")
 
 
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(TensorCalls):
     """Drop-in for ``mooncake.store.MooncakeDistributedStore`` (see the module
     docstring). Create it, call :meth:`setup` (0 on success), then put and get.
 

@@ -18,6 +18,10 @@ only patch, and it is in the vLLM processes only.
   ``mooncake.store`` (our store over the KV pool, index in our HTTP metadata server);
   a second instance, in another process, runs the same prompts and loads the prefixes
   from the first one's pool; both outputs equal the run without a connector.
+- Store, ``standalone-store`` mode (issue 39): the instances contribute no memory
+  (``global_segment_size = 0``); a separate store process (``mooncake_client``'s
+  counterpart, ``python -m mooncake_te.compat.dummy``) owns the pool. The first instance
+  puts its prompts' KV there, the second loads the prefixes from it.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import json
 import os
 import random
 import subprocess
+import sys
+import time
 
 import pytest
 
@@ -161,3 +167,56 @@ def test_builtin_mooncake_store_connector(shim, vllm_python, tiny_model, prompts
     # The second instance loaded its prompts' full blocks from the first one's pool.
     assert got["num_cached_tokens"][0] >= 256, got
     assert keys == [], keys          # both closed: their index records withdrawn
+
+
+def test_builtin_mooncake_store_connector_standalone(shim, vllm_python, tiny_model, prompts,
+                                                     baseline, tmp_path):
+    """vLLM's ``standalone-store`` mode: every instance sets up with
+    ``global_segment_size = 0`` and the KV lives in a separate store process's pool."""
+    with HttpMetadataServer() as md:
+        cfg = os.path.join(str(tmp_path), "mooncake.json")
+        with open(cfg, "w") as f:
+            json.dump({"local_hostname": "127.0.0.1", "metadata_server": md.url,
+                       "master_server_address": "127.0.0.1:50051",
+                       "mode": "standalone-store", "global_segment_size": 0,
+                       "local_buffer_size": "16MB", "protocol": "tcp", "device_name": ""}, f)
+        env = {"MOONCAKE_CONFIG_PATH": cfg, "MC_STORE_MAX_OBJECT_SIZE": "256KB",
+               "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
+        holder_log = open(os.path.join(str(tmp_path), "holder.log"), "w+")
+        holder = subprocess.Popen(
+            [sys.executable, "-m", "mooncake_te.compat.dummy", "--host=127.0.0.1",
+             f"--port={free_port()}", "--global_segment_size=256MB",
+             f"--metadata_server={md.url}"], stdout=holder_log, stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=ROOT, **env), start_new_session=True)
+        run = _Run(vllm_python, tiny_model, str(tmp_path), prompts)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                holder_log.seek(0)
+                if "serving dummy clients" in holder_log.read():
+                    break
+                assert holder.poll() is None and time.monotonic() < deadline, \
+                    open(holder_log.name).read()
+                time.sleep(0.2)
+            run.start("store-put", env)
+            run.start("store-get", env)        # waits for store-put's output itself
+            got = run.wait("store-get")
+            open(os.path.join(str(tmp_path), "stop"), "w").close()
+            put = run.wait("store-put")
+        finally:
+            run.kill_all()
+            holder.terminate()
+            try:
+                holder.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                holder.kill()
+                holder.wait()
+            holder_log.close()
+    logs = "".join(open(os.path.join(str(tmp_path), f"{r}.log")).read()
+                   for r in ("store-put", "store-get"))
+    assert "mode=standalone-store" in logs, logs[-4000:]
+    assert put["tokens"] == baseline
+    assert got["tokens"] == baseline
+    # The second instance loaded its prompts' full blocks from the store process's pool
+    # (neither instance has a segment of its own).
+    assert got["num_cached_tokens"][0] >= 256, got
