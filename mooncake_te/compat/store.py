@@ -63,6 +63,7 @@ from ..units import parse_size
 from .. import errors as E
 from ..kvcache.keys import as_key
 from ..kvcache.record import HEADER_SIZE, slot_size_for
+from ._maps import mapped_rw as _mapped_rw
 from .tensor import TensorCalls
 # Mooncake's module-level tensor helpers (mooncake.store._serialize_tensor, ...)
 from .tensor import deserialize_tensor as _deserialize_tensor  # noqa: F401
@@ -1426,31 +1427,6 @@ def _pointer(value, what: str) -> int:
 def _size(value, what: str, minimum: int) -> int:
     from ..arguments import integer
     return integer(value, what, minimum=minimum, maximum=1 << 62)
-
-
-def _mapped_rw(address: int, length: int) -> bool:
-    """Whether [address, address + length) is covered by mappings of this process that
-    are readable and writable (/proc/self/maps), so copying there cannot fault."""
-    end, at = address + length, address
-    try:
-        with open("/proc/self/maps") as f:
-            spans = []
-            for line in f:
-                bounds, perms = line.split(None, 2)[:2]
-                lo, hi = (int(x, 16) for x in bounds.split("-"))
-                if hi > at and lo < end:
-                    spans.append((lo, hi, perms))
-    except OSError:
-        return True                  # no procfs: nothing to check against
-    for lo, hi, perms in sorted(spans):
-        if lo > at:
-            return False             # a hole
-        if not perms.startswith("rw"):
-            return False
-        at = max(at, hi)
-        if at >= end:
-            return True
-    return at >= end
 
 
 #: stores set up and not closed: closed at interpreter exit (their finalizers cannot

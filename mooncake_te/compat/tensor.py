@@ -387,7 +387,7 @@ class TensorCalls:
         if any(not p for p in buffer_ptrs):
             log.error("%s: a buffer pointer is NULL", what)
             return [INVALID_PARAMS] * len(keys)
-        from .store import _mapped_rw
+        from ._maps import mapped_rw as _mapped_rw
         got: list = [INVALID_PARAMS] * len(keys)
         reg, copy = [], []
         for i, (p, n) in enumerate(zip(buffer_ptrs, sizes)):
