@@ -107,8 +107,13 @@ def main():
             kv_role="kv_producer" if a.role == "P" else "kv_consumer",
             kv_connector_extra_config={"mooncake_protocol": "tcp"})
     elif a.role.startswith("store"):
+        # Two instances of one host run at once here: each needs its own lookup socket
+        # (vLLM names it /tmp/lookup_rpc_port_<port>_host_<host>_dp_rank<r>, and a second
+        # instance with the same name unlinks the first one's while it is being created).
         kw["kv_transfer_config"] = dict(kv_connector="MooncakeStoreConnector",
-                                        kv_role="kv_both")
+                                        kv_role="kv_both",
+                                        kv_connector_extra_config={
+                                            "lookup_rpc_port": os.getpid()})
         kw["enable_prefix_caching"] = True          # the store keys blocks by prefix hash
     llm = LLM(**kw)
     greedy = dict(temperature=0.0, ignore_eos=True)
