@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import enum
 import logging
 import os
 import re
@@ -59,11 +58,17 @@ import weakref
 
 import numpy as np
 
-from ..units import parse_size
 from .. import errors as E
 from ..kvcache.keys import as_key
 from ..kvcache.record import HEADER_SIZE, slot_size_for
 from ._maps import mapped_rw as _mapped_rw
+from .dummy_client import DummyClient, add_forwarders, become_dummy
+# Mooncake Store's return codes and types: mooncake.store.<name> for each
+from .store_types import (BUFFER_OVERFLOW, INTERNAL_ERROR, INVALID_PARAMS,  # noqa: F401
+                          NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, OK, TRANSFER_FAIL,
+                          BufferDescriptor, BufferHandle, DiskDescriptor, MemoryDescriptor,
+                          ObjectDataType, ReplicaDescriptor, ReplicaStatus, ReplicateConfig,
+                          SoftPinAction, _parse_size)
 from .tensor import TensorCalls
 # Mooncake's module-level tensor helpers (mooncake.store._serialize_tensor, ...)
 from .tensor import deserialize_tensor as _deserialize_tensor  # noqa: F401
@@ -71,14 +76,6 @@ from .tensor import serialize_tensor as _serialize_tensor  # noqa: F401
 from .tensor import tensor_metadata_size as _tensor_metadata_size  # noqa: F401
 
 log = logging.getLogger("mooncake_te.compat.store")
-
-OK = 0
-INTERNAL_ERROR = -1
-BUFFER_OVERFLOW = -10
-NO_AVAILABLE_HANDLE = -200
-INVALID_PARAMS = -600
-OBJECT_NOT_FOUND = -704
-TRANSFER_FAIL = -800
 
 _MIB = 1 << 20
 #: Payload bytes of one pool slot (a chunk of an object; MC_STORE_CHUNK_SIZE): an object
@@ -104,176 +101,9 @@ def n_chunks(total: int, chunk: int) -> int:
     return 1 + max(0, -(-(total - first) // chunk))
 
 
-def _parse_size(value) -> int:
-    """``4194304``, ``"4MB"``, ``"64 KB"`` -> bytes (the units vLLM's config accepts;
-    :func:`mooncake_te.units.parse_size`)."""
-    if isinstance(value, int):
-        return value
-    try:
-        return parse_size(value, minimum=0)
-    except ValueError:
-        raise E.InvalidArgumentError(f"size {value!r} is not a number of bytes (e.g. 4MB)"
-                                     ) from None
-
-
-class ReplicaStatus(enum.IntEnum):
-    """A replica's state, as Mooncake's ``ReplicaStatus``; every replica this store
-    reports is ``COMPLETE`` (a put returns once its bytes and index record are in)."""
-    UNDEFINED = 0
-    INITIALIZED = 1
-    PROCESSING = 2
-    COMPLETE = 3
-    REMOVED = 4
-    FAILED = 5
-
-
-class SoftPinAction(enum.IntEnum):
-    """What a put asks of the object's soft pin (``ReplicateConfig.soft_pin_action``),
-    with Mooncake's names and values (``mooncake-store/include/replica.h``). Accepted;
-    this store has no pins: objects are evicted least recently used first."""
-    PRESERVE = 0
-    ENABLE = 1
-    DISABLE = 2
-
-
-class ObjectDataType(enum.IntEnum):
-    """What an object holds, with Mooncake's names and values
-    (``mooncake-store/include/types.h``; vLLM's EC connector tags embeddings with it).
-    Accepted and not stored: every object is bytes here."""
-    UNKNOWN = 0
-    KVCACHE = 1
-    TENSOR = 2
-    WEIGHT = 3
-    SAMPLE = 4
-    ACTIVATION = 5
-    GRADIENT = 6
-    OPTIMIZER_STATE = 7
-    METADATA = 8
-    GENERAL = 9
-
-
 # Mooncake's binding exports these two enums' values at module level too.
 globals().update({m.name: m for m in ObjectDataType})
 globals().update({m.name: m for m in ReplicaStatus})
-_U64 = 1 << 64
-
-
-class BufferHandle(np.ndarray):
-    """An object's bytes as ``get_buffer``/``batch_get_buffer`` return them: a numpy
-    ``uint8`` array (so ``memoryview(h)``, ``np.asarray(h)`` are zero-copy views) with
-    Mooncake's ``ptr()`` and ``size()``. The memory is this handle's: valid while it
-    lives (Mooncake's handle points into the client's registered buffer)."""
-
-    def ptr(self) -> int:
-        return int(self.ctypes.data)
-
-    def size(self) -> int:           # type: ignore[override]
-        return int(self.nbytes)
-
-
-class ReplicateConfig:
-    """Mooncake's ``ReplicateConfig``: how a put places its replicas.
-
-    Every field is accepted; placement follows it where this store can: one memory
-    replica, in the putting process's pool (``replica_num`` above 1, NVMe-oF and DFS
-    replicas are not made). ``preferred_segment`` is honoured when it names this
-    process's segment and otherwise falls back to it, as Mooncake falls back when the
-    preferred segment has no room. ``group_ids`` are recorded and do not change
-    placement.
-    """
-
-    def __init__(self):
-        self.replica_num = 1
-        self.nof_replica_num = 0
-        self.dfs_replica_num = 0
-        self.with_soft_pin = False
-        self.with_hard_pin = False
-        self.preferred_segment = ""
-        self.preferred_segments: list = []
-        self.prefer_alloc_in_same_node = False
-        self.group_ids: list = []
-        self.soft_pin_action = SoftPinAction.PRESERVE
-        self._soft_pin_ttl_ms: "int | None" = None
-        self.data_type = ObjectDataType.UNKNOWN
-        self.preferred_nof_segments: list = []
-
-    @property
-    def soft_pin_ttl_ms(self) -> "int | None":
-        """None (the default TTL) or milliseconds, 0 to 2**64-1; anything else is a
-        TypeError, as in Mooncake's binding."""
-        return self._soft_pin_ttl_ms
-
-    @soft_pin_ttl_ms.setter
-    def soft_pin_ttl_ms(self, value) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or not 0 <= value < _U64):
-            raise TypeError(f"soft_pin_ttl_ms must be None or an integer in [0, 2**64), "
-                            f"not {value!r}")
-        self._soft_pin_ttl_ms = value
-
-    def __repr__(self) -> str:
-        return (f"ReplicateConfig(replica_num={self.replica_num}, preferred_segment="
-                f"{self.preferred_segment!r}, group_ids={len(self.group_ids or ())} ids)")
-
-
-class MemoryDescriptor:
-    """Where a memory replica lives: ``buffer_descriptor`` (segment, address, size)."""
-
-    def __init__(self, segment: str, address: int, size: int):
-        self.buffer_descriptor = BufferDescriptor(segment, address, size)
-
-
-class BufferDescriptor:
-    def __init__(self, segment: str, address: int, size: int):
-        self.transport_endpoint_ = segment
-        self.segment_name = segment
-        self.buffer_address_ = address
-        self.size_ = size
-
-    def __repr__(self) -> str:
-        return f"BufferDescriptor({self.segment_name!r}, {self.buffer_address_:#x}, {self.size_})"
-
-
-class DiskDescriptor:
-    """Where a disk replica lives: ``file_path`` and ``object_size``."""
-
-    def __init__(self, file_path: str, object_size: int):
-        self.file_path = file_path
-        self.object_size = object_size
-
-
-class ReplicaDescriptor:
-    """One replica of an object, as ``batch_get_replica_desc`` returns them (Mooncake's
-    ``Replica::Descriptor``): ``status`` and the predicates vLLM's connector calls."""
-
-    def __init__(self, kind: str, segment: str = "", address: int = 0, size: int = 0,
-                 path: str = ""):
-        self._kind = kind             # "memory", "local_disk"
-        self.status = "COMPLETE"
-        self._mem = MemoryDescriptor(segment, address, size) if kind == "memory" else None
-        self._disk = DiskDescriptor(path, size) if kind != "memory" else None
-
-    def is_memory_replica(self) -> bool:
-        return self._kind == "memory"
-
-    def is_disk_replica(self) -> bool:
-        return False                  # a shared-filesystem replica: never made here
-
-    def is_local_disk_replica(self) -> bool:
-        return self._kind == "local_disk"
-
-    def get_memory_descriptor(self) -> MemoryDescriptor:
-        if self._mem is None:
-            raise E.InvalidArgumentError("not a memory replica (check is_memory_replica())")
-        return self._mem
-
-    def get_disk_descriptor(self) -> DiskDescriptor:
-        if self._disk is None:
-            raise E.InvalidArgumentError("not a disk replica (check is_local_disk_replica())")
-        return self._disk
-
-    def __repr__(self) -> str:
-        return f"<ReplicaDescriptor {self._kind} {self.status}>"
 
 
 #: Where Mooncake's store client picks the port it adds to a bare local_hostname.
@@ -1320,9 +1150,12 @@ class MooncakeDistributedStore(TensorCalls):
         """Make this store a dummy client of the real client at ``server_address``
         (``host:port`` of ``mooncake-te compat client`` / ``mooncake_client``): every
         call runs in that process, on its segment; 0, or -1 when it cannot be reached
-        (:mod:`mooncake_te.compat.dummy`)."""
-        from .dummy import setup_dummy
-        return setup_dummy(self, mem_pool_size, local_buffer_size, server_address)
+        (:mod:`mooncake_te.compat.dummy`). The store becomes a :class:`DummyStore`."""
+        rc = become_dummy(self, DummyStore, mem_pool_size, local_buffer_size,
+                          server_address)
+        if rc == OK:
+            _LIVE.add(self)
+        return rc
 
     # --- existence, size, removal -------------------------------------------------------
     def is_exist(self, key: str) -> int:
@@ -1542,6 +1375,21 @@ def _same_len(keys, ptrs, sizes) -> None:
     if not (len(keys) == len(ptrs) == len(sizes)):
         raise E.InvalidArgumentError(f"{len(keys)} keys, {len(ptrs)} buffer lists and "
                                      f"{len(sizes)} size lists must be as many")
+
+
+class DummyStore(DummyClient, MooncakeDistributedStore):
+    """A :class:`MooncakeDistributedStore` after ``setup_dummy``: its calls run in the
+    real client's process (:mod:`.dummy_client`). Built here, where both classes are
+    seen, so that it is one of this module's stores and the dummy side need not import
+    this module."""
+
+    def close(self) -> int:
+        """Leave the real client and free the shared buffers. 0. Idempotent."""
+        _LIVE.discard(self)
+        return DummyClient.close(self)
+
+
+add_forwarders(DummyStore, MooncakeDistributedStore)
 
 
 __all__ = ["MooncakeDistributedStore", "ReplicateConfig", "ReplicaDescriptor",
