@@ -41,12 +41,9 @@ from typing import Any
 
 import numpy as np
 
-log = logging.getLogger("mooncake_te.compat.store")
+from .store_types import FILE_NOT_FOUND, INTERNAL_ERROR, INVALID_PARAMS, OK
 
-OK = 0
-INTERNAL_ERROR = -1
-INVALID_PARAMS = -600
-FILE_NOT_FOUND = -1100
+log = logging.getLogger("mooncake_te.compat.store")
 
 MAGIC = 0x4D4F4F4E
 VERSION = 1
