@@ -11,6 +11,8 @@ store (:mod:`mooncake_te.p2p_store`) both need, so neither imports the other:
 * :class:`OwnerDirectory` (:mod:`.owners`): owner records (owner engine, address,
   length, CRC-32, tier, MAC with the cluster token), published through a coalescing
   writer thread, looked up one or many at a time;
+* :func:`record_mac` (:mod:`.record_mac`): the one MAC scheme of the records kept here
+  (owner records, the P2P store's holder entries), each kind under its own key;
 * :func:`read_verified` (:mod:`.read`): READs from the owners into registered memory,
   each checked; a failure is a miss;
 * :mod:`.checksum`: CRC-32 with the GIL held or released.
@@ -21,6 +23,8 @@ from .checksum import CRC32_IMPL, crc32_held, crc32_many, crc32_released
 from .directory import ObjectDirectory, area_prefix
 from .owners import TIERS, OwnerDirectory, parse_tier
 from .read import read_verified
+from .record_mac import record_key, record_mac, record_mac_ok
 
 __all__ = ["ObjectDirectory", "area_prefix", "OwnerDirectory", "TIERS", "parse_tier",
-           "read_verified", "crc32_held", "crc32_released", "crc32_many", "CRC32_IMPL"]
+           "read_verified", "record_key", "record_mac", "record_mac_ok", "crc32_held",
+           "crc32_released", "crc32_many", "CRC32_IMPL"]

@@ -16,10 +16,10 @@ Authentication. A CRC is an integrity check, not an authentication: anyone who c
 the metadata store can write a record. With a ``mac_key`` (derived from the engines'
 ``auth_token``, :func:`mooncake_te.auth.derive_key`) each record carries ``mac``,
 HMAC-SHA256 over name, owner, address, length and CRC (and the tier, for a tier other
-than DRAM); a record without a valid one is refused (a miss, counted in
-:attr:`OwnerDirectory.rejected`). A malformed record (an address or length out of range,
-a missing field) is refused and counted in either mode, never an exception for the whole
-lookup. Records need no lease or lock: the reader checks what it read
+than DRAM): the object directory's record MAC (:mod:`.record_mac`). A record without a
+valid one is refused (a miss, counted in :attr:`OwnerDirectory.rejected`). A malformed
+record (an address or length out of range, a missing field) is refused and counted in
+either mode, never an exception for the whole lookup. Records need no lease or lock: the reader checks what it read
 (:func:`~.read.read_verified`), so a stale record costs one wasted read, never wrong bytes.
 
 Writes go through a background thread that coalesces (only the last operation on a name
@@ -33,9 +33,9 @@ import json
 import logging
 import threading
 
-from ..auth import mac, mac_ok
 from ..metadata.base import KeyValueBackend
 from .directory import ObjectDirectory
+from .record_mac import record_mac, record_mac_ok
 
 _DELETE = object()
 _DROP = object()
@@ -200,9 +200,8 @@ class OwnerDirectory:
             return None
         if skip_own and owner == self.owner:
             return None
-        if self.mac_key is not None and not mac_ok(self.mac_key, d.get("mac"),
-                                                   *_parts(key, owner, addr, length, crc,
-                                                           tier)):
+        if self.mac_key is not None and not record_mac_ok(
+                self.mac_key, d.get("mac"), *_parts(key, owner, addr, length, crc, tier)):
             self.rejected += 1
             if self.rejected in (1, 10, 100) or self.rejected % 1000 == 0:
                 self._log.warning("%s: owner record for %s (owner %r) has no valid MAC; ignored "
@@ -262,7 +261,8 @@ class OwnerDirectory:
         if tier != "dram":
             d["tier"] = tier
         if self.mac_key is not None:
-            d["mac"] = mac(self.mac_key, *_parts(key, self.owner, addr, length, crc, tier))
+            d["mac"] = record_mac(self.mac_key,
+                                  *_parts(key, self.owner, addr, length, crc, tier))
         return json.dumps(d).encode()
 
     def _owned(self, raw) -> bool:

@@ -10,6 +10,13 @@ descriptors, under the same prefix (``MC_METADATA_CLUSTER_ID`` applies):
 
 They are the object directory's area ``p2p_store``
 (:class:`mooncake_te.objdir.ObjectDirectory`, shared with the KV cache's owner index).
+With the engines' ``auth_token`` each holder entry carries ``mac``, the object
+directory's record MAC (:mod:`mooncake_te.objdir.record_mac`, label
+:data:`HOLDER_LABEL`) over the object's name and id and the entry's fields; getters skip
+an entry without a valid one, so whoever can write the metadata store cannot announce
+holders. Entries written by older versions carry a MAC of their own (32 hex digits) and
+are skipped as unauthenticated (docs/p2p_store.md says what to do).
+
 The stores offer no compare-and-swap, so two getters adding themselves at the same
 moment can lose one update. Three things make that harmless: every change is read back
 after a random pause and redone if it was lost
@@ -25,13 +32,12 @@ from what it holds and what it has been told.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 from abc import ABC, abstractmethod
 
 from ..errors import MetadataError
 from ..metadata import KeyValueBackend, ram_key
-from ..objdir import ObjectDirectory
+from ..objdir import ObjectDirectory, record_key, record_mac, record_mac_ok
 from .control import ControlClient
 from .errors import ObjectExistsError
 from .manifest import HolderRef, Manifest
@@ -42,6 +48,13 @@ log = logging.getLogger("mooncake_te.p2p_store")
 MAX_HOLDERS = 256
 #: the name list's key in the directory's area
 INDEX = "index"
+#: the label of the holder entries' MAC key (:func:`mooncake_te.objdir.record_key`)
+HOLDER_LABEL = "p2p_store/holders"
+
+
+def _holder_fields(name: str, object_id: str, ref: HolderRef) -> tuple:
+    """What a holder entry's MAC covers: the object (name, id) and the entry."""
+    return name, object_id, ref.name, ref.address, ref.segment, ref.instance
 
 
 class Directory(ABC):
@@ -114,6 +127,20 @@ class StoreDirectory(Directory):
         self.kind = backend.kind
         self._owned = owned
         self.dir = ObjectDirectory(backend, "p2p_store")
+        #: holder entries refused for their MAC (with a token)
+        self.rejected = 0
+
+    def _holder_key(self) -> "bytes | None":
+        """The holder entries' MAC key (None without a token: entries carry no MAC)."""
+        return record_key(self.token, HOLDER_LABEL)
+
+    def _entry(self, key: "bytes | None", manifest: Manifest, ref: HolderRef) -> dict:
+        """``ref``'s entry in ``manifest``'s holder list, with its MAC under ``key``."""
+        entry = ref.to_json()
+        if key is not None:
+            entry["mac"] = record_mac(key, *_holder_fields(manifest.name,
+                                                           manifest.object_id, ref))
+        return entry
 
     def describe(self) -> str:
         return f"the {self.kind} metadata store {getattr(self.backend, 'address', '')}".rstrip()
@@ -134,9 +161,7 @@ class StoreDirectory(Directory):
             log.warning("replacing object %r: its publisher %s no longer runs",
                         manifest.name, old.origin.address)
         self.dir.put(f"objects/{manifest.name}", manifest.encode())
-        origin = manifest.origin.to_json()
-        if self.token:
-            origin["mac"] = manifest.origin.mac(self.token, manifest.object_id)
+        origin = self._entry(self._holder_key(), manifest, manifest.origin)
         self.dir.put_json(f"holders/{manifest.name}",
                           {"object_id": manifest.object_id, "holders": [origin]})
         self.dir.update(INDEX, lambda d: _with_name(d, manifest.name, True), {"names": []})
@@ -160,21 +185,36 @@ class StoreDirectory(Directory):
         d = self.dir.get_json(f"holders/{name}", {})
         if not isinstance(d, dict) or d.get("object_id") != object_id:
             return []
+        key = self._holder_key()
         out = []
         for h in list(d.get("holders", ()))[-MAX_HOLDERS:]:
             try:
                 ref = HolderRef.from_json(h)
             except (KeyError, TypeError, ValueError):
                 continue
-            # With a token, an entry counts only with its tag (issue #35 item 8): anyone
+            # With a token, an entry counts only with its MAC (issue #35 item 8): anyone
             # who can write to the metadata store cannot announce holders.
-            if self.token and not hmac.compare_digest(str(h.get("mac", "")),
-                                                      ref.mac(self.token, object_id)):
+            if key is not None and not record_mac_ok(
+                    key, h.get("mac"), *_holder_fields(name, object_id, ref)):
+                self._refused(name, ref, h.get("mac"))
                 continue
             out.append(ref)
         return out
 
+    def _refused(self, name: str, ref: HolderRef, tag) -> None:
+        self.rejected += 1
+        if self.rejected in (1, 10, 100) or self.rejected % 1000 == 0:
+            older = isinstance(tag, str) and len(tag) == 32
+            log.warning("holder %s (%s) of %r has no valid MAC; ignored (%d so far): %s",
+                        ref.name, ref.address, name, self.rejected,
+                        "written by a P2P store of an older version (its holder MAC "
+                        "predates the object directory's scheme), ignored until that "
+                        "store runs this version (docs/p2p_store.md)" if older
+                        else "written without this cluster's auth_token, or altered")
+
     def _change_holders(self, manifest: Manifest, ref: HolderRef, add: bool) -> None:
+        key = self._holder_key()
+
         def change(d):
             if d.get("object_id") != manifest.object_id:
                 if not add:
@@ -183,10 +223,7 @@ class StoreDirectory(Directory):
             hs = [h for h in d.get("holders", ()) if isinstance(h, dict) and (
                 h.get("address") != ref.address or h.get("instance") != ref.instance)]
             if add:
-                entry = ref.to_json()
-                if self.token:
-                    entry["mac"] = ref.mac(self.token, manifest.object_id)
-                hs.append(entry)
+                hs.append(self._entry(key, manifest, ref))
             # Bounded: the oldest entries go first (live holders re-add themselves each
             # refresh period); the publisher's own entry stays first.
             if len(hs) > MAX_HOLDERS:

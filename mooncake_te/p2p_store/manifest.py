@@ -141,12 +141,6 @@ class HolderRef:
                                  f"{MAX_FIELD})")
         return ref
 
-    def mac(self, token: bytes, object_id: str) -> str:
-        """The holder entry's tag in a metadata store's holder list (with a token)."""
-        return hmac.new(token, "\0".join(("mte-p2p-holder", object_id, self.name,
-                                          self.address, self.segment, self.instance))
-                        .encode(), hashlib.sha256).hexdigest()[:32]
-
 
 @dataclass
 class Manifest:

@@ -14,7 +14,8 @@ import mooncake_te as mte
 from mooncake_te.auth import derive_key, mac
 from mooncake_te.metadata import open_backend
 from mooncake_te.objdir import (ObjectDirectory, OwnerDirectory, area_prefix,
-                                crc32_held, crc32_released, parse_tier, read_verified)
+                                crc32_held, crc32_released, parse_tier, read_verified,
+                                record_key, record_mac, record_mac_ok)
 from store_fixtures import _loopback, index_url  # noqa: F401
 
 KEY = derive_key(b"objdir-test-token", "objdir-test")
@@ -115,6 +116,25 @@ def test_the_record_is_the_one_older_engines_wrote(store):
     finally:
         store.delete(d._key(k))
         d.close()
+
+
+def test_one_record_mac_for_every_kind_of_record():
+    """The record MAC (issue 40) that owner records and the P2P store's holder entries
+    share: a key per kind of record, fields length-prefixed, any tampering refused."""
+    assert record_key(None, "kind-a") is None and record_key(b"", "kind-a") is None
+    ka, kb = record_key(b"tok", "kind-a"), record_key(b"tok", "kind-b")
+    assert ka is not None and kb is not None
+    assert ka == derive_key(b"tok", "kind-a") != kb
+    tag = record_mac(ka, b"x", "y")                  # a str field is its UTF-8
+    assert tag == mac(ka, b"x", b"y") and len(tag) == 64
+    assert record_mac_ok(ka, tag, "x", b"y")
+    assert not record_mac_ok(kb, tag, b"x", b"y")                 # another kind's key
+    assert not record_mac_ok(record_key(b"other", "kind-a"), tag, b"x", b"y")
+    assert not record_mac_ok(ka, tag, b"xy", b"")                 # length-prefixed
+    assert not record_mac_ok(ka, tag, b"x", b"y", b"")
+    assert not record_mac_ok(ka, tag, b"x", b"z")
+    for bad in (None, 5, b"x", tag.upper(), tag[:32], "\u00e9" * 64, ""):
+        assert not record_mac_ok(ka, bad, b"x", b"y"), bad
 
 
 def test_directory_batches_and_read_modify_write(store):

@@ -4,7 +4,10 @@ with the engine's auth_token a peer proves the token before its first request; w
 it, nothing is answered. Its accept loop sheds floods and keeps serving."""
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
 import socket
 import time
 
@@ -13,9 +16,12 @@ import pytest
 
 import mooncake_te as mte
 from mooncake_te.errors import AuthenticationError
-from mooncake_te.metadata import framing
+from mooncake_te.metadata import framing, open_backend
+from mooncake_te.objdir import record_key, record_mac
 from mooncake_te.p2p_store import P2PStore
 from mooncake_te.p2p_store.control import FRAME, ControlClient
+from mooncake_te.p2p_store.directory import HOLDER_LABEL, StoreDirectory
+from mooncake_te.p2p_store.manifest import HolderRef, Manifest
 from servers import redis_server  # noqa: F401
 
 TOKEN = b"p2p-cluster-secret"
@@ -280,3 +286,61 @@ def test_with_a_token_holder_entries_written_without_it_are_ignored(redis_server
     finally:
         store.close()
         eng.close()
+
+
+def test_with_a_token_a_forged_or_altered_holder_entry_is_refused(redis_server, caplog):
+    """Holder entries carry the object directory's record MAC (issue 40): an entry
+    altered in any field, forged under another token or another kind of record's key,
+    moved from another object, or written with the P2P store's former MAC is skipped
+    and counted; the genuine entries are listed."""
+    d = StoreDirectory(open_backend(redis_server.url), owned=True)
+    d.token = TOKEN
+    pub = HolderRef("pub", "127.0.0.1:7001", "127.0.0.1:17001", "a" * 12)
+    getter = HolderRef("getter", "127.0.0.1:7002", "127.0.0.1:17002", "b" * 12)
+    m = Manifest("holder-mac", "0123456789abcdef", 10, 10, [0], pub)
+    key = record_key(TOKEN, HOLDER_LABEL)
+    fields = (m.name, m.object_id, "getter", getter.address, getter.segment,
+              getter.instance)
+    try:
+        d.publish(m)
+        d.add_holder(m, getter)
+        assert [h.name for h in d.holders(m.name, m.object_id)] == ["pub", "getter"]
+        assert d.rejected == 0
+        raw = json.loads(d.backend.get(d._hkey(m.name)))
+        entry = raw["holders"][1]
+        assert entry["mac"] == record_mac(key, *fields)       # the shared scheme
+        former = hmac.new(TOKEN, "\0".join(("mte-p2p-holder", m.object_id) + fields[2:])
+                          .encode(), hashlib.sha256).hexdigest()[:32]
+        bad = {                       # the first refusal is logged (then the 10th...)
+            "the former MAC": dict(entry, mac=former),
+            "name": dict(entry, name="pub"),
+            "address": dict(entry, address="127.0.0.9:7002"),
+            "segment": dict(entry, segment="127.0.0.9:17002"),
+            "instance": dict(entry, instance="c" * 12),
+            "no mac": {k: v for k, v in entry.items() if k != "mac"},
+            "not a str": dict(entry, mac=1),
+            "another token": dict(entry, mac=record_mac(
+                record_key(b"another token", HOLDER_LABEL), *fields)),
+            "another kind's key": dict(entry, mac=record_mac(
+                record_key(TOKEN, "kvcache-index/default"), *fields)),
+            "another object": dict(entry, mac=record_mac(
+                key, "other", "fedcba9876543210", *fields[2:])),
+        }
+        for why, forged in bad.items():
+            d.backend.put(d._hkey(m.name), json.dumps(
+                dict(raw, holders=[raw["holders"][0], forged])).encode())
+            before = d.rejected
+            with caplog.at_level(logging.WARNING, "mooncake_te.p2p_store"):
+                caplog.clear()
+                assert [h.name for h in d.holders(m.name, m.object_id)] == ["pub"], why
+            assert d.rejected == before + 1, why
+            if why == "the former MAC":
+                assert "older version" in caplog.text
+        # Without the token entries carry no MAC and none is checked.
+        plain = StoreDirectory(d.backend)
+        assert [h.name for h in plain.holders(m.name, m.object_id)] == ["pub", "getter"]
+        plain.add_holder(m, getter)
+        assert "mac" not in json.loads(d.backend.get(d._hkey(m.name)))["holders"][-1]
+    finally:
+        d.withdraw(m)
+        d.close()
