@@ -64,6 +64,9 @@ from .. import errors as E
 from ..kvcache.keys import as_key
 from ..kvcache.record import HEADER_SIZE, slot_size_for
 from ._maps import mapped_rw as _mapped_rw
+from .parallelism import ParallelismCalls
+# Mooncake's request objects of the *_with_parallelism calls (mooncake.store.ParallelAxis, ...)
+from .parallelism import ParallelAxis, ReadTarget, TensorParallelism  # noqa: F401
 from .tensor import TensorCalls
 # Mooncake's module-level tensor helpers (mooncake.store._serialize_tensor, ...)
 from .tensor import deserialize_tensor as _deserialize_tensor  # noqa: F401
@@ -300,7 +303,7 @@ def _free_port(host: str = "127.0.0.1") -> int:
                                  f"give local_hostname as host:port")
 
 
-class MooncakeDistributedStore(TensorCalls):
+class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
     """Drop-in for ``mooncake.store.MooncakeDistributedStore`` (see the module
     docstring). Create it, call :meth:`setup` (0 on success), then put and get.
 
