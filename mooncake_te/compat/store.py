@@ -1264,18 +1264,25 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
     def put_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
         """Store the concatenation of ``parts`` (bytes-like) under ``key`` (LMCache
         stores a chunk's metadata and its KV bytes this way). 0 or a negative code."""
+        return self._parts(key, parts, config, False, "put_parts")
+
+    def upsert_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
+        """:meth:`put_parts`, replacing an object under ``key`` (as :meth:`upsert`)."""
+        return self._parts(key, parts, config, True, "upsert_parts")
+
+    def _parts(self, key: str, parts, config, replace: bool, what: str) -> int:
         def go():
             views = [memoryview(p).cast("B") if memoryview(p).ndim != 1 or
                      memoryview(p).format != "B" else memoryview(p) for p in parts]
             if not views:
-                raise E.InvalidArgumentError("put_parts needs at least one part")
+                raise E.InvalidArgumentError(f"{what} needs at least one part")
             total = sum(v.nbytes for v in views)
             buf = np.empty(total, np.uint8)
             off = 0
             for v in views:
                 buf[off:off + v.nbytes] = np.frombuffer(v, np.uint8)
                 off += v.nbytes
-            return self._put_staged([key], [buf], config)[0]
+            return self._put_staged([key], [buf], config, replace)[0]
         return self._guard(go, INTERNAL_ERROR)
 
     def get_buffer(self, key: str):

@@ -130,6 +130,24 @@ def test_lmcache_mooncakestore_connector_sequence(index_url):
         b.close()
 
 
+def test_upsert_parts_replaces_the_object(index_url):
+    """``upsert_parts``: the parts concatenated, replacing what ``put_parts`` (which
+    keeps an existing object) stored, at another size too; another store reads it."""
+    tenant = "parts-" + os.urandom(4).hex()
+    a = _store(index_url, tenant)
+    b = _store(index_url, tenant)
+    try:
+        assert a.upsert_parts("p", b"Hello, ", b"World") == 0           # a new key
+        assert b.get("p") == b"Hello, World"
+        assert a.put_parts("p", b"kept? ", b"no") == 0
+        assert b.get("p") == b"Hello, World"
+        assert a.upsert_parts("p", b"x" * 70000, memoryview(b"yz"), config=ReplicateConfig()) == 0
+        assert b.get("p") == b"x" * 70000 + b"yz"
+    finally:
+        a.close()
+        b.close()
+
+
 def test_upsert_regex_health_and_keywords(index_url):
     tenant = "api-" + os.urandom(4).hex()
     a = _store(index_url, tenant)
