@@ -461,9 +461,13 @@ def pack_manifest(dtype: int, global_shape, split_dim: int, shard_count: int) ->
 def parse_manifest(buf) -> "dict | None":
     """A manifest's fields, None when ``buf`` is not a valid one (Mooncake's
     ``parse_writer_shard_manifest`` checks)."""
-    if buf is None or len(buf) < MANIFEST.size:
+    if buf is None:
         return None
-    f = MANIFEST.unpack_from(buf, 0)
+    b = bytes(buf[:MANIFEST.size]) if isinstance(buf, (bytes, bytearray)) else \
+        np.asarray(buf).view(np.uint8).reshape(-1)[:MANIFEST.size].tobytes()
+    if len(b) < MANIFEST.size:
+        return None
+    f = MANIFEST.unpack_from(b, 0)
     magic, version, hsize, dtype, ndim, split_dim, count = f[:7]
     if magic != MANIFEST_MAGIC or version != 1 or hsize != MANIFEST.size or \
             not 0 <= ndim <= 8 or count <= 0 or not 0 <= split_dim < ndim:
