@@ -69,6 +69,9 @@ from .store_types import (BUFFER_OVERFLOW, INTERNAL_ERROR, INVALID_PARAMS,  # no
                           BufferDescriptor, BufferHandle, DiskDescriptor, MemoryDescriptor,
                           ObjectDataType, ReplicaDescriptor, ReplicaStatus, ReplicateConfig,
                           SoftPinAction, _parse_size)
+from .parallelism import ParallelismCalls
+# Mooncake's request objects of the *_with_parallelism calls (mooncake.store.ParallelAxis, ...)
+from .parallelism import ParallelAxis, ReadTarget, TensorParallelism  # noqa: F401
 from .tensor import TensorCalls
 # Mooncake's module-level tensor helpers (mooncake.store._serialize_tensor, ...)
 from .tensor import deserialize_tensor as _deserialize_tensor  # noqa: F401
@@ -130,7 +133,7 @@ def _free_port(host: str = "127.0.0.1") -> int:
                                  f"give local_hostname as host:port")
 
 
-class MooncakeDistributedStore(TensorCalls):
+class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
     """Drop-in for ``mooncake.store.MooncakeDistributedStore`` (see the module
     docstring). Create it, call :meth:`setup` (0 on success), then put and get.
 
@@ -1091,18 +1094,25 @@ class MooncakeDistributedStore(TensorCalls):
     def put_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
         """Store the concatenation of ``parts`` (bytes-like) under ``key`` (LMCache
         stores a chunk's metadata and its KV bytes this way). 0 or a negative code."""
+        return self._parts(key, parts, config, False, "put_parts")
+
+    def upsert_parts(self, key: str, *parts, config: ReplicateConfig | None = None) -> int:
+        """:meth:`put_parts`, replacing an object under ``key`` (as :meth:`upsert`)."""
+        return self._parts(key, parts, config, True, "upsert_parts")
+
+    def _parts(self, key: str, parts, config, replace: bool, what: str) -> int:
         def go():
             views = [memoryview(p).cast("B") if memoryview(p).ndim != 1 or
                      memoryview(p).format != "B" else memoryview(p) for p in parts]
             if not views:
-                raise E.InvalidArgumentError("put_parts needs at least one part")
+                raise E.InvalidArgumentError(f"{what} needs at least one part")
             total = sum(v.nbytes for v in views)
             buf = np.empty(total, np.uint8)
             off = 0
             for v in views:
                 buf[off:off + v.nbytes] = np.frombuffer(v, np.uint8)
                 off += v.nbytes
-            return self._put_staged([key], [buf], config)[0]
+            return self._put_staged([key], [buf], config, replace)[0]
         return self._guard(go, INTERNAL_ERROR)
 
     def get_buffer(self, key: str):

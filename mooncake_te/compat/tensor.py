@@ -31,6 +31,7 @@ torch is imported when a tensor call is made, never before; without it the call 
 the object); tensors on another device (CUDA) are copied to the host first
 (``tensor.to("cpu")``) and tensors read back are CPU tensors. ``get_tensor_into_cuda``
 copies the object's payload through the host into the given tensor (any device).
+The ``*_with_parallelism`` calls and their request objects are in :mod:`.parallelism`.
 """
 from __future__ import annotations
 
@@ -689,95 +690,3 @@ class TensorCalls:
             log.error("load_tensor_from_safetensor: put_tensor %r failed (%d)", target, rc)
             return None
         return t
-
-    # the parallelism forms: with no parallelism request, the plain calls ------------------
-    def _no_parallelism(self, what: str, *requests) -> bool:
-        if any(r is not None for r in requests):
-            log.error("%s: TensorParallelism / ReadTarget / writer_partition requests are "
-                      "not supported by mooncake_te (docs/compat.md); use the *_with_tp "
-                      "calls, or call it without a request", what)
-            return False
-        return True
-
-    def put_tensor_with_parallelism(self, key, tensor, parallelism=None, config=None,
-                                    writer_partition=None) -> int:
-        if not self._no_parallelism("put_tensor_with_parallelism", parallelism,
-                                    writer_partition):
-            return INVALID_PARAMS
-        return self._tensor_put([key], [tensor], config, False, "put_tensor")[0]
-
-    def batch_put_tensor_with_parallelism(self, keys, tensors_list, parallelisms=None,
-                                          config=None, writer_partitions=None) -> list:
-        if not self._no_parallelism("batch_put_tensor_with_parallelism", parallelisms,
-                                    writer_partitions):
-            return [INVALID_PARAMS] * len(keys)
-        return self._tensor_put(keys, tensors_list, config, False, "batch_put_tensor")
-
-    def upsert_tensor_with_parallelism(self, key, tensor, parallelism=None, config=None,
-                                       writer_partition=None) -> int:
-        if not self._no_parallelism("upsert_tensor_with_parallelism", parallelism,
-                                    writer_partition):
-            return INVALID_PARAMS
-        return self._tensor_put([key], [tensor], config, True, "upsert_tensor")[0]
-
-    def batch_upsert_tensor_with_parallelism(self, keys, tensors_list, parallelisms=None,
-                                             config=None, writer_partitions=None) -> list:
-        if not self._no_parallelism("batch_upsert_tensor_with_parallelism", parallelisms,
-                                    writer_partitions):
-            return [INVALID_PARAMS] * len(keys)
-        return self._tensor_put(keys, tensors_list, config, True, "batch_upsert_tensor")
-
-    def put_tensor_with_parallelism_from(self, key, buffer_ptr, size, parallelism=None,
-                                         config=None, writer_partition=None) -> int:
-        if not self._no_parallelism("put_tensor_with_parallelism_from", parallelism,
-                                    writer_partition):
-            return INVALID_PARAMS
-        return self._tensor_put_from([key], [buffer_ptr], [size], config, False,
-                                     "put_tensor_from")[0]
-
-    def batch_put_tensor_with_parallelism_from(self, keys, buffer_ptrs, sizes,
-                                               parallelisms=None, config=None,
-                                               writer_partitions=None) -> list:
-        if not self._no_parallelism("batch_put_tensor_with_parallelism_from", parallelisms,
-                                    writer_partitions):
-            return [INVALID_PARAMS] * len(keys)
-        return self._tensor_put_from(keys, buffer_ptrs, sizes, config, False,
-                                     "batch_put_tensor_from")
-
-    def upsert_tensor_with_parallelism_from(self, key, buffer_ptr, size, parallelism=None,
-                                            config=None, writer_partition=None) -> int:
-        if not self._no_parallelism("upsert_tensor_with_parallelism_from", parallelism,
-                                    writer_partition):
-            return INVALID_PARAMS
-        return self._tensor_put_from([key], [buffer_ptr], [size], config, True,
-                                     "upsert_tensor_from")[0]
-
-    def batch_upsert_tensor_with_parallelism_from(self, keys, buffer_ptrs, sizes,
-                                                  parallelisms=None, config=None,
-                                                  writer_partitions=None) -> list:
-        if not self._no_parallelism("batch_upsert_tensor_with_parallelism_from",
-                                    parallelisms, writer_partitions):
-            return [INVALID_PARAMS] * len(keys)
-        return self._tensor_put_from(keys, buffer_ptrs, sizes, config, True,
-                                     "batch_upsert_tensor_from")
-
-    def get_tensor_with_parallelism(self, key, target=None):
-        if not self._no_parallelism("get_tensor_with_parallelism", target):
-            return None
-        return self.get_tensor(key)
-
-    def batch_get_tensor_with_parallelism(self, keys, targets=None) -> list:
-        if not self._no_parallelism("batch_get_tensor_with_parallelism", targets):
-            return [None] * len(keys)
-        return self.batch_get_tensor(keys)
-
-    def get_tensor_with_parallelism_into(self, key, buffer_ptr, size, target=None):
-        if not self._no_parallelism("get_tensor_with_parallelism_into", target):
-            return None
-        return self.get_tensor_into(key, buffer_ptr, size)
-
-    def batch_get_tensor_with_parallelism_into(self, keys, buffer_ptrs, sizes,
-                                               targets=None) -> list:
-        if not self._no_parallelism("batch_get_tensor_with_parallelism_into", targets):
-            return [None] * len(keys)
-        return self.batch_get_tensor_into(keys, buffer_ptrs, sizes)

@@ -20,7 +20,8 @@ import uuid
 
 import torch
 
-from mooncake_te.compat.store import (MooncakeDistributedStore, ReplicateConfig,
+from mooncake_te.compat.store import (MooncakeDistributedStore, ParallelAxis,
+                                      ReadTarget, ReplicateConfig, TensorParallelism,
                                       _deserialize_tensor, _serialize_tensor,
                                       _tensor_metadata_size)
 
@@ -360,6 +361,342 @@ def dummy_client_tensor_calls():
         assert C.get_tensor_into("dm", ptr, n - 1) is None
         assert C.put_tensor_from("dm-from", ptr, n) == 0
         assert same(A.get_tensor("dm-from"), t)
+        assert C.unregister_buffer(ptr) == 0
+    finally:
+        C.close()
+        real.close()
+
+
+# --- the *_with_parallelism calls ------------------------------------------------------
+def axis(kind, rank, size, split_dim=None, expert_id=None, stage_id=None):
+    """Built field by field, as Mooncake's scripts do (its ParallelAxis takes no
+    constructor arguments)."""
+    a = ParallelAxis()
+    a.kind, a.rank, a.size, a.split_dim = kind, rank, size, split_dim
+    if expert_id is not None:
+        a.expert_id = expert_id
+    if stage_id is not None:
+        a.stage_id = stage_id
+    return a
+
+
+def par(*axes):
+    p = TensorParallelism()
+    p.axes = list(axes)
+    return p
+
+
+def target(mode, parallelism=None):
+    t = ReadTarget()
+    t.mode = mode
+    t.parallelism = parallelism
+    return t
+
+
+def tp(rank, size, split_dim):
+    return par(axis("tp", rank, size, split_dim))
+
+
+class Writer:
+    """A writer partition: any object with rank, size and split_dim (Mooncake's scripts
+    use a dataclass)."""
+
+    def __init__(self, rank, size, split_dim):
+        self.rank, self.size, self.split_dim = rank, size, split_dim
+
+
+def manifest(b: bytes) -> tuple:
+    """Mooncake's WriterShardManifest: magic u32, version u16, header_size u16, dtype,
+    ndim, split_dim, shard_count, reserved0 (i32), padding to 8, 8 x i64 shape."""
+    assert len(b) == 96, len(b)
+    return struct.unpack_from("<IHHiiiii", b, 0) + (struct.unpack_from("<8q", b, 32),)
+
+
+@check
+def parallelism_tp_writers_then_full_read():
+    """Each TP rank stores its own shard (alternating clients); a FULL read by any rank
+    reassembles the tensor, bytes as Mooncake lays them out."""
+    t = torch.arange(48, dtype=torch.float32).reshape(4, 12)
+    for r, shard in enumerate(t.chunk(3, dim=1)):
+        w = A if r % 2 else B
+        assert w.put_tensor_with_parallelism("pt", shard.contiguous(), tp(r, 3, 1)) == 0
+    for r in range(3):
+        h = header(A.get(f"pt_tp_{r}"))
+        assert h["layout_kind"] == 1 and h["axis_count"] == 1
+        assert h["global_shape"][:2] == (4, 12) and h["local_shape"][:2] == (4, 4)
+        assert h["axis0"] == (1, 0, r, 3, 1, 0, 4), h["axis0"]
+    m = manifest(A.get("pt__parallelism_manifest"))
+    assert m[:8] == (0x574D414E, 1, 96, 0, 2, 1, 3, 0), m
+    assert m[8] == (4, 12) + (-1,) * 6
+    for r in range(3):
+        full = B.get_tensor_with_parallelism("pt", target("full", tp(r, 3, 1)))
+        assert same(full, t), r
+        shard = A.get_tensor_with_parallelism("pt", target("shard", tp(r, 3, 1)))
+        assert same(shard, t.chunk(3, dim=1)[r].contiguous()), r
+        assert same(shard, A.get_tensor_with_tp("pt", tp_rank=r, tp_size=3))
+    # a FULL read into a buffer: [FULL header][data], the tensor a view of it
+    n = 304 + t.numel() * 4
+    keep, ptr = _buffer(n)
+    assert B.register_buffer(ptr - 64, n + 128) == 0
+    try:
+        assert B.get_tensor_with_parallelism_into("pt", ptr, n - 1,
+                                                  target("full", tp(0, 3, 1))) is None
+        assert bytes(keep) == b"\xab" * (n + 128)
+        got = B.get_tensor_with_parallelism_into("pt", ptr, n, target("FULL", tp(0, 3, 1)))
+        assert same(got, t) and got.data_ptr() == ptr + 304
+        h = header(bytes(keep[64:64 + n]))
+        assert (h["layout_kind"], h["axis_count"]) == (0, 0)
+        assert h["global_shape"][:2] == (4, 12) == h["local_shape"][:2]
+        assert bytes(keep[64 + n:]) == b"\xab" * 64
+    finally:
+        B.unregister_buffer(ptr - 64)
+    # a shard missing: no FULL read
+    assert A.put_tensor_with_parallelism("pt-gap", t[:, :4].contiguous(), tp(0, 3, 1)) == 0
+    assert A.get_tensor_with_parallelism("pt-gap", target("full", tp(0, 3, 1))) is None
+
+
+@check
+def parallelism_shard_read_reshards():
+    """Shards stored for TP 4 along dim 0, read as TP 2 and TP 8 (Mooncake re-shards
+    from the stored shards); a size that does not divide is refused."""
+    t = torch.arange(8 * 3, dtype=torch.int64).reshape(8, 3)
+    for r, shard in enumerate(t.chunk(4, dim=0)):
+        assert A.put_tensor_with_parallelism("rs", shard.contiguous(), tp(r, 4, 0)) == 0
+    assert same(B.get_tensor_with_parallelism("rs", target("shard", tp(1, 2, 0))), t[4:])
+    assert same(B.get_tensor_with_parallelism("rs", target("shard", tp(5, 8, 0))), t[5:6])
+    # into: a SHARD header with the request's axis
+    n = 304 + 4 * 3 * 8
+    keep, ptr = _buffer(n)
+    assert B.register_buffer(ptr - 64, n + 128) == 0
+    try:
+        # no re-shard to a TP size that does not divide the dimension, or along another
+        # split_dim (the plain get then falls back to f"{key}_tp_{rank}", as Mooncake's)
+        for bad in (tp(0, 3, 0), tp(0, 2, 1)):
+            assert B.get_tensor_with_parallelism_into("rs", ptr, n,
+                                                      target("shard", bad)) is None
+        assert same(B.get_tensor_with_parallelism("rs", target("shard", tp(0, 3, 0))),
+                    t[:2])
+        got = B.get_tensor_with_parallelism_into("rs", ptr, n, target("shard", tp(0, 2, 0)))
+        assert same(got, t[:4])
+        h = header(bytes(keep[64:64 + n]))
+        assert h["layout_kind"] == 1 and h["axis0"] == (1, 0, 0, 2, 0, 0, 4), h
+        assert h["global_shape"][:2] == (8, 3) and h["local_shape"][:2] == (4, 3)
+    finally:
+        B.unregister_buffer(ptr - 64)
+    # the *_with_tp objects (no manifest) reassemble and re-shard too
+    assert A.put_tensor_with_tp("rs-tp", t, tp_size=2, split_dim=0) == 0
+    assert same(B.get_tensor_with_parallelism("rs-tp", target("full", tp(0, 4, 0))), t)
+    assert same(B.get_tensor_with_parallelism("rs-tp", target("shard", tp(3, 4, 0))), t[6:])
+
+
+@check
+def parallelism_as_stored():
+    t = torch.arange(12, dtype=torch.int16).reshape(3, 4)
+    assert A.put_tensor_with_parallelism("as", t) == 0
+    assert same(B.get_tensor_with_parallelism("as"), t)
+    assert same(B.get_tensor_with_parallelism("as", target("as_stored")), t)
+    assert same(B.get_tensor_with_parallelism("as", target("AS_STORED")), t)
+    assert same(B.get_tensor_with_parallelism("as", target("full")), t)   # no writer shards
+    assert B.get_tensor_with_parallelism("as", target("as_stored", tp(0, 2, 0))) is None
+    assert B.get_tensor_with_parallelism("as-missing", target("as_stored")) is None
+    assert same(B.batch_get_tensor_with_parallelism(["as", "nope"])[0], t)
+
+
+@check
+def parallelism_multi_axis_and_generic():
+    t = torch.arange(6 * 8, dtype=torch.float64).reshape(6, 8)
+    # DP x TP: every TP rank writes the whole tensor; rank r's part is stored
+    for r in range(4):
+        p = par(axis("tp", r, 4, 1), axis("dp", 1, 2))           # any axis order
+        assert A.put_tensor_with_parallelism("ma", t, p) == 0
+    for r in range(4):
+        k = f"ma__dp_1of2__tp_{r}of4_sd1"
+        h = header(A.get(k))
+        assert h["axis_count"] == 2 and h["local_shape"][:2] == (6, 2)
+        assert h["axis0"] == (1, 0, r, 4, 1, 0, 2), h["axis0"]       # the order given
+        assert struct.unpack_from("<iiiiiiq", A.get(k), 208) == (0, 1, 1, 2, -1, 0, 0)
+    want = par(axis("dp", 1, 2), axis("tp", 2, 4, 1))
+    assert same(B.get_tensor_with_parallelism("ma", target("shard", want)), t[:, 4:6])
+    assert same(B.get_tensor_with_parallelism("ma", target("full", want)), t)
+    other_dp = par(axis("dp", 0, 2), axis("tp", 2, 4, 1))
+    assert B.get_tensor_with_parallelism("ma", target("shard", other_dp)) is None
+    assert B.get_tensor_with_parallelism("ma", target("full", other_dp)) is None
+    # PP x TP with a stage id (reserved0 of the PP axis)
+    for r in range(2):
+        p = par(axis("pp", 0, 2, stage_id=7), axis("tp", r, 2, 0))
+        assert A.put_tensor_with_parallelism("pp", t, p) == 0
+    b = A.get("pp__tp_1of2_sd0__pp_0of2_sid7")
+    assert struct.unpack_from("<iiiiiiq", b, 176) == (3, 0, 0, 2, -1, 7, 0)
+    p = par(axis("pp", 0, 2, stage_id=7), axis("tp", 1, 2, 0))
+    assert same(B.get_tensor_with_parallelism("pp", target("shard", p)), t[3:])
+    assert same(B.get_tensor_with_parallelism("pp", target("full", p)), t)
+    # EP alone (no TP): the tensor as it is, under the axes' key, expert id recorded
+    ep = par(axis("ep", 1, 4, expert_id=11))
+    assert A.put_tensor_with_parallelism("ep", t, ep) == 0
+    h = header(A.get("ep__ep_1of4_eid11"))
+    assert h["layout_kind"] == 1 and h["axis0"] == (2, 0, 1, 4, -1, 11, 0)
+    assert h["global_shape"] == h["local_shape"]
+    assert same(B.get_tensor_with_parallelism("ep", target("shard", ep)), t)
+    assert B.get_tensor_with_parallelism("ep", target("full", ep)) is None     # no TP
+    ep12 = par(axis("ep", 1, 4, expert_id=12))
+    assert B.get_tensor_with_parallelism("ep", target("shard", ep12)) is None
+
+
+@check
+def parallelism_writer_partitions():
+    """Writers each store their part of the whole tensor; FULL (no parallelism)
+    reassembles it, a TP SHARD read finds a writer's part."""
+    t = torch.arange(4 * 9, dtype=torch.bfloat16).reshape(4, 9)
+    for r in range(3):
+        w = A if r % 2 else B
+        assert w.put_tensor_with_parallelism("wp", t, writer_partition=Writer(r, 3, 1)) == 0
+    for r in range(3):
+        h = header(A.get(f"wp__writer_{r}of3_sd1"))
+        assert h["axis0"] == (1, 0, r, 3, 1, 0, 3) and h["global_shape"][:2] == (4, 9)
+    m = manifest(A.get("wp__writer_manifest"))
+    assert m[:8] == (0x574D414E, 1, 96, 12, 2, 1, 3, 0) and m[8][:2] == (4, 9)
+    assert same(B.get_tensor_with_parallelism("wp", target("full")), t)
+    for r in range(3):
+        got = B.get_tensor_with_parallelism("wp", target("shard", tp(r, 3, 1)))
+        assert same(got, t[:, 3 * r:3 * r + 3].contiguous()), r
+    assert A.put_tensor_with_parallelism("wp2", t, writer_partition=Writer(0, 2, 1)) == -600
+    assert A.put_tensor_with_parallelism("wp2", t, writer_partition=Writer(0, 3, 2)) == -600
+    assert A.put_tensor_with_parallelism("wp2", t, writer_partition=Writer(3, 3, 1)) == -600
+
+
+@check
+def parallelism_batch_into_from_and_upsert():
+    ts = [torch.arange(24, dtype=torch.float32).reshape(4, 6),
+          torch.arange(16, dtype=torch.int32).reshape(8, 2)]
+    keys = ["bp0", "bp1"]
+    for r in range(2):
+        shards = [ts[0].chunk(2, 1)[r].contiguous(), ts[1].chunk(2, 0)[r].contiguous()]
+        assert A.batch_put_tensor_with_parallelism(
+            keys, shards, [tp(r, 2, 1), tp(r, 2, 0)]) == [0, 0]
+    full = B.batch_get_tensor_with_parallelism(
+        keys, [target("full", tp(0, 2, 1)), target("full", tp(1, 2, 0))])
+    assert same(full[0], ts[0]) and same(full[1], ts[1])
+    shard = B.batch_get_tensor_with_parallelism(
+        keys, [target("shard", tp(1, 2, 1)), target("shard", tp(0, 4, 0))])
+    assert same(shard[0], ts[0][:, 3:].contiguous()) and same(shard[1], ts[1][:2])
+    assert B.batch_get_tensor_with_parallelism(keys, [target("full", tp(0, 2, 1))]) == \
+        [None, None]
+    n = 1024
+    keep, base = _buffer(2 * n)
+    assert B.register_buffer(base - 64, 2 * n + 128) == 0
+    try:
+        got = B.batch_get_tensor_with_parallelism_into(
+            keys + ["nope"], [base, base + n, base], [n, n, n],
+            [target("full", tp(0, 2, 1)), target("shard", tp(1, 2, 0)), None])
+        assert same(got[0], ts[0]) and got[0].data_ptr() == base + 304
+        assert same(got[1], ts[1][4:]) and got[1].data_ptr() == base + n + 304
+        assert got[2] is None
+        assert B.batch_get_tensor_with_parallelism_into(keys, [base], [n]) == [None, None]
+        # _from with a TP axis: the buffer's whole tensor, every rank's shard stored
+        assert B.put_tensor_with_parallelism_from("pf", base, 304 + 96, tp(0, 2, 1)) == 0
+        assert same(A.get_tensor_with_tp("pf", 1, 2), ts[0][:, 3:].contiguous())
+        assert same(A.get_tensor_with_parallelism("pf", target("full", tp(1, 2, 1))), ts[0])
+        assert B.batch_put_tensor_with_parallelism_from(
+            ["pf2", "pf3"], [base, base], [400, 400],
+            writer_partitions=[Writer(1, 2, 0), Writer(1, 3, 0)]) == [0, -600]
+        assert same(A.get_tensor_with_parallelism("pf2", target("shard", tp(1, 2, 0))),
+                    ts[0][2:])
+        assert B.put_tensor_with_parallelism_from("pf4", base, 400, tp(0, 4, 1)) == -600
+        assert B.put_tensor_with_parallelism_from("pf4", base, 399, tp(0, 2, 1)) == -600
+        # upsert: the shard and its manifest replaced
+        assert B.upsert_tensor_with_parallelism_from("pf", base, 400, tp(0, 2, 1)) == 0
+        assert B.batch_upsert_tensor_with_parallelism_from(["pf"], [base], [400],
+                                                           [tp(0, 3, 1)]) == [0]
+        assert same(A.get_tensor_with_parallelism("pf", target("shard", tp(2, 3, 1))),
+                    ts[0][:, 4:].contiguous())
+    finally:
+        B.unregister_buffer(base - 64)
+    u = torch.ones(4, 2)
+    assert A.put_tensor_with_parallelism("ups", u[:2].contiguous(), tp(0, 2, 0)) == 0
+    assert A.put_tensor_with_parallelism("ups", u[2:].contiguous(), tp(1, 2, 0)) == 0
+    assert A.put_tensor_with_parallelism("ups", u[:2] * 5, tp(0, 2, 0)) == 0       # kept
+    assert same(B.get_tensor_with_parallelism("ups", target("full", tp(0, 2, 0))), u)
+    assert A.upsert_tensor_with_parallelism("ups", u[:2] * 5, tp(0, 2, 0)) == 0
+    assert A.batch_upsert_tensor_with_parallelism(["ups"], [u[2:] * 7], [tp(1, 2, 0)]) == [0]
+    assert same(B.get_tensor_with_parallelism("ups", target("full", tp(1, 2, 0))),
+                torch.cat([u[:2] * 5, u[2:] * 7]))
+
+
+@check
+def parallelism_bad_requests():
+    """Mooncake's answers: -600 for a bad put request (nothing stored), None for a bad
+    read, -600 / None for every key of a batch whose request list is wrong."""
+    t = torch.zeros(4, 6)
+    bad = {"rank>=size": tp(2, 2, 0), "rank<0": tp(-1, 2, 0),
+           "size 0": tp(0, 0, 0), "split_dim out of range": tp(0, 2, 2),
+           "TP without split_dim": tp(0, 2, None), "kind": par(axis("xp", 0, 2)),
+           "DP with split_dim": par(axis("dp", 0, 2, 0)),
+           "EP without expert_id": par(axis("ep", 0, 2)),
+           "EP with split_dim": par(axis("ep", 0, 2, 0, expert_id=1)),
+           "PP without stage_id": par(axis("pp", 0, 2)),
+           "duplicate kinds": par(axis("dp", 0, 2), axis("dp", 1, 2)),
+           "no axes": par(),
+           "five axes": par(*[axis(k, 0, 1) for k in ("dp", "dp", "dp", "dp", "dp")]),
+           "uneven multi-axis": par(axis("dp", 0, 2), axis("tp", 0, 4, 1)),
+           "not a parallelism": object()}
+    for why, p in bad.items():
+        assert A.put_tensor_with_parallelism("bad", t, p) == -600, why
+        assert A.upsert_tensor_with_parallelism("bad", t, p) == -600, why
+        if why != "not a parallelism":
+            assert A.get_tensor_with_parallelism("bad", target("shard", p)) is None, why
+    assert A.is_exist("bad") == 0 and A.is_exist("bad_tp_0") == 0
+    assert A.is_exist("bad__parallelism_manifest") == 0
+    assert A.put_tensor_with_parallelism("bad", t, tp(0, 2, 0), writer_partition=Writer(0, 2, 0)) == -600
+    assert A.put_tensor_with_parallelism("bad", torch.zeros(3, dtype=torch.complex64),
+                                         tp(0, 2, 0)) == -600
+    assert A.batch_put_tensor_with_parallelism(["b1", "b2"], [t, t], [tp(0, 2, 0)]) == [-600] * 2
+    assert A.batch_put_tensor_with_parallelism(["b1", "b2"], [t, t],
+                                               (tp(0, 2, 0), tp(0, 2, 0))) == [-600] * 2
+    assert A.batch_put_tensor_with_parallelism(["b1", "b2"], [t], None) == [-600] * 2
+    assert A.batch_put_tensor_with_parallelism(["b1", "b2"], [t, t], [tp(0, 2, 0)] * 2,
+                                               writer_partitions=[Writer(0, 2, 0)] * 2) == [-600] * 2
+    assert A.batch_put_tensor_with_parallelism(["b1", "b2"], [t, t],
+                                               [tp(0, 2, 0), tp(5, 2, 0)]) == [0, -600]
+    assert A.get_tensor_with_parallelism("b1", object()) is None
+    assert A.batch_get_tensor_with_parallelism(["b1", "b2"], [None]) == [None, None]
+    try:
+        target("sharded")
+        raise AssertionError("a bad mode was taken")
+    except RuntimeError as e:
+        assert "Unsupported ReadTarget mode" in str(e)
+
+
+@check
+def parallelism_through_a_dummy_client():
+    """A dummy client runs the parallelism calls in its own process over the real
+    client's byte calls: its writes read anywhere, reassembly lands in its shared
+    buffer."""
+    import socket
+    from mooncake_te.compat.dummy import RealClient
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    real = RealClient(store(), "127.0.0.1", port)
+    C = MooncakeDistributedStore()
+    try:
+        assert C.setup_dummy(64 * MIB, 16 * MIB, real.addr) == 0
+        t = torch.arange(24, dtype=torch.float16).reshape(4, 6)
+        for r in range(2):
+            assert C.put_tensor_with_parallelism("dp", t.chunk(2, 1)[r].contiguous(),
+                                                 tp(r, 2, 1)) == 0
+        assert same(A.get_tensor_with_parallelism("dp", target("full", tp(0, 2, 1))), t)
+        assert same(C.get_tensor_with_parallelism("dp", target("full", tp(1, 2, 1))), t)
+        assert same(C.batch_get_tensor_with_parallelism(
+            ["dp"], [target("shard", tp(2, 3, 1))])[0], t[:, 4:].contiguous())
+        n = 304 + 48
+        ptr = C.alloc_from_mem_pool(n)
+        assert ptr and C.register_buffer(ptr, n) == 0
+        got = C.get_tensor_with_parallelism_into("dp", ptr, n, target("full", tp(0, 2, 1)))
+        assert same(got, t) and got.data_ptr() == ptr + 304
+        assert C.put_tensor_with_parallelism_from("dp-from", ptr, n,
+                                                  writer_partition=Writer(1, 2, 0)) == 0
+        assert same(A.get_tensor_with_parallelism("dp-from", target("shard", tp(1, 2, 0))),
+                    t[2:])
         assert C.unregister_buffer(ptr) == 0
     finally:
         C.close()

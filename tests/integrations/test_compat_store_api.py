@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 MIB = 1 << 20
 
 
+from servers import free_port
 from store_fixtures import _loopback, index_url  # noqa: F401  (fixtures)
 
 
@@ -130,6 +131,24 @@ def test_lmcache_mooncakestore_connector_sequence(index_url):
         b.close()
 
 
+def test_upsert_parts_replaces_the_object(index_url):
+    """``upsert_parts``: the parts concatenated, replacing what ``put_parts`` (which
+    keeps an existing object) stored, at another size too; another store reads it."""
+    tenant = "parts-" + os.urandom(4).hex()
+    a = _store(index_url, tenant)
+    b = _store(index_url, tenant)
+    try:
+        assert a.upsert_parts("p", b"Hello, ", b"World") == 0           # a new key
+        assert b.get("p") == b"Hello, World"
+        assert a.put_parts("p", b"kept? ", b"no") == 0
+        assert b.get("p") == b"Hello, World"
+        assert a.upsert_parts("p", b"x" * 70000, memoryview(b"yz"), config=ReplicateConfig()) == 0
+        assert b.get("p") == b"x" * 70000 + b"yz"
+    finally:
+        a.close()
+        b.close()
+
+
 def test_upsert_regex_health_and_keywords(index_url):
     tenant = "api-" + os.urandom(4).hex()
     a = _store(index_url, tenant)
@@ -166,7 +185,9 @@ def test_upsert_regex_health_and_keywords(index_url):
         a.close()
         b.close()
     d = MooncakeDistributedStore()
-    assert d.setup_dummy(64 * MIB, 16 * MIB, "127.0.0.1:50052") != 0
+    # no real client there (a free port, not Mooncake's default 50052: another test run
+    # on this host may have one listening on that)
+    assert d.setup_dummy(64 * MIB, 16 * MIB, f"127.0.0.1:{free_port()}") != 0
 
 
 def test_shim_submodules(tmp_path, monkeypatch):

@@ -88,6 +88,9 @@ def test_byte_calls(dummy):
     assert dummy.upsert("d-b", b"BBBB", cfg) == 0
     assert dummy.get("d-b") == b"BBBB"
     assert bytes(dummy.get_buffer("d-b")) == b"BBBB"
+    assert dummy.put_parts("d-b", b"no") == 0 and dummy.get("d-b") == b"BBBB"
+    assert dummy.upsert_parts("d-b", b"BB", memoryview(b"bb"), config=cfg) == 0
+    assert dummy.get("d-b") == b"BBbb"
     big = os.urandom(3 * MIB + 7)
     assert dummy.put("d-big", big) == 0 and dummy.get("d-big") == big
     assert dummy.get_replica_desc("d-big")[0].is_memory_replica()

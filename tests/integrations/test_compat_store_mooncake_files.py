@@ -9,6 +9,11 @@ site-packages, once per metadata server (etcd, redis, our HTTP server, all on
 127.0.0.1). Without the variable every case is skipped and says so: CI has no copy, and
 our own tests written to the same scenarios (``test_compat_store*.py``) run there.
 
+Two files of Mooncake's ``scripts/`` directory run the same way (``SCRIPTS``): the tensor
+API suites ``test_tensor_api.py`` (the ``*_with_parallelism`` calls among them) and
+``test_upsert_api.py``, which read their store settings from ``MOONCAKE_*`` variables
+(``MooncakeConfig.load_from_env``).
+
 Each case asserts that at least the recorded number of the file's tests pass (the
 floor in ``EXPECTED``, measured on this machine, the Mooncake commit in docs/compat.md)
 and prints the file's counts, so a regression fails and progress shows.
@@ -53,7 +58,12 @@ EXPECTED = {
     "test_put_get_tensor.py": 31,
     "test_safetensor_functions.py": 6,
     "test_structured_object_store.py": 112,
+    # scripts/ (torch only)
+    "test_tensor_api.py": 59,
+    "test_upsert_api.py": 41,
 }
+#: files that live in Mooncake's scripts/ directory, not mooncake-wheel/tests/
+SCRIPTS = ("test_tensor_api.py", "test_upsert_api.py")
 #: the floors where the file ran with a Python that has torch (its torch tests run):
 #: test_dummy_client.py's two CUDA IPC tests skip without CUDA, test_put_get_tensor.py's
 #: CUDA test likewise; test_structured_object_store.py's
@@ -64,8 +74,8 @@ EXPECTED_WITH_TORCH = {"test_dummy_client.py": 8, "test_structured_object_store.
 #: MTE_VLLM_VENV's, with the packages it lacks linked in: torch_env.overlay); without
 #: one, those in TORCH_ONLY are skipped and the others run here (their torch tests skip)
 NEEDS_TORCH = ("test_put_get_tensor.py", "test_safetensor_functions.py",
-               "test_structured_object_store.py", "test_dummy_client.py")
-TORCH_ONLY = ("test_put_get_tensor.py", "test_safetensor_functions.py")
+               "test_structured_object_store.py", "test_dummy_client.py") + SCRIPTS
+TORCH_ONLY = ("test_put_get_tensor.py", "test_safetensor_functions.py") + SCRIPTS
 #: files that talk to a real client (Mooncake's ``mooncake_client``) on 127.0.0.1:50052
 NEEDS_REAL_CLIENT = ("test_dummy_client.py", "test_multi_dummy_clients.py")
 REAL_CLIENT_PORT = 50052
@@ -164,12 +174,25 @@ def _python_for(name: str, tmp) -> "tuple[str, str]":
                        dists=("etcd3gw", "redis", "pytest", "pytest-timeout", "msgpack"))
 
 
+def _scripts_env(url: str) -> dict:
+    """The settings Mooncake's scripts/ suites read (``MooncakeConfig.load_from_env``,
+    ``setUpModule``): this store on 127.0.0.1 with a 1 GiB segment (their default is
+    16 GiB)."""
+    return {"MOONCAKE_MASTER": "127.0.0.1:50051", "MOONCAKE_TE_META_DATA_SERVER": url,
+            "MOONCAKE_LOCAL_HOSTNAME": "127.0.0.1", "MOONCAKE_PROTOCOL": "tcp",
+            "MOONCAKE_DEVICE": "", "MOONCAKE_GLOBAL_SEGMENT_SIZE": str(1 << 30),
+            "MOONCAKE_LOCAL_BUFFER_SIZE": str(256 << 20)}
+
+
 def run_file(tests_dir: str, name: str, site: str, url: str, tmp) -> dict:
     """Run one of Mooncake's files; ``{"passed", "failed", "errors", "skipped",
     "total", "failures": [test ids], "python"}``."""
     xml = os.path.join(str(tmp), "junit.xml")
     py, libs = _python_for(name, tmp)
     env = _env(site, url, libs)
+    if name in SCRIPTS:      # <Mooncake>/scripts beside <Mooncake>/mooncake-wheel/tests
+        tests_dir = os.path.join(os.path.dirname(os.path.dirname(tests_dir)), "scripts")
+        env.update(_scripts_env(url))
     cmd = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "-p", "no:randomly", "-o", "junit_family=xunit2", "--timeout", "240"]
     out = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "total": 0, "failures": [],
