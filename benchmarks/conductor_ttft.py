@@ -43,6 +43,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICIES = ("cost", "round_robin", "least_loaded")
 BLOCK = 32
 VOCAB = 512
+#: --shape: (hidden size, layers) of the random Llama
+SHAPES = {"tiny": (128, 2), "prefill": (256, 4)}
+
+
+def kv_bytes_per_token(shape: str) -> int:
+    """fp32 K and V of every layer (head_dim 32, a KV head per 64 of hidden)."""
+    hidden, layers = SHAPES[shape]
+    return layers * (hidden // 64) * 32 * 2 * 4
 
 
 def free_port() -> int:
@@ -271,7 +279,9 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=3)
     ap.add_argument("--overhead", type=int, default=40, help="requests for the overhead "
                                                             "measurement (0: skip)")
-    ap.add_argument("--kv-mb", type=int, default=8, help="each instance's vLLM KV cache")
+    ap.add_argument("--kv-mb", type=int, default=None,
+                    help="each instance's vLLM KV cache (default: 8 MB for --shape tiny, "
+                         "the same number of tokens for the others)")
     ap.add_argument("--pool-mb", type=int, default=50, help="each instance's DRAM pool")
     ap.add_argument("--pool", choices=["shared", "local", "off"], default="shared",
                     help="shared: each instance's DRAM pool, read by the others through "
@@ -293,8 +303,15 @@ def main() -> int:
                          "set of instances that every policy's traffic shares")
     ap.add_argument("--rounds", type=int, default=1,
                     help="with --isolate: rounds of the three policies, order rotating")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                    help="the random Llama's size: tiny (hidden 128, 2 layers: prefill is "
+                         "a few ms, so a hit saves little next to a queue) or prefill "
+                         "(hidden 256, 4 layers: prefill dominates a TTFT, as with "
+                         "real models; set --pool-mb for its 4x larger blocks)")
     ap.add_argument("--json", metavar="FILE", help="write the results here too")
     a = ap.parse_args()
+    if a.kv_mb is None:
+        a.kv_mb = 8 * kv_bytes_per_token(a.shape) // kv_bytes_per_token("tiny")
     py = sys.executable
     d = tempfile.mkdtemp(prefix="conductor-bench-")
     # The cluster token: without one a pool shares nothing through the owner index
@@ -304,7 +321,8 @@ def main() -> int:
     try:
         model = os.path.join(d, "tiny")
         subprocess.run([py, os.path.join(ROOT, "tests", "integrations", "vllm_tiny_model.py"),
-                        model], check=True, env=env(), capture_output=True, timeout=300)
+                        model, *(str(v) for v in SHAPES[a.shape])], check=True, env=env(),
+                       capture_output=True, timeout=300)
         cfg = pool_config(d, a.pool_mb / 1000)
         cost_cfg = os.path.join(d, "cost-conductor.toml")
         with open(cost_cfg, "w") as f:          # --cost-set: the cost conductor's keys
@@ -394,7 +412,7 @@ def main() -> int:
                "instances": a.instances, "concurrency": a.concurrency,
                "replay_s": replay_s,
                "pool_mb": a.pool_mb, "cost_set": a.cost_set,
-               "cost_slot_policy": a.cost_slot_policy, "kv_mb": a.kv_mb,
+               "cost_slot_policy": a.cost_slot_policy, "kv_mb": a.kv_mb, "shape": a.shape,
                "max_blocks": a.max_blocks,
                "chunk": a.chunk, "load_average_start": load_start,
                "load_average_end": os.getloadavg(),

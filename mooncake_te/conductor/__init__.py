@@ -11,9 +11,10 @@ gauges read), :mod:`.server` (the aiohttp front), :mod:`.config` (command line a
 from __future__ import annotations
 
 from .cluster import Cluster, GpuShadow, static_root
-from .cost import Estimate, InstanceState, Priors, expected_ttft, prefix_by_tier, refit
+from .cost import (Estimate, InstanceState, Priors, Sample, expected_ttft, prefix_by_tier,
+                   refit)
 from .registry import InstanceRecord, list_instances, publish_instance, role_of
 
 __all__ = ["Cluster", "GpuShadow", "static_root", "Estimate", "InstanceState", "Priors",
-           "expected_ttft", "prefix_by_tier", "refit", "InstanceRecord", "list_instances",
+           "Sample", "expected_ttft", "prefix_by_tier", "refit", "InstanceRecord", "list_instances",
            "publish_instance", "role_of"]

@@ -23,8 +23,8 @@ from collections import OrderedDict
 from ..integrations.vllm.pool.keys import block_keys, namespace_root
 from ..objdir import area_prefix, parse_tier
 from .events import GpuBlocks
-from .cost import (InstanceState, Priors, expected_ttft, order, prefix_by_tier, rank_decode,
-                   refit)
+from .cost import (InstanceState, Priors, Sample, expected_ttft, order, prefix_by_tier,
+                   rank_decode, refit)
 from .registry import InstanceRecord
 
 log = logging.getLogger("mooncake_te.conductor")
@@ -183,14 +183,17 @@ class Cluster:
         return GpuView(self.events.get(name), self.pending[name], self.shadows[name], now)
 
     def measured(self, name: str, uncached: int, blocks: dict, seconds: float,
-                 queue_s: float) -> None:
-        """A request's measured TTFT on ``name`` (``queue_s``: the queue it was expected
-        to wait): the served time and the fitted terms of that instance, or of every
-        instance of its model (:attr:`Priors.fit_per_instance` False)."""
+                 ahead: int = 0, ahead_tokens: int = 0) -> None:
+        """A request's measured TTFT on ``name`` (``ahead``, ``ahead_tokens``: the requests
+        and their uncached tokens ahead of it when it was routed): the served time and
+        the fitted terms of that instance, or of every instance of its model
+        (:attr:`Priors.fit_per_instance` False). The whole TTFT is the sample: the queue
+        terms are fitted with the others, not assumed (module docstring of ``cost``)."""
         st = self.states.get(name)
         if st is None:
             return
-        sample = (uncached, dict(blocks), max(0.0, seconds - queue_s))
+        sample = Sample(int(uncached), dict(blocks), float(seconds), int(ahead),
+                        int(ahead_tokens))
         st.served_s = seconds if not st.served_s else 0.8 * st.served_s + 0.2 * seconds
         st.samples.append(sample)
         if self.priors.fit_per_instance:

@@ -5,10 +5,17 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
 
     ttft_i = queue_i + base_i + uncached_i * tok_i + sum_t blocks_i[t] * load_i[t]
 
-- ``queue_i``: the prefill work already routed to ``i`` and not answered yet
-  (``queued_tokens * tok_i + max(inflight, waiting) * served_i``; vLLM's waiting count
-  from its ``/metrics`` covers work the conductor did not send, and its own);
-  ``served_i`` is the moving average of the TTFT measured there (at least ``base_i``);
+- ``queue_i``: the prefill work already routed to ``i`` and not answered yet:
+  ``queued_tokens * ahead_tok_i + max(inflight, waiting) * wait_i`` (vLLM's waiting count
+  from its ``/metrics`` covers work the conductor did not send, and its own). ``wait_i``
+  is what one request ahead adds to a TTFT there and ``ahead_tok_i`` what one of their
+  uncached tokens adds: measured like the other terms. Until they are, the priors assume
+  a server of one request at a time (``wait_i`` = the moving average of the TTFT
+  measured there, ``served_i``, at least ``base_i``; ``ahead_tok_i`` = ``tok_i``).
+  vLLM batches continuously: a request ahead shares the steps with the new one rather
+  than finishing first, so on a busy instance the measured ``wait_i`` is usually a
+  fraction of ``served_i``, and a cached prefix on a busy instance can beat an idle
+  one;
 - ``uncached_i``: tokens past the longest prefix ``i`` can reuse (at least 1: vLLM always
   computes the last token);
 - ``blocks_i[t]``: that prefix's blocks by where they are for ``i``: ``gpu`` (vLLM's own
@@ -17,10 +24,12 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
   the owner index, whose records say the tier), ``remote`` (another instance's DRAM pool,
   read over the transfer engine, for instances that read other pools; another
   instance's SSD is private, no hit for ``i``);
-- ``base_i``, ``tok_i``, ``load_i[t]``: measured. Every answered request is a sample
-  ``(uncached, blocks by tier) -> measured TTFT - queue``; a least-squares fit over the
-  last :attr:`Priors.window` samples replaces the priors once :attr:`Priors.min_samples`
-  are in (each term clipped at 0; a term the samples cannot tell apart keeps its prior).
+- ``base_i``, ``tok_i``, ``load_i[t]``, ``wait_i``, ``ahead_tok_i``: measured. Every
+  answered request is a :class:`Sample` ``(uncached, blocks by tier, requests and
+  uncached tokens ahead of it when routed) -> measured TTFT``; a non-negative least-
+  squares fit over the last :attr:`Priors.window` samples replaces the priors once
+  :attr:`Priors.min_samples` are in (a term the samples cannot tell apart keeps its
+  prior; samples far off the first fit, a stall of the shared host, are dropped once).
   The samples (and ``served``) of all instances of one model are pooled unless
   :attr:`Priors.fit_per_instance`: like instances then differ only by their queues and
   caches, not by the noise of their own few samples.
@@ -44,6 +53,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -97,15 +107,29 @@ class InstanceState:
     fit: "dict | None" = None                # measured terms (see Model.refit)
 
     def terms(self, priors: Priors) -> dict:
+        """The model's terms here: the fit's where it has them, else the priors (``wait``
+        and ``ahead_tok``: a server of one request at a time, module docstring)."""
         t = {"base": priors.base_s, "tok": priors.prefill_s_per_token,
              **{f"load_{k}": v for k, v in priors.load_s_per_block.items()}}
         if self.fit:
             t.update(self.fit)
+        t.setdefault("wait", max(t["base"], self.served_s))
+        t.setdefault("ahead_tok", t["tok"])
         return t
 
     def full(self, priors: Priors, now: float = 0.0) -> bool:
         return (self.kv_usage >= priors.full_kv_usage or self.inflight >= priors.max_inflight
                 or now < self.cooldown_until)
+
+
+class Sample(NamedTuple):
+    """One answered request, as the fit sees it."""
+
+    uncached: int                             # prompt tokens past the reused prefix
+    blocks: dict                              # tier -> blocks of the reused prefix
+    seconds: float                            # measured TTFT
+    ahead: int = 0                            # requests ahead of it when routed
+    ahead_tokens: int = 0                     # their uncached tokens
 
 
 @dataclass
@@ -116,6 +140,8 @@ class Estimate:
     uncached: int
     blocks: dict                              # tier -> blocks of the reused prefix
     keys: list = field(default_factory=list)  # block keys sent (set once routed)
+    ahead: int = 0                            # requests ahead when estimated
+    ahead_tokens: int = 0                     # their uncached tokens
 
     @property
     def local(self) -> int:
@@ -130,13 +156,11 @@ def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: 
     t = inst.terms(priors)
     cached = sum(blocks.get(k, 0) for k in TIERS)
     uncached = max(1, int(n_tokens) - cached * int(block_size))
-    # A request ahead costs at least what requests here have taken (they share the
-    # instance's compute), not only its own tokens.
-    per = max(t["base"], inst.served_s)
-    queue = inst.queued_tokens * t["tok"] + outstanding(inst) * per
+    ahead = outstanding(inst)
+    queue = inst.queued_tokens * t["ahead_tok"] + ahead * t["wait"]
     load = sum(blocks.get(k, 0) * t.get(f"load_{k}", 0.0) for k in TIERS)
     return Estimate(inst.name, queue + t["base"] + uncached * t["tok"] + load, queue,
-                    uncached, dict(blocks))
+                    uncached, dict(blocks), ahead=ahead, ahead_tokens=inst.queued_tokens)
 
 
 def rank_prefill(states, n_tokens: int, hits: dict, block_size: int, priors: Priors,
@@ -240,24 +264,54 @@ def prefix_by_tier(keys, gpu_keys, owners, engine: str, remote: bool = True,
     return out
 
 
+#: the fitted terms and the sample field each is the coefficient of
+_COLUMNS = {"tok": lambda r: r.uncached, "ahead_tok": lambda r: r.ahead_tokens,
+            "wait": lambda r: r.ahead, "load_dram": lambda r: r.blocks.get("dram", 0),
+            "load_ssd": lambda r: r.blocks.get("ssd", 0),
+            "load_remote": lambda r: r.blocks.get("remote", 0)}
+
+
 def refit(inst: InstanceState, priors: Priors) -> "dict | None":
-    """Least-squares ``base, tok, load_dram, load_ssd, load_remote`` from ``inst.samples``
-    (``(uncached, blocks, seconds)``); None below ``min_samples``. A column that never
-    varies keeps its prior (its coefficient is not identifiable)."""
+    """Non-negative least squares of ``base`` and the :data:`_COLUMNS` terms from
+    ``inst.samples`` (:class:`Sample`); None below ``min_samples``. A column that never
+    varies is left out (its term is not identifiable: the prior stays). Then samples
+    whose residual is more than 4 times the median residual off (a stall of the shared
+    host, a first request compiling something) are dropped and the fit is done once
+    more: a few 900 ms outliers among 20 ms requests otherwise decide every term."""
     if len(inst.samples) < priors.min_samples:
         return None
-    rows = list(inst.samples)
-    y = np.array([r[2] for r in rows])
-    cols = {"base": np.ones(len(rows)),
-            "tok": np.array([r[0] for r in rows], dtype=float),
-            "load_dram": np.array([r[1].get("dram", 0) for r in rows], dtype=float),
-            "load_ssd": np.array([r[1].get("ssd", 0) for r in rows], dtype=float),
-            "load_remote": np.array([r[1].get("remote", 0) for r in rows], dtype=float)}
-    # Known GPU-hit cost (about 0) is folded into y so it needs no column.
-    use = [k for k, c in cols.items() if k == "base" or np.ptp(c) > 0]
-    a = np.stack([cols[k] for k in use], axis=1)
-    coef, *_ = np.linalg.lstsq(a, y, rcond=None)
-    fit = {k: float(max(0.0, c)) for k, c in zip(use, coef)}
+    rows = [r if isinstance(r, Sample) else Sample(*r) for r in inst.samples]
+    y = np.array([r.seconds for r in rows], dtype=float)
+    cols = {"base": np.ones(len(rows))}
+    for k, f in _COLUMNS.items():
+        c = np.array([f(r) for r in rows], dtype=float)
+        if np.ptp(c) > 0:
+            cols[k] = c
+    names = list(cols)
+    a = np.stack([cols[k] for k in names], axis=1)
+    coef = _nnls(a, y)
+    res = np.abs(a @ coef - y)
+    keep = res <= 4.0 * max(float(np.median(res)), 1e-6)
+    if priors.min_samples <= keep.sum() < len(rows):
+        coef = _nnls(a[keep], y[keep])
+    fit = {k: float(c) for k, c in zip(names, coef)}
     if fit.get("tok", 1.0) <= 0.0:
         fit.pop("tok")                # no signal yet: keep the prior per-token cost
     return fit
+
+
+def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient at least 0: columns whose coefficient comes
+    out negative are set to 0 and the rest solved again, the most negative first (an
+    active-set loop; scipy's ``nnls`` does the same, and scipy is not a dependency for
+    this one call over at most 7 columns)."""
+    free = list(range(a.shape[1]))
+    coef = np.zeros(a.shape[1])
+    while free:
+        c, *_ = np.linalg.lstsq(a[:, free], y, rcond=None)
+        worst = int(np.argmin(c))
+        if c[worst] >= 0:
+            coef[free] = c
+            break
+        free.pop(worst)
+    return coef

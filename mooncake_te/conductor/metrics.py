@@ -37,6 +37,8 @@ _HELP = {
         ("gauge", "requests routed to the instance and not yet answered"),
     "mooncake_te_conductor_instance_prefill_seconds_per_token":
         ("gauge", "the per-token prefill time in use (measured, else the prior)"),
+    "mooncake_te_conductor_instance_wait_seconds_per_request":
+        ("gauge", "what one request ahead adds to a TTFT there (measured, else the prior)"),
     "mooncake_te_conductor_instance_gpu_blocks":
         ("gauge", "blocks in the instance's GPU prefix cache, from its KV events"),
     "mooncake_te_conductor_instance_kv_events_complete":

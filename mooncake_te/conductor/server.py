@@ -294,8 +294,11 @@ class Conductor:
         for n, s in self.cluster.states.items():
             g.append(("mooncake_te_conductor_instance_healthy", {"instance": n}, int(s.healthy)))
             g.append(("mooncake_te_conductor_instance_inflight", {"instance": n}, s.inflight))
+            t = s.terms(self.cluster.priors)
             g.append(("mooncake_te_conductor_instance_prefill_seconds_per_token",
-                      {"instance": n}, s.terms(self.cluster.priors)["tok"]))
+                      {"instance": n}, t["tok"]))
+            g.append(("mooncake_te_conductor_instance_wait_seconds_per_request",
+                      {"instance": n}, t["wait"]))
             v = self.cluster.events.get(n)
             if v is not None:
                 g.append(("mooncake_te_conductor_instance_gpu_blocks", {"instance": n},
@@ -463,8 +466,8 @@ class Conductor:
         self.counters.inc("mooncake_te_conductor_ttft_measured_seconds_total", measured,
                           instance=e.name)
         self.counters.inc("mooncake_te_conductor_ttft_samples_total", instance=e.name)
-        # A sample of the model without the queue term (what the request itself cost).
-        self.cluster.measured(e.name, e.uncached, e.blocks, measured, e.queue_s)
+        self.cluster.measured(e.name, e.uncached, e.blocks, measured, e.ahead,
+                              e.ahead_tokens)
 
     def _failed(self, name: str, why: str, full: bool = False) -> None:
         st = self.cluster.states.get(name)
@@ -629,5 +632,7 @@ class _Decode:
     ttft_s: float = 0.0
     queue_s: float = 0.0
     uncached: int = 0
+    ahead: int = 0
+    ahead_tokens: int = 0
     blocks: dict = field(default_factory=dict)
     keys: list = field(default_factory=list)

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Write a tiny random Llama and a locally trained tokenizer to a directory (no model hub).
 
-Run with the vLLM test environment's Python: ``python vllm_tiny_model.py OUT_DIR``.
+Run with the vLLM test environment's Python: ``python vllm_tiny_model.py OUT_DIR [HIDDEN
+LAYERS]``.
 Shapes suit vLLM's CPU attention: head_dim 32 (its smallest supported size), 2 layers,
 hidden 128, 4 query and 2 KV heads, fp32.
 """
@@ -23,7 +24,9 @@ def corpus():
         yield " ".join(str((i * 13 + j) % 997) for j in range(16))
 
 
-def main(out: str) -> None:
+def main(out: str, hidden: int = 128, layers: int = 2) -> None:
+    """``hidden``, ``layers``: a larger model for benchmarks where prefill must cost
+    what it does on real models relative to the rest (head_dim stays 32)."""
     os.makedirs(out, exist_ok=True)
     torch.manual_seed(1234)
     tok = Tokenizer(models.BPE())
@@ -35,8 +38,9 @@ def main(out: str) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", model_max_length=4096)
     fast.save_pretrained(out)
-    cfg = LlamaConfig(vocab_size=max(VOCAB, len(fast)), hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    cfg = LlamaConfig(vocab_size=max(VOCAB, len(fast)), hidden_size=hidden,
+                      intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 32, num_key_value_heads=hidden // 64,
                       head_dim=32, max_position_embeddings=4096,
                       bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                       pad_token_id=fast.pad_token_id, tie_word_embeddings=False)
@@ -52,4 +56,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *(int(v) for v in sys.argv[2:4]))

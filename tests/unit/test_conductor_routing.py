@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mooncake_te.conductor import (Cluster, GpuShadow, InstanceRecord, Priors, expected_ttft,
-                                   prefix_by_tier, refit, static_root)
+from mooncake_te.conductor import (Cluster, GpuShadow, InstanceRecord, Priors, Sample,
+                                   expected_ttft, prefix_by_tier, refit, static_root)
 from mooncake_te.conductor.cost import InstanceState, outstanding, rank_decode
 from mooncake_te.conductor.metrics import Counters, parse_vllm_metrics
 from mooncake_te.integrations.vllm.pool.keys import block_keys, namespace_root
@@ -174,6 +174,63 @@ def test_refit_learns_the_instance_terms():
     assert fit["base"] == pytest.approx(0.004, rel=1e-4)
     s.fit = fit
     assert s.terms(p)["tok"] == fit["tok"]
+
+
+def test_refit_measures_the_queue_terms():
+    """What a request ahead adds is fitted from the whole TTFT, not assumed: samples
+    of an engine that batches (a request ahead adds 5 ms, whatever its own TTFT) give
+    ``wait`` 5 ms and ``ahead_tok``; until then the priors assume one request at a time
+    (``wait`` = the served time). A few stalls of the shared host do not move the fit."""
+    p = Priors(min_samples=12)
+    s = InstanceState("x", served_s=0.08)
+    assert s.terms(p)["wait"] == 0.08 and s.terms(p)["ahead_tok"] == p.prefill_s_per_token
+    rng = np.random.default_rng(2)
+    for i in range(100):
+        u, ahead = int(rng.integers(1, 1000)), int(rng.integers(0, 4))
+        at = ahead * int(rng.integers(0, 800))
+        y = 0.01 + u * 2e-5 + ahead * 0.005 + at * 1e-6
+        if i % 25 == 7:
+            y += 0.9                                     # a stall
+        s.samples.append(Sample(u, {}, y, ahead, at))
+    fit = refit(s, p)
+    assert fit["wait"] == pytest.approx(0.005, rel=1e-3)
+    assert fit["ahead_tok"] == pytest.approx(1e-6, rel=1e-2)
+    assert fit["tok"] == pytest.approx(2e-5, rel=1e-3)
+    assert fit["base"] == pytest.approx(0.01, rel=1e-3)
+    s.fit = fit
+    assert s.terms(p)["wait"] == fit["wait"]
+    # no request ever had one ahead: ``wait`` is not identifiable and keeps the prior
+    q = InstanceState("q", served_s=0.03)
+    for u in range(1, 40):
+        q.samples.append(Sample(u * 10, {}, 0.01 + u * 1e-4))
+    assert "wait" not in refit(q, p) and "ahead_tok" not in refit(q, p)
+
+
+def test_nnls_keeps_every_term_non_negative():
+    from mooncake_te.conductor.cost import _nnls
+    a = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    y = np.array([3.0, 2.0, 1.0, 0.0])                  # slope -1: clipped at 0
+    assert _nnls(a, y).tolist() == pytest.approx([1.5, 0.0])
+    assert _nnls(a, 1.0 + 2.0 * a[:, 1]).tolist() == pytest.approx([1.0, 2.0])
+
+
+def test_a_measured_small_wait_lets_a_busy_holder_keep_its_prefix():
+    """With the priors a request ahead costs the whole served time, so an idle instance
+    beats a busy one holding the prompt's prefix; once the samples show a request ahead
+    adds little (vLLM batches), the holder keeps the prompt."""
+    def first(fit):
+        c = cluster(2, FakeIndexStore())
+        c.priors.load_bound = 0
+        toks = list(range(6000, 6000 + 1024))                # 64 blocks, all on e0
+        c.shadows["e0"].add(block_keys(toks, BS, c.default_root))
+        for n in ("e0", "e1"):
+            c.states[n].served_s = 0.2
+            c.states[n].fit = fit
+        c.states["e0"].inflight = 1
+        return c.rank_prefill(toks, ("plain",))[0][0].name
+
+    assert first(None) == "e1"
+    assert first({"base": 0.01, "tok": 5e-5, "wait": 0.01, "ahead_tok": 1e-6}) == "e0"
 
 
 def test_index_outage_is_a_miss():
