@@ -347,20 +347,6 @@ def pd_figures(args, out):
 SKIPPED = 77      # --smoke's exit status when this machine cannot run it (the reason printed)
 
 
-def _gpu_missing(*modules: str) -> "str | None":
-    """Why this machine cannot run the GPU figures (no CUDA, or a module missing), or None."""
-    import importlib.util
-
-    from mooncake_te import cuda
-    ok, why = cuda.available()
-    if not ok:
-        return f"no CUDA GPU: {why}"
-    for m in modules:
-        if importlib.util.find_spec(m) is None:
-            return f"{m} is not installed"
-    return None
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="8b")
@@ -378,7 +364,8 @@ def main(argv=None):
                          "there is no GPU")
     args = ap.parse_args(argv)
     if args.smoke:
-        why = _gpu_missing("torch")
+        from mooncake_te.cuda import missing
+        why = missing("torch")
         if why:
             print(f"skipped: gpu_kv needs a CUDA GPU and PyTorch: {why}")
             return SKIPPED

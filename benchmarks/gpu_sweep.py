@@ -38,20 +38,6 @@ def point(env: dict, seconds: float) -> dict:
 SKIPPED = 77      # --smoke's exit status when this machine cannot run it (the reason printed)
 
 
-def _gpu_missing(*modules: str) -> "str | None":
-    """Why this machine cannot run the GPU figures (no CUDA, or a module missing), or None."""
-    import importlib.util
-
-    from mooncake_te import cuda
-    ok, why = cuda.available()
-    if not ok:
-        return f"no CUDA GPU: {why}"
-    for m in modules:
-        if importlib.util.find_spec(m) is None:
-            return f"{m} is not installed"
-    return None
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", default="256K,512K,1M,2M")
@@ -65,7 +51,8 @@ def main() -> int:
                          "there is no GPU")
     args = ap.parse_args()
     if args.smoke:
-        why = _gpu_missing("cupy")
+        from mooncake_te.cuda import missing
+        why = missing("cupy")
         if why:
             print(f"skipped: gpu_sweep needs a CUDA GPU and CuPy: {why}")
             return SKIPPED

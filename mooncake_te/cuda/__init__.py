@@ -100,6 +100,20 @@ def available() -> "tuple[bool, str]":
     return True, ""
 
 
+def missing(*modules: str) -> "str | None":
+    """Why this machine cannot run GPU work that also needs ``modules`` (no CUDA GPU, or a
+    module not installed), or None: the reason the GPU benchmarks' smoke modes print
+    when they skip."""
+    import importlib.util
+    ok, why = available()
+    if not ok:
+        return f"no CUDA GPU: {why}"
+    for m in modules:
+        if importlib.util.find_spec(m) is None:
+            return f"{m} is not installed"
+    return None
+
+
 def _name(rc: int) -> str:
     s = ctypes.c_char_p()
     try:

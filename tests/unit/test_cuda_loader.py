@@ -45,3 +45,15 @@ def test_no_other_loader():
         if path != ROOT / "src" / "core" / "gpu.c" and "libcuda" in path.read_text():
             bad.append(str(path.relative_to(ROOT)))
     assert not bad, bad
+
+
+def test_missing_says_why_gpu_work_cannot_run(monkeypatch):
+    """The GPU benchmarks' smoke modes skip with this reason: no GPU first, then the
+    first module not installed, else None."""
+    import mooncake_te.cuda as cuda
+    monkeypatch.setattr(cuda, "available", lambda: (False, "no CUDA driver"))
+    assert cuda.missing("json") == "no CUDA GPU: no CUDA driver"
+    monkeypatch.setattr(cuda, "available", lambda: (True, ""))
+    assert cuda.missing("json", "no_such_module_xyz", "also_missing") == \
+        "no_such_module_xyz is not installed"
+    assert cuda.missing("json") is None
