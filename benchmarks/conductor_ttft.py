@@ -75,10 +75,15 @@ class Procs:
     def __init__(self, d: str, token: str = ""):
         self.dir, self.p, self.token = d, {}, token
 
-    def start(self, name: str, argv: list) -> subprocess.Popen:
+    def start(self, name: str, argv: list, core: "int | None" = None) -> subprocess.Popen:
+        """``core``: run the process on that CPU alone (``taskset``, and vLLM's OpenMP
+        threads bound there: ``VLLM_CPU_OMP_THREADS_BIND``)."""
         log = open(os.path.join(self.dir, f"{name}.log"), "w")
-        self.p[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                        env=env(self.token),
+        e = env(self.token)
+        if core is not None:
+            argv = ["taskset", "-c", str(core), *argv]
+            e["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+        self.p[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=e,
                                         start_new_session=True)
         return self.p[name]
 
@@ -308,6 +313,15 @@ def main() -> int:
                          "a few ms, so a hit saves little next to a queue) or prefill "
                          "(hidden 256, 4 layers: prefill dominates a TTFT, as with "
                          "real models; set --pool-mb for its 4x larger blocks)")
+    ap.add_argument("--pin", action="store_true",
+                    help="each vLLM instance on a CPU of its own (instance i on CPU i mod "
+                         "the CPUs), as each instance has its own GPU in a deployment; "
+                         "unpinned, the instances share every CPU, so an idle instance is "
+                         "no faster than a busy one and per-instance queues mean little")
+    ap.add_argument("--cost-log-level", default="WARNING",
+                    help="the cost conductor's log level (DEBUG: one line per routing "
+                         "decision, every candidate's expected TTFT and hits; the logs "
+                         "stay in the run's directory, printed at the end)")
     ap.add_argument("--json", metavar="FILE", help="write the results here too")
     a = ap.parse_args()
     if a.kv_mb is None:
@@ -345,7 +359,8 @@ def main() -> int:
                     py, model, port, free_port(), "kv_both", md, cfg, kv_mb=a.kv_mb,
                     kvcache={"shared": None, "local": {"remote": False},
                              "off": {"dram_cache_gb": 0}}[a.pool],
-                    kv_events=(free_port(), free_port()) if a.kv_events else None))
+                    kv_events=(free_port(), free_port()) if a.kv_events else None),
+                    core=i % os.cpu_count() if a.pin else None)
             for i, port in enumerate(ports):
                 wait_http(f"http://127.0.0.1:{port}/health", procs, f"vllm{i}{tag}", 600)
             urls = {}
@@ -353,8 +368,8 @@ def main() -> int:
                 port = free_port()
                 procs.start(f"conductor-{pol}{tag}", conductor_argv(
                     py, port, md, model, pol,
-                    ["--config", cost_cfg, "--policy", a.cost_slot_policy]
-                    if pol == "cost" else ()))
+                    ["--config", cost_cfg, "--policy", a.cost_slot_policy,
+                     "--log-level", a.cost_log_level] if pol == "cost" else ()))
                 urls[pol] = f"http://127.0.0.1:{port}"
             for pol in pols:
                 wait_http(urls[pol] + "/health", procs, f"conductor-{pol}{tag}", 120)
@@ -413,6 +428,7 @@ def main() -> int:
                "replay_s": replay_s,
                "pool_mb": a.pool_mb, "cost_set": a.cost_set,
                "cost_slot_policy": a.cost_slot_policy, "kv_mb": a.kv_mb, "shape": a.shape,
+               "pin": a.pin,
                "max_blocks": a.max_blocks,
                "chunk": a.chunk, "load_average_start": load_start,
                "load_average_end": os.getloadavg(),
@@ -437,6 +453,7 @@ def main() -> int:
         for line in text.splitlines():
             for pre in ("mooncake_te_conductor_requests_total{",
                         "mooncake_te_conductor_instance_prefill_seconds_per_token{",
+                        "mooncake_te_conductor_instance_wait_seconds_per_request{",
                         "mooncake_te_conductor_hit_tokens_total{",
                         "mooncake_te_conductor_instance_kv_events_complete{",
                         "mooncake_te_conductor_instance_kv_events_gaps{",
@@ -461,6 +478,7 @@ def main() -> int:
         return 0
     finally:
         procs.close()
+        print(f"logs: {d}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -386,6 +386,11 @@ class Conductor:
                    for q in self.cluster.queries(keys)}
         est, hits = self.cluster.rank(cands, tokens, keys, answers, time.monotonic())
         est = self._baseline(est)
+        if est and log.isEnabledFor(logging.DEBUG):
+            log.debug("route: %d tokens -> %s; %s", len(tokens), est[0].name, "; ".join(
+                f"{e.name} {e.ttft_s * 1e3:.0f} ms (queue {e.queue_s * 1e3:.0f}, ahead "
+                f"{e.ahead}, {'/'.join(f'{t}={n}' for t, n in e.blocks.items() if n) or 'no hit'})"
+                for e in est))
         self.counters.inc("mooncake_te_conductor_route_seconds_total", time.perf_counter() - t0)
         self.counters.inc("mooncake_te_conductor_prompt_tokens_total", len(tokens))
         try:
