@@ -44,7 +44,8 @@ log = logging.getLogger("mooncake_te.compat.store")
 
 #: store methods a dummy runs locally (the rest are sent to the real client)
 LOCAL = frozenset({"setup", "setup_dummy", "close", "alloc_from_mem_pool",
-                   "register_buffer", "unregister_buffer", "get_hostname", "health_check"})
+                   "register_buffer", "unregister_buffer", "get_hostname", "health_check",
+                   "get_offload_rpc_read_count"})
 
 
 # --- argument and result encoding ------------------------------------------------------
@@ -276,6 +277,11 @@ class DummyClient:
         except E.MooncakeError as e:
             log.error("health_check: %s", e)
             return INTERNAL_ERROR
+
+    def get_offload_rpc_read_count(self) -> int:
+        """0: a dummy client reads nothing itself (as Mooncake's, which counts only in
+        a real client)."""
+        return 0
 
     def alloc_from_mem_pool(self, size) -> int:
         """A shared-memory buffer of ``size`` bytes the real client can map when it

@@ -22,7 +22,10 @@ BUFFER_OVERFLOW = -10
 NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+LEASE_EXPIRED = -707
 TRANSFER_FAIL = -800
+NOT_SUPPORTED = -1012
 FILE_NOT_FOUND = -1100
 
 
@@ -47,6 +50,35 @@ class ReplicaStatus(enum.IntEnum):
     COMPLETE = 3
     REMOVED = 4
     FAILED = 5
+
+
+class TaskType(enum.IntEnum):
+    """Mooncake's ``TaskType`` (the master's replica tasks); listed for its names: this
+    store refuses ``create_copy_task`` / ``create_move_task`` (no master)."""
+    REPLICA_COPY = 0
+    REPLICA_MOVE = 1
+
+
+class TaskStatus(enum.IntEnum):
+    """Mooncake's ``TaskStatus``, with its names and values (see :class:`TaskType`)."""
+    PENDING = 0
+    PROCESSING = 1
+    FAILED = 2
+    SUCCESS = 3
+
+
+class QueryTaskResponse:
+    """Mooncake's answer to ``query_task``; this store never has one to give
+    (``query_task`` is refused), so only its fields are here."""
+
+    def __init__(self):
+        self.id = (0, 0)
+        self.type = TaskType.REPLICA_COPY
+        self.status = TaskStatus.PENDING
+        self.created_at_ms_epoch = 0
+        self.last_updated_at_ms_epoch = 0
+        self.assigned_client = (0, 0)
+        self.message = ""
 
 
 class SoftPinAction(enum.IntEnum):
