@@ -109,6 +109,8 @@ def n_chunks(total: int, chunk: int) -> int:
 # Mooncake's binding exports these two enums' values at module level too.
 globals().update({m.name: m for m in ObjectDataType})
 globals().update({m.name: m for m in ReplicaStatus})
+#: Mooncake's name for a replica's buffer descriptor (AllocatedBuffer::Descriptor)
+Descriptor = BufferDescriptor
 globals().update({m.name: m for m in TaskType})
 globals().update({m.name: m for m in TaskStatus})
 

@@ -175,11 +175,23 @@ class MemoryDescriptor:
 
 
 class BufferDescriptor:
-    def __init__(self, segment: str, address: int, size: int):
+    """Mooncake's ``Descriptor`` (``AllocatedBuffer::Descriptor``): a replica's buffer,
+    read as ``size``, ``buffer_address``, ``transport_endpoint`` (Mooncake's Python
+    names; the C++ member names with a trailing ``_`` are kept too)."""
+
+    def __init__(self, segment: str = "", address: int = 0, size: int = 0):
         self.transport_endpoint_ = segment
         self.segment_name = segment
         self.buffer_address_ = address
         self.size_ = size
+
+    size = property(lambda self: self.size_,
+                    lambda self, v: setattr(self, "size_", int(v)))
+    buffer_address = property(lambda self: self.buffer_address_,
+                              lambda self, v: setattr(self, "buffer_address_", int(v)))
+    transport_endpoint = property(lambda self: self.transport_endpoint_,
+                                  lambda self, v: setattr(self, "transport_endpoint_",
+                                                          str(v)))
 
     def __repr__(self) -> str:
         return f"BufferDescriptor({self.segment_name!r}, {self.buffer_address_:#x}, {self.size_})"

@@ -63,6 +63,14 @@ def test_types_and_config_fields():
     assert cfg.data_type == ObjectDataType.UNKNOWN
     cfg.group_ids = None
     assert "group_ids=0" in repr(cfg)
+    from mooncake_te.compat.store import Descriptor, QueryTaskResponse, TaskStatus, TaskType
+    d = Descriptor()                                   # Mooncake's field names
+    d.size, d.buffer_address, d.transport_endpoint = 8, 4096, "h:1"
+    assert (d.size, d.buffer_address, d.transport_endpoint) == (8, 4096, "h:1")
+    assert [(m.name, int(m)) for m in TaskStatus] == [("PENDING", 0), ("PROCESSING", 1),
+                                                      ("FAILED", 2), ("SUCCESS", 3)]
+    assert store_mod.REPLICA_MOVE is TaskType.REPLICA_MOVE == 1
+    assert QueryTaskResponse().status is TaskStatus.PENDING
 
 
 def test_unclosed_store_does_not_keep_the_process_alive(index_url):
@@ -384,8 +392,8 @@ def test_soft_pin_ttl_goes_only_with_enable(index_url):
 
 # Mooncake Store's Python names at Mooncake commit 3b5a594
 # (mooncake-integration/store/store_py.cpp): every ``.def("name", ...)`` on the
-# MooncakeDistributedStore class, and the module-level functions and classes of
-# ``mooncake.store``. Facts about Mooncake, held as data so this runs without a checkout.
+# MooncakeDistributedStore class, and the module-level functions and classes (besides
+# MooncakeDistributedStore itself) of ``mooncake.store``. Facts about Mooncake, held as data so this runs without a checkout.
 MOONCAKE_COMMIT = "3b5a594"
 MOONCAKE_STORE_METHODS = """
 _get_pyclient_capsule alloc_from_mem_pool allocate_and_mount_segment batch_get_buffer
@@ -422,7 +430,7 @@ MOONCAKE_STORE_CLASSES = """
 ObjectDataType SoftPinAction ReplicateConfig ReplicaStatus MemoryDescriptor
 DiskDescriptor ReplicaDescriptor Descriptor TaskType TaskStatus QueryTaskResponse
 BufferHandle MooncakeHostMemAllocator ParallelAxis TensorParallelism ReadTarget
-MooncakeDistributedNoFRegister MooncakeDistributedStore
+MooncakeDistributedNoFRegister
 """.split()
 
 
@@ -459,6 +467,12 @@ def test_every_mooncake_store_name_is_here_and_in_the_docs():
                                                                            None))]
     assert not missing, f"mooncake.store functions missing: {missing}"
     rows = _store_table()
+    status_of = {n: st for names, st, _ in rows for n in names}
+    counts = {st: sum(status_of.get(n) == st for n in MOONCAKE_STORE_METHODS)
+              for st in ("done", "partly", "refused")}
+    doc = " ".join(open(os.path.join(ROOT, "docs", "compat.md")).read().split())
+    assert f"98 methods, {counts['done']} done, {counts['partly']} partly, " \
+        f"{counts['refused']} refused" in doc, counts
     for names, status, follows in rows:
         assert status in ("done", "partly", "refused"), (names, status)
         assert MOONCAKE_COMMIT in follows, (names, follows)

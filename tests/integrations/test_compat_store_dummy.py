@@ -134,6 +134,34 @@ def test_pointer_calls_use_shared_memory(dummy):
         assert dummy.remove(k) == 0
 
 
+def test_session_and_metadata_calls_through_a_dummy(dummy):
+    """The session calls and ``put_from_with_metadata`` run in the real client, on the
+    dummy's shared buffer (both pointers of ``put_from_with_metadata`` translated);
+    ``get_offload_rpc_read_count`` is a dummy's own 0, as Mooncake's."""
+    ptr = dummy.alloc_from_mem_pool(8192)
+    assert ptr and dummy.register_buffer(ptr, 8192) == 0
+    try:
+        ctypes.memmove(ptr, b"meta" + b"D" * 100, 104)
+        assert dummy.put_from_with_metadata("d-wm", ptr + 4, ptr, 100, 4) == 0
+        assert dummy.get("d-wm") == b"meta" + b"D" * 100
+        assert dummy.put_from_with_metadata("d-wm2", ptr + 8192 - 10, ptr, 100, 4) == -600
+        assert dummy.batch_put_session_start(["d-s"], [200]) == [0]
+        assert dummy.batch_put_from_multi_buffer_ranges(["d-s"], [[ptr, ptr + 4]],
+                                                        [[4, 100]], [[100, 0]]) == [104]
+        assert dummy.batch_put_session_end(["d-s"]) == [0]
+        assert dummy.get("d-s") == b"D" * 100 + b"meta" + bytes(96)
+        assert dummy.batch_get_session_start(["d-s"]) == [0]
+        assert dummy.batch_get_into_multi_buffer_ranges(["d-s"], [[ptr + 4096]], [[8]],
+                                                        [[98]]) == [8]
+        assert ctypes.string_at(ptr + 4096, 8) == b"DDmetaxx".replace(b"xx", bytes(2))
+        assert dummy.batch_get_session_end(["d-s"]) == 0
+        assert dummy.get_offload_rpc_read_count() == 0
+    finally:
+        assert dummy.unregister_buffer(ptr) == 0
+    for k in ("d-wm", "d-s"):
+        assert dummy.remove(k) == 0
+
+
 def test_only_whole_pool_buffers_register(dummy):
     local = ctypes.create_string_buffer(4096)
     assert dummy.register_buffer(ctypes.addressof(local), 4096) == INVALID_PARAMS
