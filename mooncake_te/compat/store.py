@@ -1285,8 +1285,9 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
 
         A code per key: 0; -600 for unequal lists, a size below 1, a key with a session
         already, or ``config.group_ids`` not one per key; -705 for a key that exists;
-        -200 for a size the segment cannot hold. The reserved bytes are staged in this
-        process (zero-filled) until the session ends: nobody reads the object before."""
+        -200 for a size the segment cannot hold beside the sessions open. The reserved
+        bytes are staged in this process (zero-filled) until the session ends: nobody
+        reads the object before."""
         def go():
             cache = self._c()
             if len(keys) != len(sizes):
@@ -1315,9 +1316,12 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
                         log.error("batch_put_session_start %r: the object exists; "
                                   "remove it first (or upsert it)", k)
                         out[i] = OBJECT_ALREADY_EXISTS
-                    elif not self._segmentless and n > limit:
+                    elif not self._segmentless and n > limit - sum(
+                            p.data.nbytes for p in self._put_sessions.values()):
                         log.error("batch_put_session_start %r: %d bytes do not fit this "
-                                  "segment (at most %d)", k, n, limit)
+                                  "segment (at most %d, less the put sessions open); end "
+                                  "or revoke open sessions, or give a larger "
+                                  "global_segment_size", k, n, limit)
                         out[i] = NO_AVAILABLE_HANDLE
                     else:
                         self._put_sessions[k] = _PutSession(np.zeros(n, np.uint8), config)
@@ -1474,7 +1478,11 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
                 need = dict(zip(need, self._fetch(list(need))))
             for (i, sess, ranges), ck in zip(plans, cks):
                 first = sess.chunk - _OBJ.size
-                if any(c in need and need[c] is None for c in ck):
+                # every chunk a range touches is there, whole (its length is the
+                # layout's), before a byte is copied
+                if any(c in need and (need[c] is None or memoryview(need[c]).nbytes !=
+                                      min(sess.chunk, sess.total - first - j * sess.chunk))
+                       for j, c in enumerate(ck)):
                     log.warning("batch_get_into_multi_buffer_ranges %r: the object is "
                                 "gone (evicted or replaced) since the session started",
                                 keys[i])
@@ -1492,8 +1500,6 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
                             lo = first + (j - 1) * sess.chunk
                             src = np.asarray(need[ck[j - 1]], np.uint8)[pos - lo:]
                         k = min(n - done, src.nbytes)
-                        if k <= 0:
-                            raise E.InternalError(f"chunk of {keys[i]!r} at {pos} is short")
                         ctypes.memmove(p + done, src.ctypes.data, k)
                         done += k
                 out[i] = sum(n for _, n, _ in ranges)

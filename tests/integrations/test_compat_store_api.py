@@ -568,6 +568,9 @@ def test_session_calls_refuse_bad_input(index_url, monkeypatch):
         assert s.batch_put_session_start(["a", "b"], [n]) == [-600, -600]
         assert s.batch_put_session_start(["zero"], [0]) == [-600]
         assert s.batch_put_session_start(["huge"], [1 << 40]) == [-200]
+        assert s.batch_put_session_start(["half1"], [20 * MIB]) == [0]
+        assert s.batch_put_session_start(["half2"], [20 * MIB]) == [-200]  # 32 MiB segment
+        assert s.batch_put_session_revoke(["half1", "half2"]) == [0, -600]
         assert s.batch_put_session_start(["dup"], [n]) == [0]
         assert s.batch_put_session_start(["dup"], [n]) == [-600]
         assert s.batch_put_from_multi_buffer_ranges(["dup"], [[buf]], [[64]], [[n]]) == \
