@@ -25,7 +25,7 @@ transfers. Here the same API runs on :class:`mooncake_te.kvcache.KVCache`:
   URL such as ``redis://host:6379`` holds the index instead). What the master arranges
   between clients, the stores do through each other's store services
   (:mod:`.store_service`): puts from clients with ``global_segment_size = 0``, the extra
-  copies of ``replica_num > 1``, cluster-wide removes.
+  copies of ``replica_num > 1``, cluster-wide removes, the copy and move tasks.
 
 Return codes are Mooncake Store's (``mooncake-store/include/types.h``): 0 success,
 -704 ``OBJECT_NOT_FOUND``, -600 ``INVALID_PARAMS``, -200 ``NO_AVAILABLE_HANDLE``
@@ -66,7 +66,8 @@ from .dummy_client import DummyClient, add_forwarders, become_dummy
 # Mooncake Store's return codes and types: mooncake.store.<name> for each
 from .store_types import (BUFFER_OVERFLOW, INTERNAL_ERROR, INVALID_PARAMS,  # noqa: F401
                           LEASE_EXPIRED, NO_AVAILABLE_HANDLE, NOT_SUPPORTED,
-                          OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, OK, TRANSFER_FAIL,
+                          OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, OK, TASK_NOT_FOUND,
+                          TRANSFER_FAIL,
                           QueryTaskResponse, TaskStatus, TaskType,
                           BufferDescriptor, BufferHandle, DiskDescriptor, MemoryDescriptor,
                           ObjectDataType, ReplicaDescriptor, ReplicaStatus, ReplicateConfig,
@@ -182,6 +183,9 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
         self._sessions_lock = threading.Lock()
         #: reads that went to this store's SSD offload tier (get_offload_rpc_read_count)
         self._offload_reads = 0
+        #: task id -> QueryTaskResponse of the copy/move tasks this store ran
+        self._tasks: dict = {}
+        self._client_id = tuple(int.from_bytes(os.urandom(8), "little") for _ in range(2))
 
     # --- set-up --------------------------------------------------------------------------
     def setup(self, local_hostname, metadata_server: str = "", global_segment_size=16 * _MIB,
@@ -388,6 +392,12 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
             return {"found": self._remove_objects(list(head["keys"]), forward=False)}, b""
         if op == "leases":
             return {"active": self._active_leases(list(head["keys"]))}, b""
+        if op == "has":
+            cache = self._c()
+            return {"found": [cache.size_of(_key(k)) is not None for k in head["keys"]]}, b""
+        if op == "drop":
+            self._drop_here(list(head["keys"]))
+            return {"ok": 1}, b""
         if op == "remove_all":
             return {"n": self._remove_all_here()}, b""
         if op == "remove_regex":
@@ -1571,6 +1581,110 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
         return self.setup("localhost:12345", "127.0.0.1:2379", mount_segment_size,
                           1 << 30, protocol, device_name)
 
+    # --- replica tasks: copy and move an object between stores ---------------------------
+    def create_copy_task(self, key: str, targets) -> tuple:
+        """Copy the object into each store named in ``targets`` (segment names: the
+        ``get_hostname()`` of stores of this tenant, this one included). The copy is
+        made before this returns (Mooncake's master hands it to a client and
+        :meth:`query_task` follows it). ``(task id, 0)``, the id a pair of ints for
+        :meth:`query_task`; or ``((0, 0), code)``: -600 for no targets or a name that is
+        no store of the tenant, -704 for a missing object."""
+        return self._guard(lambda: self._task(TaskType.REPLICA_COPY, key, None,
+                                              list(targets)), ((0, 0), INVALID_PARAMS))
+
+    def create_move_task(self, key: str, source: str, target: str) -> tuple:
+        """Move the object's replica from store ``source`` to store ``target``: copied
+        into ``target``, then dropped from ``source`` (the index then names
+        ``target``), before this returns. ``(task id, 0)``, or ``((0, 0), code)``:
+        -600 when ``source == target``, either is no store of the tenant, or
+        ``source`` holds no replica; -704 for a missing object."""
+        return self._guard(lambda: self._task(TaskType.REPLICA_MOVE, key, str(source),
+                                              [str(target)]), ((0, 0), INVALID_PARAMS))
+
+    def query_task(self, task_id) -> tuple:
+        """``(QueryTaskResponse, 0)`` for a task this store created (``status``
+        SUCCESS, or FAILED with ``message`` saying which store did not take the copy),
+        ``(None, -1400)`` (``TASK_NOT_FOUND``) for another id."""
+        try:
+            tid = tuple(int(x) for x in task_id)
+        except (TypeError, ValueError):
+            tid = ()
+        resp = self._tasks.get(tid)
+        if resp is None:
+            log.error("query_task: no task %r was created by this store", task_id)
+            return None, TASK_NOT_FOUND
+        return resp, OK
+
+    def _task(self, kind, key: str, source, targets: list) -> tuple:
+        self._c()
+        none = (0, 0)
+        me = self._eng.name if self._eng is not None and not self._segmentless else None
+        peers = self._peers()
+        known = set(peers) | ({me} if me else set())
+        bad = [t for t in targets + ([source] if source is not None else [])
+               if t not in known]
+        if not targets or bad or source in targets:
+            log.error("%s %r: %s", kind.name.lower(), key,
+                      f"{bad} are not the segment names of stores of this tenant "
+                      f"(their get_hostname()); running: {sorted(known)}" if bad else
+                      "source and target are the same store" if targets else
+                      "no target segments given")
+            return none, INVALID_PARAMS
+        obj = self._get_many([key])[0]
+        if isinstance(obj, int):
+            log.error("%s %r: the object does not exist", kind.name.lower(), key)
+            return none, obj
+        if source is not None and not self._holds(source, key, peers, me):
+            log.error("move %r: store %s holds no replica of it", key, source)
+            return none, INVALID_PARAMS
+        failed = []
+        for t in targets:
+            if t == me:
+                code = self._put_many([key], [obj], replace=source is not None,
+                                      forward=False)[0]
+            else:
+                code = self._send_objects({t: peers[t]}, [key], [obj],
+                                          source is not None).get(t, [TRANSFER_FAIL])[0]
+            if code != OK:
+                failed.append(f"{t}: {code}")
+        if source is not None and not failed:
+            if source == me:
+                self._drop_here([key])
+            else:
+                self._call_peers({"op": "drop", "keys": [key]}, b"",
+                                 {source: peers[source]})
+        now = int(time.time() * 1000)
+        resp = QueryTaskResponse()
+        resp.id = tuple(int.from_bytes(os.urandom(8), "little") for _ in range(2))
+        resp.type, resp.created_at_ms_epoch, resp.last_updated_at_ms_epoch = kind, now, now
+        resp.status = TaskStatus.FAILED if failed else TaskStatus.SUCCESS
+        resp.message = "; ".join(failed)
+        resp.assigned_client = self._client_id
+        self._tasks[resp.id] = resp
+        return resp.id, OK
+
+    def _holds(self, segment: str, key, peers: dict, me) -> bool:
+        """Whether the store ``segment`` holds a copy of the object in its own pool."""
+        if segment == me:
+            return self._c().size_of(_key(key)) is not None
+        got = self._call_peers({"op": "has", "keys": [str(key)]}, b"",
+                               {segment: peers[segment]})
+        return bool(got and got[0][1].get("found", [False])[0])
+
+    def _drop_here(self, keys) -> None:
+        """Drop this store's copies of the objects, keeping the index record of their
+        first chunk (another store's copy, which the record names now, serves them)."""
+        cache = self._c()
+        heads = self._heads_of(list(keys), peek=True)
+        for k, h in zip(keys, heads):
+            if cache.size_of(_key(k)) is None:
+                continue
+            self._heads.pop(_key(k), None)
+            cache.remove([_key(k)], index=False)
+            if h is not None:
+                cache.remove(_chunk_keys(k, h[1], n_chunks(h[0], h[3])))
+        cache.flush_index()
+
     # --- refused: calls on Mooncake's master or its C++ objects ---------------------------
     def mount_segment(self, path: str, size: int, offset: int = 0, protocol: str = "tcp",
                       location: str = "") -> dict:
@@ -1595,21 +1709,6 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
     def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
         """Refused: -1012."""
         return _refuse("unmount_local_disk_segment", _NO_MOUNT)
-
-    def create_copy_task(self, key: str, targets) -> tuple:
-        """Refused: ``((0, 0), -1012)`` (no task id)."""
-        _refuse("create_copy_task", _NO_TASKS)
-        return (0, 0), NOT_SUPPORTED
-
-    def create_move_task(self, key: str, source: str, target: str) -> tuple:
-        """Refused: ``((0, 0), -1012)``."""
-        _refuse("create_move_task", _NO_TASKS)
-        return (0, 0), NOT_SUPPORTED
-
-    def query_task(self, task_id) -> tuple:
-        """Refused: ``(None, -1012)``."""
-        _refuse("query_task", _NO_TASKS)
-        return None, NOT_SUPPORTED
 
     def _get_pyclient_capsule(self):
         """Refused: None (Mooncake's capsule holds its C++ ``PyClient`` for its
@@ -1779,9 +1878,6 @@ class _GetSession:
 _NO_MOUNT = ("segments are mounted with Mooncake's master, which keeps the cluster's "
              "segment table; here each store's segment is its KV pool, sized by setup's "
              "global_segment_size (give a larger one, or run another store)")
-_NO_TASKS = ("replica copy/move tasks are scheduled by Mooncake's master, which this "
-             "store does not have; put the object again with a ReplicateConfig whose "
-             "replica_num / preferred_segments name the copies you want")
 _NO_CPP = ("it hands out a pointer to Mooncake's C++ client objects, which do not exist "
            "here; use the MooncakeDistributedStore methods")
 

@@ -27,6 +27,7 @@ LEASE_EXPIRED = -707
 TRANSFER_FAIL = -800
 NOT_SUPPORTED = -1012
 FILE_NOT_FOUND = -1100
+TASK_NOT_FOUND = -1400
 
 
 def _parse_size(value) -> int:
@@ -53,8 +54,7 @@ class ReplicaStatus(enum.IntEnum):
 
 
 class TaskType(enum.IntEnum):
-    """Mooncake's ``TaskType`` (the master's replica tasks); listed for its names: this
-    store refuses ``create_copy_task`` / ``create_move_task`` (no master)."""
+    """Mooncake's ``TaskType``: what ``create_copy_task`` / ``create_move_task`` made."""
     REPLICA_COPY = 0
     REPLICA_MOVE = 1
 
@@ -68,8 +68,8 @@ class TaskStatus(enum.IntEnum):
 
 
 class QueryTaskResponse:
-    """Mooncake's answer to ``query_task``; this store never has one to give
-    (``query_task`` is refused), so only its fields are here."""
+    """Mooncake's answer to ``query_task``: the task's id, type, status, times (ms since
+    the epoch), the client that ran it and a message."""
 
     def __init__(self):
         self.id = (0, 0)

@@ -660,8 +660,8 @@ def test_put_from_with_metadata(index_url):
 def test_offload_read_count_init_all_and_refusals(index_url, tmp_path, caplog):
     """``get_offload_rpc_read_count`` counts reads that went to the SSD offload tier;
     ``init_all`` on a set-up store is -600; ``alloc_from_mem_pool`` is 0 on a real
-    client (as Mooncake's); the master's calls are refused with -1012 and a log line
-    saying why and what to do instead."""
+    client (as Mooncake's); the segment-mount calls and the C++ handles are refused
+    (-1012, None, 0) with a log line saying why and what to do instead."""
     import logging
     from mooncake_te.compat import store as store_mod
     s = MooncakeDistributedStore()
@@ -685,13 +685,10 @@ def test_offload_read_count_init_all_and_refusals(index_url, tmp_path, caplog):
         assert s.unmount_segment(["seg"]) == -1012
         assert s.unmount_and_free_segment(["seg"], grace_period_seconds=1) == -1012
         assert s.unmount_local_disk_segment() == -1012
-        assert s.create_copy_task("o1", ["elsewhere"]) == ((0, 0), -1012)
-        assert s.create_move_task("o1", "here", "there") == ((0, 0), -1012)
-        assert s.query_task((1, 2)) == (None, -1012)
         assert s._get_pyclient_capsule() is None
         assert store_mod._get_pyclient_from_wrapper(s) is None
         assert store_mod.get_alloc_func_addr() == 0 == store_mod.get_free_func_addr()
-        assert "master" in caplog.text and "replica_num" in caplog.text
+        assert "master" in caplog.text and "global_segment_size" in caplog.text
         assert s.get("o1") == vals["o1"]                    # nothing was touched
     finally:
         s.close()
@@ -723,3 +720,46 @@ def test_bind_to_numa_node(caplog):
     t.join(10)
     assert got["after"] == want and got["unknown"] == want
     assert "Invalid NUMA node: 4096" in caplog.text
+
+
+def test_copy_and_move_tasks(index_url):
+    """``create_copy_task`` copies an object into other stores, ``create_move_task``
+    moves a replica (the source no longer holds it, the target serves it);
+    ``query_task`` reports them; bad requests get Mooncake's codes."""
+    from mooncake_te.compat.store import QueryTaskResponse, TaskStatus, TaskType
+    tenant = "task-" + os.urandom(3).hex()
+    a, b, c = _store(index_url, tenant), _store(index_url, tenant), _store(index_url, tenant)
+    try:
+        big = os.urandom(300_000)
+        assert a.put("t1", big) == 0 and a.put("t2", b"two" * 1000) == 0
+        assert a.put("t3", b"three") == 0
+        tid, rc = a.create_copy_task("t1", [b.get_hostname(), c.get_hostname()])
+        assert rc == 0 and tid != (0, 0)
+        resp, rc = a.query_task(tid)
+        assert rc == 0 and isinstance(resp, QueryTaskResponse)
+        assert (resp.id, resp.type, resp.status) == (tid, TaskType.REPLICA_COPY,
+                                                      TaskStatus.SUCCESS)
+        tid2, rc = a.create_move_task("t2", a.get_hostname(), b.get_hostname())
+        assert rc == 0 and a.query_task(tid2)[0].status == TaskStatus.SUCCESS
+        assert c.get("t2") == b"two" * 1000                  # found through the index
+        for s in (a, c):                                    # a no longer holds it
+            desc = s.get_replica_desc("t2")
+            assert [d.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                    for d in desc] == [b.get_hostname()]
+        assert a.create_copy_task("t1", []) == ((0, 0), -600)
+        assert a.create_copy_task("t1", ["nowhere:1"]) == ((0, 0), -600)
+        assert a.create_copy_task("none", [b.get_hostname()]) == ((0, 0), -704)
+        assert a.create_move_task("t3", a.get_hostname(), a.get_hostname()) == \
+            ((0, 0), -600)
+        assert a.create_move_task("t3", b.get_hostname(), c.get_hostname()) == \
+            ((0, 0), -600)                                  # b holds no replica of t3
+        assert a.query_task((1, 2)) == (None, -1400)
+        a.close()                                           # the copies outlive a
+        assert b.get("t1") == big and c.get("t1") == big
+        assert c.get("t2") == b"two" * 1000
+        b.close()                                           # the moved replica was b's
+        assert c.get("t2") == b"" and c.get("t1") == big
+    finally:
+        a.close()
+        b.close()
+        c.close()
