@@ -155,6 +155,41 @@ class _Shm:
         os.close(self.fd)
 
 
+#: address -> _Shm of MooncakeHostMemAllocator: the process's shared buffers (Mooncake's
+#: ShmHelper singleton), which any dummy client of this process registers
+HOST_SHM: dict = {}
+
+
+class MooncakeHostMemAllocator:
+    """Mooncake's ``mooncake.store.MooncakeHostMemAllocator``: shared host memory
+    (``memfd``) for dummy clients. ``alloc(size)`` returns the address of a new buffer
+    (RuntimeError when it cannot be made, as Mooncake's); a dummy client of this
+    process registers it whole with ``register_buffer(ptr, size)`` and its pointer calls
+    then read and write it in place. ``free(ptr)``: 0, or -1 for an address ``alloc``
+    did not return or a buffer still registered (unregister it first)."""
+
+    def alloc(self, size: int) -> int:
+        try:
+            n = int(size)
+            if n <= 0:
+                raise ValueError(f"size {size!r} must be positive")
+            shm = _Shm(n)
+        except (OSError, ValueError, TypeError) as e:
+            raise RuntimeError(f"Failed to create anonymous shared memory: {e}") from e
+        HOST_SHM[shm.addr] = shm
+        return shm.addr
+
+    def free(self, ptr: int) -> int:
+        shm = HOST_SHM.get(ptr) if isinstance(ptr, int) else None
+        if shm is None or shm.registered:
+            log.error("free(%r): %s", ptr, "still registered; unregister_buffer it first"
+                      if shm is not None else "not an address this allocator returned")
+            return INTERNAL_ERROR
+        del HOST_SHM[ptr]
+        shm.close()
+        return OK
+
+
 def _failure(name: str, args: tuple, kwargs: dict):
     """What a call returns when the real client cannot be reached or fails."""
     first = args[0] if args else next(iter(kwargs.values()), None)
@@ -217,6 +252,7 @@ def become_dummy(store, dummy_class: type, mem_pool_size, local_buffer_size,
     store._real = addr
     store._cid = cid
     store._shm = {}
+    store._registered_host = set()
     store._mem_pool_size = mem_pool_size
     store._local_buffer = local_buffer_size
     store._real_segment = str(rh.get("segment", ""))
@@ -233,6 +269,7 @@ class DummyClient:
     _real: str = ""
     _cid: str = ""
     _shm: dict = {}
+    _registered_host: set = set()
     _real_segment: str = ""
     #: the store calls sent to the real client (set by :func:`add_forwarders`); the real
     #: client runs these and no others
@@ -298,12 +335,18 @@ class DummyClient:
         self._shm[shm.addr] = shm
         return shm.addr
 
+    def _shm_at(self, ptr):
+        """This dummy's buffer at ``ptr``, or the process's (MooncakeHostMemAllocator)."""
+        if not isinstance(ptr, int):
+            return None
+        return self._shm.get(ptr) or HOST_SHM.get(ptr)
+
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        shm = self._shm.get(int(buffer_ptr)) if isinstance(buffer_ptr, int) else None
+        shm = self._shm_at(buffer_ptr)
         if shm is None or int(size) != shm.size:
             log.error("register_buffer(%r, %r): a dummy client registers buffers of "
-                      "alloc_from_mem_pool, whole (their pointer and size): the real "
-                      "client maps them", buffer_ptr, size)
+                      "alloc_from_mem_pool or MooncakeHostMemAllocator, whole (their "
+                      "pointer and size): the real client maps them", buffer_ptr, size)
             return INVALID_PARAMS
         try:
             rh, _ = call(self._real, {"op": "map", "client": self._cid,
@@ -314,10 +357,12 @@ class DummyClient:
             return INTERNAL_ERROR
         rc = int(rh.get("rc", INTERNAL_ERROR))
         shm.registered = rc == 0
+        if shm.registered:
+            self._registered_host.add(shm)
         return rc
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
-        shm = self._shm.get(int(buffer_ptr)) if isinstance(buffer_ptr, int) else None
+        shm = self._shm_at(buffer_ptr)
         if shm is None or not shm.registered:
             log.error("unregister_buffer(%r): not a registered buffer of "
                       "alloc_from_mem_pool", buffer_ptr)
@@ -341,6 +386,9 @@ class DummyClient:
         shm, self._shm = self._shm, {}
         for s in shm.values():
             s.close()
+        for s in self._registered_host:           # the real client dropped its maps
+            s.registered = False
+        self._registered_host = set()
         return OK
 
     def __del__(self):

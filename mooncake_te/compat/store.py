@@ -63,6 +63,8 @@ from ..kvcache.keys import as_key
 from ..kvcache.record import HEADER_SIZE, slot_size_for
 from ._maps import mapped_rw as _mapped_rw
 from .dummy_client import DummyClient, add_forwarders, become_dummy
+# Mooncake's shared host memory for dummy clients (mooncake.store.MooncakeHostMemAllocator)
+from .dummy_client import MooncakeHostMemAllocator  # noqa: F401
 # Mooncake Store's return codes and types: mooncake.store.<name> for each
 from .store_types import (BUFFER_OVERFLOW, INTERNAL_ERROR, INVALID_PARAMS,  # noqa: F401
                           LEASE_EXPIRED, NO_AVAILABLE_HANDLE, NOT_SUPPORTED,

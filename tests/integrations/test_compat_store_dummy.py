@@ -162,6 +162,26 @@ def test_session_and_metadata_calls_through_a_dummy(dummy):
         assert dummy.remove(k) == 0
 
 
+def test_host_mem_allocator_buffers(dummy):
+    """``MooncakeHostMemAllocator``: the process's shared buffers, which a dummy
+    registers whole and uses in place; ``free`` refuses a registered or unknown one."""
+    from mooncake_te.compat.store import MooncakeHostMemAllocator
+    alloc = MooncakeHostMemAllocator()
+    ptr = alloc.alloc(4096)
+    assert ptr
+    ctypes.memmove(ptr, b"host-mem", 8)
+    assert dummy.register_buffer(ptr, 4096) == 0
+    assert dummy.put_from("d-host", ptr, 8) == 0 and dummy.get("d-host") == b"host-mem"
+    assert dummy.get_into("d-host", ptr + 100, 8) == 8
+    assert ctypes.string_at(ptr + 100, 8) == b"host-mem"
+    assert alloc.free(ptr) == -1                            # still registered
+    assert dummy.unregister_buffer(ptr) == 0
+    assert alloc.free(ptr) == 0 and alloc.free(ptr) == -1
+    with pytest.raises(RuntimeError):
+        alloc.alloc(0)
+    assert dummy.remove("d-host") == 0
+
+
 def test_only_whole_pool_buffers_register(dummy):
     local = ctypes.create_string_buffer(4096)
     assert dummy.register_buffer(ctypes.addressof(local), 4096) == INVALID_PARAMS
