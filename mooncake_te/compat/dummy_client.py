@@ -305,15 +305,16 @@ class DummyClient:
         return ""
 
     def health_check(self) -> int:
-        """0 while the real client answers, else -1."""
+        """Mooncake's dummy codes: 0 while the real client answers, 2 when it does not,
+        1 once closed."""
         if not self._real:
-            return INTERNAL_ERROR
+            return 1
         try:
             call(self._real, {"op": "ping", "client": self._cid}, timeout=10.0)
             return OK
         except E.MooncakeError as e:
             log.error("health_check: %s", e)
-            return INTERNAL_ERROR
+            return 2
 
     def get_offload_rpc_read_count(self) -> int:
         """0: a dummy client reads nothing itself (as Mooncake's, which counts only in

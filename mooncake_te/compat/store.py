@@ -86,6 +86,8 @@ from .tensor import tensor_metadata_size as _tensor_metadata_size  # noqa: F401
 log = logging.getLogger("mooncake_te.compat.store")
 
 _MIB = 1 << 20
+#: health_check's answers (Mooncake's HC_* codes)
+HC_HEALTHY, HC_NOT_INITIALIZED, HC_MASTER_UNREACHABLE = 0, 1, 2
 #: Payload bytes of one pool slot (a chunk of an object; MC_STORE_CHUNK_SIZE): an object
 #: of any size up to the segment spans as many slots as it needs.
 DEFAULT_CHUNK = (64 << 10) - 64
@@ -1155,14 +1157,15 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
         return self._guard(go, [None] * len(keys))
 
     def health_check(self) -> int:
-        """0 when the store is set up and every other store in the directory answers;
-        -1 when not set up, the number of stores that did not answer otherwise (as a
-        negative code, -800)."""
+        """Mooncake's codes: 0 healthy (set up, and every other store in the directory
+        answers), 1 not set up or closed, 2 when a store of the directory does not
+        answer (Mooncake: the master is unreachable; the stores are what this store
+        coordinates with instead)."""
         if self._cache is None:
-            return INTERNAL_ERROR
+            return HC_NOT_INITIALIZED
         peers = self._peers()
         answered = self._call_peers({"op": "ping"}, targets=peers)
-        return OK if len(answered) == len(peers) else TRANSFER_FAIL
+        return HC_HEALTHY if len(answered) == len(peers) else HC_MASTER_UNREACHABLE
 
     def remove_by_regex(self, pattern: str, force: bool = False) -> int:
         """Remove every object, in every store of the tenant, whose key matches the

@@ -621,7 +621,9 @@ def test_session_calls_refuse_bad_input(index_url, monkeypatch):
             [-600]
     finally:
         s.close()
+    assert s.health_check() == 1                            # closed (Mooncake's code)
     fresh = MooncakeDistributedStore()                      # not set up: Mooncake's []
+    assert fresh.health_check() == 1
     assert fresh.batch_put_session_start(["k"], [1]) == []
     assert fresh.batch_get_session_start(["k"]) == []
     assert fresh.batch_get_session_end(["k"]) == -1

@@ -180,6 +180,8 @@ def test_host_mem_allocator_buffers(dummy):
     with pytest.raises(RuntimeError):
         alloc.alloc(0)
     assert dummy.remove("d-host") == 0
+    dummy.close()
+    assert dummy.health_check() == 1                        # closed (Mooncake's code)
 
 
 def test_only_whole_pool_buffers_register(dummy):
