@@ -38,7 +38,8 @@ import numpy as np
 from .. import errors as E
 from .store_service import call
 from .store_types import (INTERNAL_ERROR, INVALID_PARAMS, OK, BufferHandle,
-                          ReplicaDescriptor, ReplicateConfig, _parse_size)
+                          QueryTaskResponse, ReplicaDescriptor, ReplicateConfig, TaskStatus,
+                          TaskType, _parse_size)
 
 log = logging.getLogger("mooncake_te.compat.store")
 
@@ -77,7 +78,11 @@ def _encode(obj, blobs: list):
     if isinstance(obj, (bytes, bytearray, memoryview)):
         blobs.append(bytes(obj))
         return {"$b": len(blobs) - 1}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, QueryTaskResponse):
+        return {"$qt": {k: _encode(v, blobs) for k, v in vars(obj).items()}}
+    if isinstance(obj, tuple):          # a task id, (value, code) answers: stay tuples
+        return {"$t": [_encode(x, blobs) for x in obj]}
+    if isinstance(obj, list):
         return [_encode(x, blobs) for x in obj]
     if isinstance(obj, dict):
         return {"$d": [[_encode(k, blobs), _encode(v, blobs)] for k, v in obj.items()]}
@@ -111,6 +116,15 @@ def _decode(obj, blobs: list):
         return ReplicaDescriptor(str(kind), str(seg), int(addr), int(size), str(path))
     if "$d" in obj:
         return {_decode(k, blobs): _decode(v, blobs) for k, v in obj["$d"]}
+    if "$t" in obj:
+        return tuple(_decode(x, blobs) for x in obj["$t"])
+    if "$qt" in obj:
+        resp = QueryTaskResponse()
+        for k, v in obj["$qt"].items():
+            if hasattr(resp, k):
+                setattr(resp, k, _decode(v, blobs))
+        resp.type, resp.status = TaskType(resp.type), TaskStatus(resp.status)
+        return resp
     raise E.InvalidArgumentError(f"an unknown encoded value {sorted(obj)[:3]}")
 
 
@@ -210,9 +224,15 @@ def _failure(name: str, args: tuple, kwargs: dict):
     if name in ("get_replica_desc",):
         return []
     if name.startswith("batch_") or name.endswith("_batch"):
-        if name in ("put_batch", "upsert_batch"):
+        if name in ("put_batch", "upsert_batch", "batch_get_session_end"):
             return INTERNAL_ERROR
         return [INTERNAL_ERROR] * n
+    if name in ("create_copy_task", "create_move_task"):
+        return (0, 0), INTERNAL_ERROR
+    if name == "query_task":
+        return None, INTERNAL_ERROR
+    if name in ("mount_segment", "allocate_and_mount_segment"):
+        return {"ret": INTERNAL_ERROR, "segment_ids": []}
     return INTERNAL_ERROR
 
 

@@ -135,6 +135,7 @@ def test_pointer_calls_use_shared_memory(dummy):
 
 
 def test_session_and_metadata_calls_through_a_dummy(dummy):
+    from mooncake_te.compat.store import TaskStatus
     """The session calls and ``put_from_with_metadata`` run in the real client, on the
     dummy's shared buffer (both pointers of ``put_from_with_metadata`` translated);
     ``get_offload_rpc_read_count`` is a dummy's own 0, as Mooncake's."""
@@ -156,6 +157,14 @@ def test_session_and_metadata_calls_through_a_dummy(dummy):
         assert ctypes.string_at(ptr + 4096, 8) == b"DDmetaxx".replace(b"xx", bytes(2))
         assert dummy.batch_get_session_end(["d-s"]) == 0
         assert dummy.get_offload_rpc_read_count() == 0
+        assert dummy._real_segment                          # the real client's store
+        tid, rc = dummy.create_copy_task("d-s", [dummy._real_segment])
+        assert rc == 0 and isinstance(tid, tuple) and len(tid) == 2
+        resp, rc = dummy.query_task(tid)
+        assert rc == 0 and resp.status is TaskStatus.SUCCESS and resp.id == tid
+        assert dummy.create_copy_task("d-s", ["nowhere:1"]) == ((0, 0), -600)
+        assert dummy.query_task((1, 2)) == (None, -1400)
+        assert dummy.batch_get_session_end(["d-s"]) == 0
     finally:
         assert dummy.unregister_buffer(ptr) == 0
     for k in ("d-wm", "d-s"):
