@@ -60,7 +60,8 @@ def setup_dummy(store, mem_pool_size, local_buffer_size, server_address: str) ->
                                                 server_address)
 
 #: argument names that carry pointers into the dummy's memory, and their nesting depth
-_POINTER_ARGS = {"buffer_ptr": 0, "buffer_ptrs": 1, "all_buffer_ptrs": 2}
+_POINTER_ARGS = {"buffer_ptr": 0, "metadata_buffer_ptr": 0, "buffer_ptrs": 1,
+                 "all_buffer_ptrs": 2}
 
 
 # --- the real client ------------------------------------------------------------------

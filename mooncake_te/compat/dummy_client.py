@@ -38,13 +38,15 @@ import numpy as np
 from .. import errors as E
 from .store_service import call
 from .store_types import (INTERNAL_ERROR, INVALID_PARAMS, OK, BufferHandle,
-                          ReplicaDescriptor, ReplicateConfig, _parse_size)
+                          QueryTaskResponse, ReplicaDescriptor, ReplicateConfig, TaskStatus,
+                          TaskType, _parse_size)
 
 log = logging.getLogger("mooncake_te.compat.store")
 
 #: store methods a dummy runs locally (the rest are sent to the real client)
 LOCAL = frozenset({"setup", "setup_dummy", "close", "alloc_from_mem_pool",
-                   "register_buffer", "unregister_buffer", "get_hostname", "health_check"})
+                   "register_buffer", "unregister_buffer", "get_hostname", "health_check",
+                   "get_offload_rpc_read_count"})
 
 
 # --- argument and result encoding ------------------------------------------------------
@@ -76,7 +78,11 @@ def _encode(obj, blobs: list):
     if isinstance(obj, (bytes, bytearray, memoryview)):
         blobs.append(bytes(obj))
         return {"$b": len(blobs) - 1}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, QueryTaskResponse):
+        return {"$qt": {k: _encode(v, blobs) for k, v in vars(obj).items()}}
+    if isinstance(obj, tuple):          # a task id, (value, code) answers: stay tuples
+        return {"$t": [_encode(x, blobs) for x in obj]}
+    if isinstance(obj, list):
         return [_encode(x, blobs) for x in obj]
     if isinstance(obj, dict):
         return {"$d": [[_encode(k, blobs), _encode(v, blobs)] for k, v in obj.items()]}
@@ -110,6 +116,15 @@ def _decode(obj, blobs: list):
         return ReplicaDescriptor(str(kind), str(seg), int(addr), int(size), str(path))
     if "$d" in obj:
         return {_decode(k, blobs): _decode(v, blobs) for k, v in obj["$d"]}
+    if "$t" in obj:
+        return tuple(_decode(x, blobs) for x in obj["$t"])
+    if "$qt" in obj:
+        resp = QueryTaskResponse()
+        for k, v in obj["$qt"].items():
+            if hasattr(resp, k):
+                setattr(resp, k, _decode(v, blobs))
+        resp.type, resp.status = TaskType(resp.type), TaskStatus(resp.status)
+        return resp
     raise E.InvalidArgumentError(f"an unknown encoded value {sorted(obj)[:3]}")
 
 
@@ -154,6 +169,41 @@ class _Shm:
         os.close(self.fd)
 
 
+#: address -> _Shm of MooncakeHostMemAllocator: the process's shared buffers (Mooncake's
+#: ShmHelper singleton), which any dummy client of this process registers
+HOST_SHM: dict = {}
+
+
+class MooncakeHostMemAllocator:
+    """Mooncake's ``mooncake.store.MooncakeHostMemAllocator``: shared host memory
+    (``memfd``) for dummy clients. ``alloc(size)`` returns the address of a new buffer
+    (RuntimeError when it cannot be made, as Mooncake's); a dummy client of this
+    process registers it whole with ``register_buffer(ptr, size)`` and its pointer calls
+    then read and write it in place. ``free(ptr)``: 0, or -1 for an address ``alloc``
+    did not return or a buffer still registered (unregister it first)."""
+
+    def alloc(self, size: int) -> int:
+        try:
+            n = int(size)
+            if n <= 0:
+                raise ValueError(f"size {size!r} must be positive")
+            shm = _Shm(n)
+        except (OSError, ValueError, TypeError) as e:
+            raise RuntimeError(f"Failed to create anonymous shared memory: {e}") from e
+        HOST_SHM[shm.addr] = shm
+        return shm.addr
+
+    def free(self, ptr: int) -> int:
+        shm = HOST_SHM.get(ptr) if isinstance(ptr, int) else None
+        if shm is None or shm.registered:
+            log.error("free(%r): %s", ptr, "still registered; unregister_buffer it first"
+                      if shm is not None else "not an address this allocator returned")
+            return INTERNAL_ERROR
+        del HOST_SHM[ptr]
+        shm.close()
+        return OK
+
+
 def _failure(name: str, args: tuple, kwargs: dict):
     """What a call returns when the real client cannot be reached or fails."""
     first = args[0] if args else next(iter(kwargs.values()), None)
@@ -174,9 +224,15 @@ def _failure(name: str, args: tuple, kwargs: dict):
     if name in ("get_replica_desc",):
         return []
     if name.startswith("batch_") or name.endswith("_batch"):
-        if name in ("put_batch", "upsert_batch"):
+        if name in ("put_batch", "upsert_batch", "batch_get_session_end"):
             return INTERNAL_ERROR
         return [INTERNAL_ERROR] * n
+    if name in ("create_copy_task", "create_move_task"):
+        return (0, 0), INTERNAL_ERROR
+    if name == "query_task":
+        return None, INTERNAL_ERROR
+    if name in ("mount_segment", "allocate_and_mount_segment"):
+        return {"ret": INTERNAL_ERROR, "segment_ids": []}
     return INTERNAL_ERROR
 
 
@@ -216,6 +272,7 @@ def become_dummy(store, dummy_class: type, mem_pool_size, local_buffer_size,
     store._real = addr
     store._cid = cid
     store._shm = {}
+    store._registered_host = set()
     store._mem_pool_size = mem_pool_size
     store._local_buffer = local_buffer_size
     store._real_segment = str(rh.get("segment", ""))
@@ -232,6 +289,7 @@ class DummyClient:
     _real: str = ""
     _cid: str = ""
     _shm: dict = {}
+    _registered_host: set = set()
     _real_segment: str = ""
     #: the store calls sent to the real client (set by :func:`add_forwarders`); the real
     #: client runs these and no others
@@ -267,15 +325,21 @@ class DummyClient:
         return ""
 
     def health_check(self) -> int:
-        """0 while the real client answers, else -1."""
+        """Mooncake's dummy codes: 0 while the real client answers, 2 when it does not,
+        1 once closed."""
         if not self._real:
-            return INTERNAL_ERROR
+            return 1
         try:
             call(self._real, {"op": "ping", "client": self._cid}, timeout=10.0)
             return OK
         except E.MooncakeError as e:
             log.error("health_check: %s", e)
-            return INTERNAL_ERROR
+            return 2
+
+    def get_offload_rpc_read_count(self) -> int:
+        """0: a dummy client reads nothing itself (as Mooncake's, which counts only in
+        a real client)."""
+        return 0
 
     def alloc_from_mem_pool(self, size) -> int:
         """A shared-memory buffer of ``size`` bytes the real client can map when it
@@ -292,12 +356,18 @@ class DummyClient:
         self._shm[shm.addr] = shm
         return shm.addr
 
+    def _shm_at(self, ptr):
+        """This dummy's buffer at ``ptr``, or the process's (MooncakeHostMemAllocator)."""
+        if not isinstance(ptr, int):
+            return None
+        return self._shm.get(ptr) or HOST_SHM.get(ptr)
+
     def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        shm = self._shm.get(int(buffer_ptr)) if isinstance(buffer_ptr, int) else None
+        shm = self._shm_at(buffer_ptr)
         if shm is None or int(size) != shm.size:
             log.error("register_buffer(%r, %r): a dummy client registers buffers of "
-                      "alloc_from_mem_pool, whole (their pointer and size): the real "
-                      "client maps them", buffer_ptr, size)
+                      "alloc_from_mem_pool or MooncakeHostMemAllocator, whole (their "
+                      "pointer and size): the real client maps them", buffer_ptr, size)
             return INVALID_PARAMS
         try:
             rh, _ = call(self._real, {"op": "map", "client": self._cid,
@@ -308,10 +378,12 @@ class DummyClient:
             return INTERNAL_ERROR
         rc = int(rh.get("rc", INTERNAL_ERROR))
         shm.registered = rc == 0
+        if shm.registered:
+            self._registered_host.add(shm)
         return rc
 
     def unregister_buffer(self, buffer_ptr: int) -> int:
-        shm = self._shm.get(int(buffer_ptr)) if isinstance(buffer_ptr, int) else None
+        shm = self._shm_at(buffer_ptr)
         if shm is None or not shm.registered:
             log.error("unregister_buffer(%r): not a registered buffer of "
                       "alloc_from_mem_pool", buffer_ptr)
@@ -335,6 +407,9 @@ class DummyClient:
         shm, self._shm = self._shm, {}
         for s in shm.values():
             s.close()
+        for s in self._registered_host:           # the real client dropped its maps
+            s.registered = False
+        self._registered_host = set()
         return OK
 
     def __del__(self):

@@ -25,7 +25,7 @@ transfers. Here the same API runs on :class:`mooncake_te.kvcache.KVCache`:
   URL such as ``redis://host:6379`` holds the index instead). What the master arranges
   between clients, the stores do through each other's store services
   (:mod:`.store_service`): puts from clients with ``global_segment_size = 0``, the extra
-  copies of ``replica_num > 1``, cluster-wide removes.
+  copies of ``replica_num > 1``, cluster-wide removes, the copy and move tasks.
 
 Return codes are Mooncake Store's (``mooncake-store/include/types.h``): 0 success,
 -704 ``OBJECT_NOT_FOUND``, -600 ``INVALID_PARAMS``, -200 ``NO_AVAILABLE_HANDLE``
@@ -63,9 +63,14 @@ from ..kvcache.keys import as_key
 from ..kvcache.record import HEADER_SIZE, slot_size_for
 from ._maps import mapped_rw as _mapped_rw
 from .dummy_client import DummyClient, add_forwarders, become_dummy
+# Mooncake's shared host memory for dummy clients (mooncake.store.MooncakeHostMemAllocator)
+from .dummy_client import MooncakeHostMemAllocator  # noqa: F401
 # Mooncake Store's return codes and types: mooncake.store.<name> for each
 from .store_types import (BUFFER_OVERFLOW, INTERNAL_ERROR, INVALID_PARAMS,  # noqa: F401
-                          NO_AVAILABLE_HANDLE, OBJECT_NOT_FOUND, OK, TRANSFER_FAIL,
+                          LEASE_EXPIRED, NO_AVAILABLE_HANDLE, NOT_SUPPORTED,
+                          OBJECT_ALREADY_EXISTS, OBJECT_NOT_FOUND, OK, TASK_NOT_FOUND,
+                          TRANSFER_FAIL,
+                          QueryTaskResponse, TaskStatus, TaskType,
                           BufferDescriptor, BufferHandle, DiskDescriptor, MemoryDescriptor,
                           ObjectDataType, ReplicaDescriptor, ReplicaStatus, ReplicateConfig,
                           SoftPinAction, _parse_size)
@@ -81,6 +86,8 @@ from .tensor import tensor_metadata_size as _tensor_metadata_size  # noqa: F401
 log = logging.getLogger("mooncake_te.compat.store")
 
 _MIB = 1 << 20
+#: health_check's answers (Mooncake's HC_* codes)
+HC_HEALTHY, HC_NOT_INITIALIZED, HC_MASTER_UNREACHABLE = 0, 1, 2
 #: Payload bytes of one pool slot (a chunk of an object; MC_STORE_CHUNK_SIZE): an object
 #: of any size up to the segment spans as many slots as it needs.
 DEFAULT_CHUNK = (64 << 10) - 64
@@ -107,6 +114,10 @@ def n_chunks(total: int, chunk: int) -> int:
 # Mooncake's binding exports these two enums' values at module level too.
 globals().update({m.name: m for m in ObjectDataType})
 globals().update({m.name: m for m in ReplicaStatus})
+#: Mooncake's name for a replica's buffer descriptor (AllocatedBuffer::Descriptor)
+Descriptor = BufferDescriptor
+globals().update({m.name: m for m in TaskType})
+globals().update({m.name: m for m in TaskStatus})
 
 
 #: Where Mooncake's store client picks the port it adds to a bare local_hostname.
@@ -169,6 +180,16 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
         #: each read; batch_replica_clear skips objects whose lease is running
         self._leases: dict = {}
         self._lease_s = float(os.environ.get("MC_STORE_KV_LEASE_TTL", "5000")) / 1000
+        #: the session calls' state (batch_put_session_start / batch_get_session_start):
+        #: key -> _PutSession, key -> _GetSession
+        self._put_sessions: dict = {}
+        self._get_sessions: dict = {}
+        self._sessions_lock = threading.Lock()
+        #: reads that went to this store's SSD offload tier (get_offload_rpc_read_count)
+        self._offload_reads = 0
+        #: task id -> QueryTaskResponse of the copy/move tasks this store ran
+        self._tasks: dict = {}
+        self._client_id = tuple(int.from_bytes(os.urandom(8), "little") for _ in range(2))
 
     # --- set-up --------------------------------------------------------------------------
     def setup(self, local_hostname, metadata_server: str = "", global_segment_size=16 * _MIB,
@@ -375,6 +396,12 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
             return {"found": self._remove_objects(list(head["keys"]), forward=False)}, b""
         if op == "leases":
             return {"active": self._active_leases(list(head["keys"]))}, b""
+        if op == "has":
+            cache = self._c()
+            return {"found": [cache.size_of(_key(k)) is not None for k in head["keys"]]}, b""
+        if op == "drop":
+            self._drop_here(list(head["keys"]))
+            return {"ok": 1}, b""
         if op == "remove_all":
             return {"n": self._remove_all_here()}, b""
         if op == "remove_regex":
@@ -713,6 +740,8 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
         got = cache.get(pool_keys, remote=self._remote, copy=copy, where=where)
         fetched = [k for k, w in zip(pool_keys, where) if w is not None and w != "dram"
                    and w != "ssd"]
+        if "ssd" in where:
+            self._offload_reads += 1
         if fetched:
             cache.remove(fetched, index=False)
         return got
@@ -1128,14 +1157,15 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
         return self._guard(go, [None] * len(keys))
 
     def health_check(self) -> int:
-        """0 when the store is set up and every other store in the directory answers;
-        -1 when not set up, the number of stores that did not answer otherwise (as a
-        negative code, -800)."""
+        """Mooncake's codes: 0 healthy (set up, and every other store in the directory
+        answers), 1 not set up or closed, 2 when a store of the directory does not
+        answer (Mooncake: the master is unreachable; the stores are what this store
+        coordinates with instead)."""
         if self._cache is None:
-            return INTERNAL_ERROR
+            return HC_NOT_INITIALIZED
         peers = self._peers()
         answered = self._call_peers({"op": "ping"}, targets=peers)
-        return OK if len(answered) == len(peers) else TRANSFER_FAIL
+        return HC_HEALTHY if len(answered) == len(peers) else HC_MASTER_UNREACHABLE
 
     def remove_by_regex(self, pattern: str, force: bool = False) -> int:
         """Remove every object, in every store of the tenant, whose key matches the
@@ -1240,6 +1270,456 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
 
     def get_replica_desc(self, key: str) -> list:
         return self.batch_get_replica_desc([key]).get(key, [])
+
+    # --- put_from_with_metadata, the session calls, counters ----------------------------
+    def put_from_with_metadata(self, key: str, buffer_ptr: int, metadata_buffer_ptr: int,
+                               size: int, metadata_size: int,
+                               config: ReplicateConfig | None = None) -> int:
+        """Store ``metadata_size`` bytes at ``metadata_buffer_ptr`` followed by ``size``
+        bytes at ``buffer_ptr`` as one object (Mooncake's ``put_from_with_metadata``:
+        the metadata first). Both ranges must lie in registered buffers (-600
+        otherwise); ``size == 0`` stores nothing and returns 0, as Mooncake does."""
+        try:
+            if int(size) == 0:
+                log.warning("put_from_with_metadata %r: size is 0; nothing stored (as in "
+                            "Mooncake)", key)
+                return OK
+            ptrs, lens = [buffer_ptr], [size]
+            if int(metadata_size) != 0:
+                ptrs, lens = [metadata_buffer_ptr, buffer_ptr], [metadata_size, size]
+        except (TypeError, ValueError) as e:
+            log.error("put_from_with_metadata %r: %s", key, e)
+            return INVALID_PARAMS
+        return self.batch_put_from_multi_buffers([key], [ptrs], [lens], config)[0]
+
+    def batch_put_session_start(self, keys, sizes,
+                                config: ReplicateConfig | None = None) -> list:
+        """Reserve objects of ``sizes[i]`` bytes under ``keys[i]``, to be written by
+        :meth:`batch_put_from_multi_buffer_ranges` and made readable by
+        :meth:`batch_put_session_end` (or dropped by :meth:`batch_put_session_revoke`).
+
+        A code per key: 0; -600 for unequal lists, a size below 1, a key with a session
+        already, or ``config.group_ids`` not one per key; -705 for a key that exists;
+        -200 for a size the segment cannot hold beside the sessions open. The reserved
+        bytes are staged in this process (zero-filled) until the session ends: nobody
+        reads the object before."""
+        def go():
+            cache = self._c()
+            if len(keys) != len(sizes):
+                log.error("batch_put_session_start: %d keys but %d sizes", len(keys),
+                          len(sizes))
+                return [INVALID_PARAMS] * len(keys)
+            groups = getattr(config, "group_ids", None) if config is not None else None
+            if groups is not None and len(groups) != len(keys):
+                log.error("batch_put_session_start: %d group_ids for %d keys; give one "
+                          "per key", len(groups), len(keys))
+                return [INVALID_PARAMS] * len(keys)
+            out = [INVALID_PARAMS] * len(keys)
+            exists = self.batch_is_exist(list(keys))
+            limit = cache.dram_slots * cache.block_bytes - _OBJ.size
+            with self._sessions_lock:
+                for i, (k, n) in enumerate(zip(keys, sizes)):
+                    n = _size(n, "size", minimum=0)
+                    if not isinstance(k, str) or not k or k in self._put_sessions:
+                        log.error("batch_put_session_start %r: %s", k,
+                                  "a put session for it is open" if k in self._put_sessions
+                                  else "a key is a non-empty str")
+                    elif n < 1:
+                        log.error("batch_put_session_start %r: an object has at least "
+                                  "1 byte", k)
+                    elif exists[i] == 1:
+                        log.error("batch_put_session_start %r: the object exists; "
+                                  "remove it first (or upsert it)", k)
+                        out[i] = OBJECT_ALREADY_EXISTS
+                    elif not self._segmentless and n > limit - sum(
+                            p.data.nbytes for p in self._put_sessions.values()):
+                        log.error("batch_put_session_start %r: %d bytes do not fit this "
+                                  "segment (at most %d, less the put sessions open); end "
+                                  "or revoke open sessions, or give a larger "
+                                  "global_segment_size", k, n, limit)
+                        out[i] = NO_AVAILABLE_HANDLE
+                    else:
+                        self._put_sessions[k] = _PutSession(np.zeros(n, np.uint8), config)
+                        out[i] = OK
+            return out
+        return self._session_guard(go, "batch_put_session_start", keys)
+
+    def batch_put_from_multi_buffer_ranges(self, keys, all_buffer_ptrs, all_sizes,
+                                           all_dst_offsets) -> list:
+        """Write ranges of objects reserved by :meth:`batch_put_session_start`: for key
+        ``i``, ``all_sizes[i][j]`` bytes at ``all_buffer_ptrs[i][j]`` go to offset
+        ``all_dst_offsets[i][j]`` of the object. The bytes written per key, or -600
+        (unequal lists, no open session, a range past the object's size, a pointer not
+        in a registered buffer); a key with a bad range gets nothing written."""
+        def go():
+            self._c()
+            out = [INVALID_PARAMS] * len(keys)
+            if not (len(keys) == len(all_buffer_ptrs) == len(all_sizes)
+                    == len(all_dst_offsets)):
+                log.error("batch_put_from_multi_buffer_ranges: %d keys, %d/%d/%d buffer, "
+                          "size and offset lists; give one of each per key", len(keys),
+                          len(all_buffer_ptrs), len(all_sizes), len(all_dst_offsets))
+                return out
+            with self._sessions_lock:
+                for i, k in enumerate(keys):
+                    sess = self._put_sessions.get(k)
+                    if sess is None or not sess.writable:
+                        log.error("batch_put_from_multi_buffer_ranges %r: no open put "
+                                  "session (batch_put_session_start first)", k)
+                        continue
+                    ranges = self._ranges(k, all_buffer_ptrs[i], all_sizes[i],
+                                          all_dst_offsets[i], sess.data.nbytes)
+                    if ranges is None:
+                        continue
+                    base = sess.data.ctypes.data
+                    for p, n, off in ranges:
+                        ctypes.memmove(base + off, p, n)
+                    out[i] = sum(n for _, n, _ in ranges)
+            return out
+        return self._session_guard(go, "batch_put_from_multi_buffer_ranges", keys)
+
+    def batch_put_session_end(self, keys) -> list:
+        """Store each session's object (the ranges written, zeros elsewhere) and close
+        the session. A code per key: 0, -600 with no session, or the put's code (the
+        session then stays, for another end or a revoke, as in Mooncake)."""
+        def go():
+            self._c()
+            out = [INVALID_PARAMS] * len(keys)
+            todo: dict = {}
+            with self._sessions_lock:
+                for i, k in enumerate(keys):
+                    sess = self._put_sessions.get(k)
+                    if sess is None:
+                        log.error("batch_put_session_end %r: no put session", k)
+                        continue
+                    sess.writable = False
+                    todo.setdefault(id(sess.config), []).append(i)
+            for idx in todo.values():
+                sessions = [self._put_sessions[keys[i]] for i in idx]
+                codes = self._put_many([keys[i] for i in idx], [s.data for s in sessions],
+                                       sessions[0].config)
+                with self._sessions_lock:
+                    for i, code in zip(idx, codes):
+                        out[i] = code
+                        if code == OK:
+                            self._put_sessions.pop(keys[i], None)
+            return out
+        return self._session_guard(go, "batch_put_session_end", keys)
+
+    def batch_put_session_revoke(self, keys) -> list:
+        """Drop put sessions without storing anything: 0 per key, -600 with none."""
+        def go():
+            self._c()
+            with self._sessions_lock:
+                gone = [self._put_sessions.pop(k, None) for k in keys]
+            for k, g in zip(keys, gone):
+                if g is None:
+                    log.error("batch_put_session_revoke %r: no put session", k)
+            return [INVALID_PARAMS if g is None else OK for g in gone]
+        return self._session_guard(go, "batch_put_session_revoke", keys)
+
+    def batch_get_session_start(self, keys) -> list:
+        """Look each object up once (its first chunk: size and layout) and keep that
+        for :meth:`batch_get_into_multi_buffer_ranges`, under a lease of
+        ``MC_STORE_KV_LEASE_TTL`` ms (Mooncake's master lease). A code per key: 0, or
+        -704 when the object does not exist."""
+        def go():
+            self._c()
+            if not keys:
+                return []
+            heads = self._heads_of(list(keys))
+            until = time.monotonic() + self._lease_s
+            out = []
+            with self._sessions_lock:
+                for k, h in zip(keys, heads):
+                    self._get_sessions.pop(k, None)
+                    if h is None:
+                        out.append(OBJECT_NOT_FOUND)
+                        continue
+                    self._get_sessions[k] = _GetSession(h[0], h[1], h[2], h[3], until)
+                    self._grant(k)
+                    out.append(OK)
+            return out
+        return self._session_guard(go, "batch_get_session_start", keys)
+
+    def batch_get_into_multi_buffer_ranges(self, keys, all_buffer_ptrs, all_sizes,
+                                           all_src_offsets) -> list:
+        """Read ranges of objects looked up by :meth:`batch_get_session_start`: for
+        key ``i``, ``all_sizes[i][j]`` bytes from offset ``all_src_offsets[i][j]`` of
+        the object into ``all_buffer_ptrs[i][j]``. Only the chunks the ranges touch are
+        read. The bytes read per key, or -600 (unequal lists, no session, a range past
+        the object, a pointer not in a registered buffer), -707 when the session's
+        lease ended (the session is dropped), -704 when the object has gone since."""
+        def go():
+            self._c()
+            out = [INVALID_PARAMS] * len(keys)
+            if not (len(keys) == len(all_buffer_ptrs) == len(all_sizes)
+                    == len(all_src_offsets)):
+                log.error("batch_get_into_multi_buffer_ranges: %d keys, %d/%d/%d buffer, "
+                          "size and offset lists; give one of each per key", len(keys),
+                          len(all_buffer_ptrs), len(all_sizes), len(all_src_offsets))
+                return out
+            now = time.monotonic()
+            plans = []                  # (i, session, ranges)
+            with self._sessions_lock:
+                for i, k in enumerate(keys):
+                    sess = self._get_sessions.get(k)
+                    if sess is None:
+                        log.error("batch_get_into_multi_buffer_ranges %r: no get session "
+                                  "(batch_get_session_start first)", k)
+                        continue
+                    if now >= sess.until:
+                        self._get_sessions.pop(k, None)
+                        log.error("batch_get_into_multi_buffer_ranges %r: the session's "
+                                  "lease ended; start a new session", k)
+                        out[i] = LEASE_EXPIRED
+                        continue
+                    ranges = self._ranges(k, all_buffer_ptrs[i], all_sizes[i],
+                                          all_src_offsets[i], sess.total)
+                    if ranges is not None:
+                        plans.append((i, sess, ranges))
+            cks = [_chunk_keys(keys[i], sess.nonce, n_chunks(sess.total, sess.chunk))
+                   for i, sess, _ in plans]
+            need: dict = {}             # chunk key -> its bytes (None: gone)
+            for (i, sess, ranges), ck in zip(plans, cks):
+                first = sess.chunk - _OBJ.size
+                for _, n, off in ranges:
+                    if n and off + n > first:
+                        lo = max(off, first)
+                        for j in range((lo - first) // sess.chunk + 1,
+                                       (off + n - 1 - first) // sess.chunk + 2):
+                            need[ck[j - 1]] = None
+            if need:
+                need = dict(zip(need, self._fetch(list(need))))
+            for (i, sess, ranges), ck in zip(plans, cks):
+                first = sess.chunk - _OBJ.size
+                # every chunk a range touches is there, whole (its length is the
+                # layout's), before a byte is copied
+                if any(c in need and (need[c] is None or memoryview(need[c]).nbytes !=
+                                      min(sess.chunk, sess.total - first - j * sess.chunk))
+                       for j, c in enumerate(ck)):
+                    log.warning("batch_get_into_multi_buffer_ranges %r: the object is "
+                                "gone (evicted or replaced) since the session started",
+                                keys[i])
+                    out[i] = OBJECT_NOT_FOUND
+                    continue
+                for p, n, off in ranges:
+                    done = 0
+                    while done < n:
+                        pos = off + done
+                        if pos < first:
+                            src = np.asarray(sess.first, np.uint8)[_OBJ.size + pos:
+                                                                   _OBJ.size + first]
+                        else:
+                            j = (pos - first) // sess.chunk + 1
+                            lo = first + (j - 1) * sess.chunk
+                            src = np.asarray(need[ck[j - 1]], np.uint8)[pos - lo:]
+                        k = min(n - done, src.nbytes)
+                        ctypes.memmove(p + done, src.ctypes.data, k)
+                        done += k
+                out[i] = sum(n for _, n, _ in ranges)
+            return out
+        return self._session_guard(go, "batch_get_into_multi_buffer_ranges", keys)
+
+    def batch_get_session_end(self, keys) -> int:
+        """Drop the get sessions of ``keys``; 0 (-1 when the store is not set up)."""
+        if self._cache is None:
+            log.error("batch_get_session_end: the store is not set up")
+            return INTERNAL_ERROR
+        with self._sessions_lock:
+            for k in keys:
+                self._get_sessions.pop(k, None)
+        return OK
+
+    def _ranges(self, key, ptrs, lens, offsets, limit: int) -> "list | None":
+        """``[(address, size, object offset), ...]`` of one key's ranges, each checked
+        (as :meth:`_pieces`, and ``offset + size <= limit``); None, logged, if one is
+        not."""
+        try:
+            if not len(ptrs) == len(lens) == len(offsets):
+                raise E.InvalidArgumentError(f"{len(ptrs)} buffers, {len(lens)} sizes and "
+                                             f"{len(offsets)} offsets must be as many")
+            offs = [_size(o, "offset", minimum=0) for o in offsets]
+        except (E.MooncakeError, TypeError, ValueError, OverflowError) as e:
+            log.error("ranges of %r: %s", key, e)
+            return None
+        pieces = self._pieces(key, ptrs, lens, "ranges of")
+        if pieces is None:
+            return None
+        for (p, n), off in zip(pieces, offs):
+            if n > limit or off > limit - n:
+                log.error("ranges of %r: [%d, +%d) runs past the object's %d bytes", key,
+                          off, n, limit)
+                return None
+        return [(p, n, off) for (p, n), off in zip(pieces, offs)]
+
+    def _session_guard(self, fn, what: str, keys):
+        """Mooncake's session calls answer an empty list when the client is not set
+        up; otherwise, as :meth:`_guard`, -600 for every key on a bad argument."""
+        if self._cache is None:
+            log.error("%s: the store is not set up (setup first)", what)
+            return []
+        return self._guard(fn, [INVALID_PARAMS] * len(keys))
+
+    def get_offload_rpc_read_count(self) -> int:
+        """How many reads went to this store's SSD offload tier (each read call that
+        found a chunk there counts once). Mooncake counts its reads of offloaded
+        objects, which it fetches by RPC from the client holding them; ours are read
+        from this process's own SSD tier (module docstring)."""
+        return self._offload_reads
+
+    def alloc_from_mem_pool(self, size) -> int:
+        """0, as Mooncake's real client answers: the shared memory pool is a dummy
+        client's (after ``setup_dummy``); a real client registers its own buffers."""
+        log.error("alloc_from_mem_pool: only a dummy client (setup_dummy) allocates from "
+                  "the shared memory pool; register your own buffer with register_buffer")
+        return 0
+
+    def init_all(self, protocol: str, device_name: str,
+                 mount_segment_size: int = 16 * _MIB) -> int:
+        """Mooncake's shorthand for ``setup("localhost:12345", "127.0.0.1:2379",
+        mount_segment_size, 1 GiB, protocol, device_name)`` (etcd at 127.0.0.1:2379);
+        -600 when the store is set up already."""
+        if self._cache is not None:
+            log.error("init_all: the store is set up already")
+            return INVALID_PARAMS
+        return self.setup("localhost:12345", "127.0.0.1:2379", mount_segment_size,
+                          1 << 30, protocol, device_name)
+
+    # --- replica tasks: copy and move an object between stores ---------------------------
+    def create_copy_task(self, key: str, targets) -> tuple:
+        """Copy the object into each store named in ``targets`` (segment names: the
+        ``get_hostname()`` of stores of this tenant, this one included). The copy is
+        made before this returns (Mooncake's master hands it to a client and
+        :meth:`query_task` follows it). ``(task id, 0)``, the id a pair of ints for
+        :meth:`query_task`; or ``((0, 0), code)``: -600 for no targets or a name that is
+        no store of the tenant, -704 for a missing object."""
+        return self._guard(lambda: self._task(TaskType.REPLICA_COPY, key, None,
+                                              list(targets)), ((0, 0), INVALID_PARAMS))
+
+    def create_move_task(self, key: str, source: str, target: str) -> tuple:
+        """Move the object's replica from store ``source`` to store ``target``: copied
+        into ``target``, then dropped from ``source`` (the index then names
+        ``target``), before this returns. ``(task id, 0)``, or ``((0, 0), code)``:
+        -600 when ``source == target``, either is no store of the tenant, or
+        ``source`` holds no replica; -704 for a missing object."""
+        return self._guard(lambda: self._task(TaskType.REPLICA_MOVE, key, str(source),
+                                              [str(target)]), ((0, 0), INVALID_PARAMS))
+
+    def query_task(self, task_id) -> tuple:
+        """``(QueryTaskResponse, 0)`` for a task this store created (``status``
+        SUCCESS, or FAILED with ``message`` saying which store did not take the copy),
+        ``(None, -1400)`` (``TASK_NOT_FOUND``) for another id."""
+        try:
+            tid = tuple(int(x) for x in task_id)
+        except (TypeError, ValueError):
+            tid = ()
+        resp = self._tasks.get(tid)
+        if resp is None:
+            log.error("query_task: no task %r was created by this store", task_id)
+            return None, TASK_NOT_FOUND
+        return resp, OK
+
+    def _task(self, kind, key: str, source, targets: list) -> tuple:
+        self._c()
+        none = (0, 0)
+        me = self._eng.name if self._eng is not None and not self._segmentless else None
+        peers = self._peers()
+        known = set(peers) | ({me} if me else set())
+        bad = [t for t in targets + ([source] if source is not None else [])
+               if t not in known]
+        if not targets or bad or source in targets:
+            log.error("%s %r: %s", kind.name.lower(), key,
+                      f"{bad} are not the segment names of stores of this tenant "
+                      f"(their get_hostname()); running: {sorted(known)}" if bad else
+                      "source and target are the same store" if targets else
+                      "no target segments given")
+            return none, INVALID_PARAMS
+        obj = self._get_many([key])[0]
+        if isinstance(obj, int):
+            log.error("%s %r: the object does not exist", kind.name.lower(), key)
+            return none, obj
+        if source is not None and not self._holds(source, key, peers, me):
+            log.error("move %r: store %s holds no replica of it", key, source)
+            return none, INVALID_PARAMS
+        failed = []
+        for t in targets:
+            if t == me:
+                code = self._put_many([key], [obj], replace=source is not None,
+                                      forward=False)[0]
+            else:
+                code = self._send_objects({t: peers[t]}, [key], [obj],
+                                          source is not None).get(t, [TRANSFER_FAIL])[0]
+            if code != OK:
+                failed.append(f"{t}: {code}")
+        if source is not None and not failed:
+            if source == me:
+                self._drop_here([key])
+            else:
+                self._call_peers({"op": "drop", "keys": [key]}, b"",
+                                 {source: peers[source]})
+        now = int(time.time() * 1000)
+        resp = QueryTaskResponse()
+        resp.id = tuple(int.from_bytes(os.urandom(8), "little") for _ in range(2))
+        resp.type, resp.created_at_ms_epoch, resp.last_updated_at_ms_epoch = kind, now, now
+        resp.status = TaskStatus.FAILED if failed else TaskStatus.SUCCESS
+        resp.message = "; ".join(failed)
+        resp.assigned_client = self._client_id
+        self._tasks[resp.id] = resp
+        return resp.id, OK
+
+    def _holds(self, segment: str, key, peers: dict, me) -> bool:
+        """Whether the store ``segment`` holds a copy of the object in its own pool."""
+        if segment == me:
+            return self._c().size_of(_key(key)) is not None
+        got = self._call_peers({"op": "has", "keys": [str(key)]}, b"",
+                               {segment: peers[segment]})
+        return bool(got and got[0][1].get("found", [False])[0])
+
+    def _drop_here(self, keys) -> None:
+        """Drop this store's copies of the objects, keeping the index record of their
+        first chunk (another store's copy, which the record names now, serves them)."""
+        cache = self._c()
+        heads = self._heads_of(list(keys), peek=True)
+        for k, h in zip(keys, heads):
+            if cache.size_of(_key(k)) is None:
+                continue
+            self._heads.pop(_key(k), None)
+            cache.remove([_key(k)], index=False)
+            if h is not None:
+                cache.remove(_chunk_keys(k, h[1], n_chunks(h[0], h[3])))
+        cache.flush_index()
+
+    # --- refused: calls on Mooncake's master or its C++ objects ---------------------------
+    def mount_segment(self, path: str, size: int, offset: int = 0, protocol: str = "tcp",
+                      location: str = "") -> dict:
+        """Refused (``{"ret": -1012, "segment_ids": []}``): see :func:`_refuse`."""
+        _refuse("mount_segment", _NO_MOUNT)
+        return {"ret": NOT_SUPPORTED, "segment_ids": []}
+
+    def allocate_and_mount_segment(self, size: int, protocol: str = "tcp",
+                                   location: str = "") -> dict:
+        """Refused (``ret`` -1012, no segment ids, ``allocated_size`` 0)."""
+        _refuse("allocate_and_mount_segment", _NO_MOUNT)
+        return {"ret": NOT_SUPPORTED, "segment_ids": [], "allocated_size": 0}
+
+    def unmount_segment(self, segment_ids, grace_period_seconds: int = 0) -> int:
+        """Refused: -1012."""
+        return _refuse("unmount_segment", _NO_MOUNT)
+
+    def unmount_and_free_segment(self, segment_ids, grace_period_seconds: int = 0) -> int:
+        """Refused: -1012."""
+        return _refuse("unmount_and_free_segment", _NO_MOUNT)
+
+    def unmount_local_disk_segment(self, grace_period_seconds: int = 0) -> int:
+        """Refused: -1012."""
+        return _refuse("unmount_local_disk_segment", _NO_MOUNT)
+
+    def _get_pyclient_capsule(self):
+        """Refused: None (Mooncake's capsule holds its C++ ``PyClient`` for its
+        EngramStore; there is no such object here)."""
+        _refuse("_get_pyclient_capsule", _NO_CPP)
+        return None
 
     def _guard(self, fn, failure):
         try:
@@ -1379,6 +1859,121 @@ def _parse_obj(first) -> "tuple[int, int, int] | None":
         return None
     magic, chunk, total, nonce = _OBJ.unpack_from(bytes(first[:_OBJ.size]))
     return (total, nonce, chunk) if magic == _OBJ_MAGIC and chunk > _OBJ.size else None
+
+
+class _PutSession:
+    """An object reserved by ``batch_put_session_start``: its bytes, staged here until
+    ``batch_put_session_end`` stores them, and the put's config."""
+
+    def __init__(self, data, config):
+        self.data = data
+        self.config = config
+        self.writable = True
+
+
+class _GetSession:
+    """An object looked up by ``batch_get_session_start``: its size, version nonce,
+    first chunk and chunk size, and when the session's lease ends."""
+
+    def __init__(self, total: int, nonce: int, first, chunk: int, until: float):
+        self.total, self.nonce, self.first, self.chunk, self.until = (total, nonce, first,
+                                                                     chunk, until)
+
+
+_NO_MOUNT = ("segments are mounted with Mooncake's master, which keeps the cluster's "
+             "segment table; here each store's segment is its KV pool, sized by setup's "
+             "global_segment_size (give a larger one, or run another store)")
+_NO_CPP = ("it hands out a pointer to Mooncake's C++ client objects, which do not exist "
+           "here; use the MooncakeDistributedStore methods")
+
+
+def _refuse(name: str, why: str) -> int:
+    """Log why ``name`` is refused and what to do instead; Mooncake's NOT_SUPPORTED."""
+    log.error("%s is not supported by mooncake_te's store: %s", name, why)
+    return NOT_SUPPORTED
+
+
+def bind_to_numa_node(node: int) -> None:
+    """Run the calling thread on NUMA node ``node``'s CPUs and prefer that node's memory
+    for its allocations (Mooncake's module-level ``bind_to_numa_node``, which uses
+    libnuma's ``numa_run_on_node`` and ``numa_set_preferred``). Here: the CPUs from
+    ``/sys/devices/system/node/node<N>/cpulist`` through ``os.sched_setaffinity``, and
+    ``set_mempolicy(MPOL_PREFERRED)`` for the node. As Mooncake's, it returns None and
+    only logs a warning when NUMA is not available, the node does not exist, or a step
+    fails."""
+    root = "/sys/devices/system/node"
+    try:
+        nodes = sorted(int(d[4:]) for d in os.listdir(root)
+                       if d.startswith("node") and d[4:].isdigit())
+    except OSError:
+        nodes = []
+    if not nodes:
+        log.warning("NUMA is not available on this system (no %s); binding skipped", root)
+        return
+    try:
+        node = int(node)
+    except (TypeError, ValueError):
+        log.warning("Invalid NUMA node: %r", node)
+        return
+    if node not in nodes:
+        log.warning("Invalid NUMA node: %d. Valid nodes: %s", node, nodes)
+        return
+    try:
+        with open(f"{root}/node{node}/cpulist") as f:
+            cpus = _cpulist(f.read())
+        if not cpus:
+            raise OSError(f"node {node} has no CPUs")
+        os.sched_setaffinity(0, cpus)
+    except OSError as e:
+        log.warning("binding to the CPUs of NUMA node %d failed: %s", node, e)
+    nr = _SET_MEMPOLICY.get(os.uname().machine)
+    if nr is None:
+        log.warning("the memory preference for NUMA node %d is not set: no set_mempolicy "
+                    "system call number known for %s", node, os.uname().machine)
+        return
+    mask = (ctypes.c_ulong * (node // 64 + 1))()
+    mask[node // 64] = 1 << (node % 64)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(ctypes.c_long(nr), ctypes.c_int(_MPOL_PREFERRED), mask,
+                    ctypes.c_ulong(64 * len(mask) + 1)) != 0:
+        log.warning("set_mempolicy(MPOL_PREFERRED, node %d) failed: %s", node,
+                    os.strerror(ctypes.get_errno()))
+
+
+_MPOL_PREFERRED = 1
+#: set_mempolicy's system call number per machine (Linux)
+_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 236, "ppc64le": 261, "s390x": 270}
+
+
+def _cpulist(text: str) -> set:
+    """CPUs of a sysfs cpulist (``0-3,8,10-11``)."""
+    cpus: set = set()
+    for part in text.strip().split(","):
+        if "-" in part:
+            lo, hi = part.split("-")
+            cpus.update(range(int(lo), int(hi) + 1))
+        elif part:
+            cpus.add(int(part))
+    return cpus
+
+
+def _get_pyclient_from_wrapper(wrapper):
+    """Refused: None (Mooncake's capsule of its C++ ``PyClient``, for EngramStore)."""
+    _refuse("_get_pyclient_from_wrapper", _NO_CPP)
+    return None
+
+
+def get_alloc_func_addr() -> int:
+    """Refused: 0 (Mooncake's address of its C hugepage allocator, for a pluggable
+    allocator; there is no such C function here)."""
+    _refuse("get_alloc_func_addr", _NO_CPP)
+    return 0
+
+
+def get_free_func_addr() -> int:
+    """Refused: 0 (see :func:`get_alloc_func_addr`)."""
+    _refuse("get_free_func_addr", _NO_CPP)
+    return 0
 
 
 def _same_len(keys, ptrs, sizes) -> None:

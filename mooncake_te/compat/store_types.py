@@ -22,8 +22,12 @@ BUFFER_OVERFLOW = -10
 NO_AVAILABLE_HANDLE = -200
 INVALID_PARAMS = -600
 OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+LEASE_EXPIRED = -707
 TRANSFER_FAIL = -800
+NOT_SUPPORTED = -1012
 FILE_NOT_FOUND = -1100
+TASK_NOT_FOUND = -1400
 
 
 def _parse_size(value) -> int:
@@ -47,6 +51,34 @@ class ReplicaStatus(enum.IntEnum):
     COMPLETE = 3
     REMOVED = 4
     FAILED = 5
+
+
+class TaskType(enum.IntEnum):
+    """Mooncake's ``TaskType``: what ``create_copy_task`` / ``create_move_task`` made."""
+    REPLICA_COPY = 0
+    REPLICA_MOVE = 1
+
+
+class TaskStatus(enum.IntEnum):
+    """Mooncake's ``TaskStatus``, with its names and values (see :class:`TaskType`)."""
+    PENDING = 0
+    PROCESSING = 1
+    FAILED = 2
+    SUCCESS = 3
+
+
+class QueryTaskResponse:
+    """Mooncake's answer to ``query_task``: the task's id, type, status, times (ms since
+    the epoch), the client that ran it and a message."""
+
+    def __init__(self):
+        self.id = (0, 0)
+        self.type = TaskType.REPLICA_COPY
+        self.status = TaskStatus.PENDING
+        self.created_at_ms_epoch = 0
+        self.last_updated_at_ms_epoch = 0
+        self.assigned_client = (0, 0)
+        self.message = ""
 
 
 class SoftPinAction(enum.IntEnum):
@@ -143,11 +175,23 @@ class MemoryDescriptor:
 
 
 class BufferDescriptor:
-    def __init__(self, segment: str, address: int, size: int):
+    """Mooncake's ``Descriptor`` (``AllocatedBuffer::Descriptor``): a replica's buffer,
+    read as ``size``, ``buffer_address``, ``transport_endpoint`` (Mooncake's Python
+    names; the C++ member names with a trailing ``_`` are kept too)."""
+
+    def __init__(self, segment: str = "", address: int = 0, size: int = 0):
         self.transport_endpoint_ = segment
         self.segment_name = segment
         self.buffer_address_ = address
         self.size_ = size
+
+    size = property(lambda self: self.size_,
+                    lambda self, v: setattr(self, "size_", int(v)))
+    buffer_address = property(lambda self: self.buffer_address_,
+                              lambda self, v: setattr(self, "buffer_address_", int(v)))
+    transport_endpoint = property(lambda self: self.transport_endpoint_,
+                                  lambda self, v: setattr(self, "transport_endpoint_",
+                                                          str(v)))
 
     def __repr__(self) -> str:
         return f"BufferDescriptor({self.segment_name!r}, {self.buffer_address_:#x}, {self.size_})"

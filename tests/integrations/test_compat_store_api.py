@@ -63,6 +63,14 @@ def test_types_and_config_fields():
     assert cfg.data_type == ObjectDataType.UNKNOWN
     cfg.group_ids = None
     assert "group_ids=0" in repr(cfg)
+    from mooncake_te.compat.store import Descriptor, QueryTaskResponse, TaskStatus, TaskType
+    d = Descriptor()                                   # Mooncake's field names
+    d.size, d.buffer_address, d.transport_endpoint = 8, 4096, "h:1"
+    assert (d.size, d.buffer_address, d.transport_endpoint) == (8, 4096, "h:1")
+    assert [(m.name, int(m)) for m in TaskStatus] == [("PENDING", 0), ("PROCESSING", 1),
+                                                      ("FAILED", 2), ("SUCCESS", 3)]
+    assert store_mod.REPLICA_MOVE is TaskType.REPLICA_MOVE == 1
+    assert QueryTaskResponse().status is TaskStatus.PENDING
 
 
 def test_unclosed_store_does_not_keep_the_process_alive(index_url):
@@ -380,3 +388,380 @@ def test_soft_pin_ttl_goes_only_with_enable(index_url):
         assert s.upsert("p", b"z", off) == 0 and s.get("p") == b"z"
     finally:
         s.close()
+
+
+# Mooncake Store's Python names at Mooncake commit 3b5a594
+# (mooncake-integration/store/store_py.cpp): every ``.def("name", ...)`` on the
+# MooncakeDistributedStore class, and the module-level functions and classes (besides
+# MooncakeDistributedStore itself) of ``mooncake.store``. Facts about Mooncake, held as data so this runs without a checkout.
+MOONCAKE_COMMIT = "3b5a594"
+MOONCAKE_STORE_METHODS = """
+_get_pyclient_capsule alloc_from_mem_pool allocate_and_mount_segment batch_get_buffer
+batch_get_into batch_get_into_multi_buffer_ranges batch_get_into_multi_buffers
+batch_get_replica_desc batch_get_session_end batch_get_session_start batch_get_tensor
+batch_get_tensor_into batch_get_tensor_into_cuda batch_get_tensor_with_parallelism
+batch_get_tensor_with_parallelism_into batch_get_tensor_with_tp
+batch_get_tensor_with_tp_into batch_is_exist batch_pub_tensor batch_pub_tensor_with_tp
+batch_put_from batch_put_from_multi_buffer_ranges batch_put_from_multi_buffers
+batch_put_session_end batch_put_session_revoke batch_put_session_start batch_put_tensor
+batch_put_tensor_from batch_put_tensor_with_parallelism
+batch_put_tensor_with_parallelism_from batch_put_tensor_with_tp
+batch_put_tensor_with_tp_from batch_remove batch_replica_clear batch_upsert_from
+batch_upsert_pub_tensor batch_upsert_tensor batch_upsert_tensor_from
+batch_upsert_tensor_with_parallelism batch_upsert_tensor_with_parallelism_from close
+create_copy_task create_move_task get get_batch get_buffer get_hostname get_into
+get_into_ranges get_offload_rpc_read_count get_replica_desc get_size get_tensor
+get_tensor_into get_tensor_into_cuda get_tensor_with_parallelism
+get_tensor_with_parallelism_into get_tensor_with_tp get_tensor_with_tp_into
+health_check init_all is_exist load_tensor_from_safetensor mount_segment pub_tensor
+pub_tensor_with_tp put put_batch put_from put_from_with_metadata put_parts put_tensor
+put_tensor_from put_tensor_with_parallelism put_tensor_with_parallelism_from
+put_tensor_with_tp put_tensor_with_tp_from query_task register_buffer remove remove_all
+remove_by_regex save_tensor_to_safetensor setup setup_dummy unmount_and_free_segment
+unmount_local_disk_segment unmount_segment unregister_buffer upsert upsert_batch
+upsert_from upsert_parts upsert_pub_tensor upsert_tensor upsert_tensor_from
+upsert_tensor_with_parallelism upsert_tensor_with_parallelism_from
+""".split()
+MOONCAKE_STORE_FUNCTIONS = """
+_serialize_tensor _tensor_metadata_size _deserialize_tensor _get_pyclient_from_wrapper
+bind_to_numa_node get_alloc_func_addr get_free_func_addr
+""".split()
+MOONCAKE_STORE_CLASSES = """
+ObjectDataType SoftPinAction ReplicateConfig ReplicaStatus MemoryDescriptor
+DiskDescriptor ReplicaDescriptor Descriptor TaskType TaskStatus QueryTaskResponse
+BufferHandle MooncakeHostMemAllocator ParallelAxis TensorParallelism ReadTarget
+MooncakeDistributedNoFRegister
+""".split()
+
+
+def _store_table() -> list:
+    """docs/compat.md's store table: ``(names in the method column, status, follows)``
+    per row."""
+    import re
+    text = open(os.path.join(ROOT, "docs", "compat.md")).read()
+    start = text.index("Status of Mooncake Store's Python methods")
+    lines = text[start:].splitlines()
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("| method |"))
+    rows = []
+    for ln in lines[first + 2:]:
+        if not ln.startswith("|"):
+            break
+        cells = [c.strip() for c in ln.strip().strip("|").split(" | ")]
+        names = {w for span in re.findall(r"`([^`]*)`", cells[0])
+                 for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]*", span)}
+        rows.append((names, cells[1], cells[-1]))
+    return rows
+
+
+def test_every_mooncake_store_name_is_here_and_in_the_docs():
+    """Every method Mooncake binds on MooncakeDistributedStore is a method of ours
+    (implemented, or refusing with Mooncake's code and a log line), and every one, with
+    the module's functions, has a row in docs/compat.md's store table saying its status
+    and the Mooncake commit it follows."""
+    from mooncake_te.compat import store as store_mod
+    assert len(MOONCAKE_STORE_METHODS) == 98 == len(set(MOONCAKE_STORE_METHODS))
+    missing = [n for n in MOONCAKE_STORE_METHODS
+               if not callable(getattr(MooncakeDistributedStore, n, None))]
+    assert not missing, f"Mooncake methods missing on our store: {missing}"
+    missing = [n for n in MOONCAKE_STORE_FUNCTIONS if not callable(getattr(store_mod, n,
+                                                                           None))]
+    assert not missing, f"mooncake.store functions missing: {missing}"
+    rows = _store_table()
+    status_of = {n: st for names, st, _ in rows for n in names}
+    counts = {st: sum(status_of.get(n) == st for n in MOONCAKE_STORE_METHODS)
+              for st in ("done", "partly", "refused")}
+    doc = " ".join(open(os.path.join(ROOT, "docs", "compat.md")).read().split())
+    assert f"98 methods, {counts['done']} done, {counts['partly']} partly, " \
+        f"{counts['refused']} refused" in doc, counts
+    for names, status, follows in rows:
+        assert status in ("done", "partly", "refused"), (names, status)
+        assert MOONCAKE_COMMIT in follows, (names, follows)
+    listed = set().union(*(names for names, _, _ in rows))
+    unlisted = [n for n in MOONCAKE_STORE_METHODS + MOONCAKE_STORE_FUNCTIONS
+                + MOONCAKE_STORE_CLASSES if n not in listed]
+    assert not unlisted, f"not in docs/compat.md's store table: {unlisted}"
+    for name in MOONCAKE_STORE_CLASSES:
+        provided = hasattr(store_mod, name)
+        row = next(st for names, st, _ in rows if name in names)
+        assert provided or row == "refused", (name, row)
+
+
+def _buf(n):
+    b = (ctypes.c_ubyte * n)()
+    return b, ctypes.addressof(b)
+
+
+def test_put_and_get_sessions_across_clients(index_url):
+    """Mooncake's session calls (its ``TestPutGetSession`` scenario): objects reserved
+    with ``batch_put_session_start``, written layer by layer with
+    ``batch_put_from_multi_buffer_ranges``, made readable by ``batch_put_session_end``;
+    another client reads them back range by range in a get session. Objects span
+    several pool chunks, so ranges cross chunk boundaries."""
+    tenant = "sess-" + os.urandom(3).hex()
+    a, b = _store(index_url, tenant), _store(index_url, tenant)
+    try:
+        layers, page, nkeys = 4, 50_000, 3
+        size = layers * page
+        src_b, src = _buf(size * nkeys)
+        dst_b, dst = _buf(size * nkeys)
+        src_b[:] = np.random.default_rng(3).integers(0, 256, size * nkeys, np.uint8)
+        assert a.register_buffer(src, size * nkeys) == 0
+        assert b.register_buffer(dst, size * nkeys) == 0
+        keys = [f"session_{i}" for i in range(nkeys)]
+        assert a.batch_put_session_start(keys, [size] * nkeys) == [0] * nkeys
+        assert a.batch_is_exist(keys) == [0] * nkeys            # not readable yet
+        for layer in reversed(range(layers)):
+            rc = a.batch_put_from_multi_buffer_ranges(
+                keys, [[src + i * size + layer * page] for i in range(nkeys)],
+                [[page]] * nkeys, [[layer * page]] * nkeys)
+            assert rc == [page] * nkeys
+        assert a.batch_put_session_end(keys) == [0] * nkeys
+        assert b.batch_is_exist(keys) == [1] * nkeys
+        assert b.batch_get_session_start(keys) == [0] * nkeys
+        for layer in range(layers):
+            rc = b.batch_get_into_multi_buffer_ranges(
+                keys, [[dst + i * size + layer * page] for i in range(nkeys)],
+                [[page]] * nkeys, [[layer * page]] * nkeys)
+            assert rc == [page] * nkeys
+        assert b.batch_get_session_end(keys) == 0
+        assert bytes(dst_b) == bytes(src_b)
+        assert b.get("session_1") == bytes(src_b[size:2 * size])
+        # several ranges of one key in one call, and a range of 0 bytes
+        out_b, out = _buf(64)
+        assert b.register_buffer(out, 64) == 0
+        assert b.batch_get_session_start(["session_2"]) == [0]
+        assert b.batch_get_into_multi_buffer_ranges(
+            ["session_2"], [[out, out + 10, out + 20]], [[10, 0, 7]],
+            [[65_530, 0, size - 7]]) == [17]
+        assert bytes(out_b[:10]) == bytes(src_b[2 * size + 65_530:2 * size + 65_540])
+        assert bytes(out_b[20:27]) == bytes(src_b[3 * size - 7:3 * size])
+        # revoke: nothing stored, the key free again
+        assert a.batch_put_session_start(["revoked"], [100]) == [0]
+        assert a.batch_put_from_multi_buffer_ranges(["revoked"], [[src]], [[100]],
+                                                    [[0]]) == [100]
+        assert a.batch_put_session_revoke(["revoked"]) == [0]
+        assert b.batch_get_session_start(["revoked"]) == [-704]
+        assert a.is_exist("revoked") == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_session_calls_refuse_bad_input(index_url, monkeypatch):
+    """Mooncake's abnormal session cases, and bad pointers: -600 for ranges, ends and
+    revokes without a session, unequal lists, a second start, a range past the object
+    (nothing written), NULL or unregistered pointers and ranges running out of the
+    registered buffer (never a write out of bounds); -705 for a key that exists, -704
+    for a missing one, -707 once a get session's lease ended."""
+    monkeypatch.setenv("MC_STORE_KV_LEASE_TTL", "300")
+    s = _store(index_url, "sessbad-" + os.urandom(3).hex())
+    try:
+        n = 128
+        buf_b, buf = _buf(n)
+        assert s.register_buffer(buf, n) == 0
+        ctypes.memset(buf, 0x78, n)
+        k = ["no_session"]
+        assert s.batch_put_from_multi_buffer_ranges(k, [[buf]], [[64]], [[0]]) == [-600]
+        assert s.batch_put_session_end(k) == [-600]
+        assert s.batch_put_session_revoke(k) == [-600]
+        assert s.batch_get_into_multi_buffer_ranges(k, [[buf]], [[64]], [[0]]) == [-600]
+        assert s.batch_put_session_start(["a", "b"], [n]) == [-600, -600]
+        assert s.batch_put_session_start(["zero"], [0]) == [-600]
+        assert s.batch_put_session_start(["huge"], [1 << 40]) == [-200]
+        assert s.batch_put_session_start(["half1"], [20 * MIB]) == [0]
+        assert s.batch_put_session_start(["half2"], [20 * MIB]) == [-200]  # 32 MiB segment
+        assert s.batch_put_session_revoke(["half1", "half2"]) == [0, -600]
+        assert s.batch_put_session_start(["dup"], [n]) == [0]
+        assert s.batch_put_session_start(["dup"], [n]) == [-600]
+        assert s.batch_put_from_multi_buffer_ranges(["dup"], [[buf]], [[64]], [[n]]) == \
+            [-600]                                           # offset == size
+        assert s.batch_put_from_multi_buffer_ranges(["dup"], [[buf, buf + 64]], [[64]],
+                                                    [[0]]) == [-600]     # arity
+        assert s.batch_put_from_multi_buffer_ranges(["dup"], [[0]], [[64]], [[0]]) == \
+            [-600]                                           # NULL
+        other_b, other = _buf(64)
+        assert s.batch_put_from_multi_buffer_ranges(["dup"], [[other]], [[64]], [[0]]) \
+            == [-600]                                        # not registered
+        assert s.batch_put_from_multi_buffer_ranges(["dup"], [[buf + 100]], [[64]],
+                                                    [[0]]) == [-600]   # past the buffer
+        assert s.batch_put_from_multi_buffer_ranges(["dup"], [[buf]], [[-1]], [[0]]) == \
+            [-600]
+        assert s.batch_put_from_multi_buffer_ranges(["dup", "x"], [[buf]], [[64]],
+                                                    [[0]]) == [-600, -600]
+        assert s.batch_put_session_end(["dup"]) == [0]
+        assert s.get("dup") == bytes(n)                     # nothing was written
+        assert s.batch_put_session_end(["dup"]) == [-600]   # ended once
+        assert s.batch_put_from_multi_buffer_ranges(["dup"], [[buf]], [[64]], [[0]]) == \
+            [-600]
+        assert s.batch_put_session_start(["dup"], [n]) == [-705]     # exists now
+        assert s.put("obj", b"o" * n) == 0
+        assert s.batch_get_session_start(["missing_obj", "obj"]) == [-704, 0]
+        ctypes.memset(buf, 0, n)
+        assert s.batch_get_into_multi_buffer_ranges(["obj"], [[buf]], [[64, 64]],
+                                                    [[0]]) == [-600]     # arity
+        assert s.batch_get_into_multi_buffer_ranges(["obj"], [[buf]], [[64]],
+                                                    [[n - 63]]) == [-600]  # past object
+        assert s.batch_get_into_multi_buffer_ranges(["obj"], [[buf + 100]], [[64]],
+                                                    [[0]]) == [-600]     # past buffer
+        assert s.batch_get_into_multi_buffer_ranges(["obj"], [[other]], [[8]], [[0]]) \
+            == [-600]
+        assert s.batch_get_into_multi_buffer_ranges(["obj"], [[0]], [[8]], [[0]]) == \
+            [-600]
+        assert bytes(buf_b) == bytes(n) and bytes(other_b) == bytes(64)
+        assert s.batch_get_into_multi_buffer_ranges(["obj"], [[buf]], [[8]], [[0]]) == [8]
+        assert bytes(buf_b[:8]) == b"o" * 8
+        time.sleep(0.4)
+        assert s.batch_get_into_multi_buffer_ranges(["obj"], [[buf]], [[8]], [[0]]) == \
+            [-707]                                           # lease ended: dropped
+        assert s.batch_get_into_multi_buffer_ranges(["obj"], [[buf]], [[8]], [[0]]) == \
+            [-600]
+        assert s.batch_get_session_start(["obj"]) == [0]
+        assert s.batch_get_session_end(["obj"]) == 0
+        assert s.batch_get_into_multi_buffer_ranges(["obj"], [[buf]], [[8]], [[0]]) == \
+            [-600]
+    finally:
+        s.close()
+    assert s.health_check() == 1                            # closed (Mooncake's code)
+    fresh = MooncakeDistributedStore()                      # not set up: Mooncake's []
+    assert fresh.health_check() == 1
+    assert fresh.batch_put_session_start(["k"], [1]) == []
+    assert fresh.batch_get_session_start(["k"]) == []
+    assert fresh.batch_get_session_end(["k"]) == -1
+
+
+def test_put_from_with_metadata(index_url):
+    """``put_from_with_metadata``: the metadata bytes, then the data, as one object;
+    -600 for a NULL or unregistered pointer or a range out of the registered buffer;
+    size 0 stores nothing and answers 0 (as Mooncake)."""
+    tenant = "meta-" + os.urandom(3).hex()
+    a, b = _store(index_url, tenant), _store(index_url, tenant)
+    try:
+        data_b, data = _buf(100_000)
+        meta_b, meta = _buf(24)
+        data_b[:] = np.arange(100_000, dtype=np.uint8)
+        ctypes.memmove(meta, b"M" * 24, 24)
+        assert a.register_buffer(data, 100_000) == 0 and a.register_buffer(meta, 24) == 0
+        assert a.put_from_with_metadata("wm", data, meta, 100_000, 24) == 0
+        assert b.get("wm") == b"M" * 24 + bytes(data_b)
+        assert a.put_from_with_metadata("wm0", data, 0, 10, 0) == 0       # no metadata
+        assert b.get("wm0") == bytes(data_b[:10])
+        assert a.put_from_with_metadata("empty", data, meta, 0, 24) == 0
+        assert a.is_exist("empty") == 0
+        assert a.put_from_with_metadata("bad", data, 0, 10, 24) == -600   # NULL metadata
+        assert a.put_from_with_metadata("bad", 0, meta, 10, 24) == -600
+        loose_b, loose = _buf(16)
+        assert a.put_from_with_metadata("bad", data, loose, 10, 16) == -600
+        assert a.put_from_with_metadata("bad", data, meta, 10, 25) == -600  # past buffer
+        assert a.put_from_with_metadata("bad", data + 99_990, meta, 11, 24) == -600
+        assert a.is_exist("bad") == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_offload_read_count_init_all_and_refusals(index_url, tmp_path, caplog):
+    """``get_offload_rpc_read_count`` counts reads that went to the SSD offload tier;
+    ``init_all`` on a set-up store is -600; ``alloc_from_mem_pool`` is 0 on a real
+    client (as Mooncake's); the segment-mount calls and the C++ handles are refused
+    (-1012, None, 0) with a log line saying why and what to do instead."""
+    import logging
+    from mooncake_te.compat import store as store_mod
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", index_url, 1 * MIB, 4 * MIB, "tcp", "", "127.0.0.1:50051",
+                   enable_ssd_offload=True, ssd_offload_path=str(tmp_path),
+                   tenant_id="off-" + os.urandom(3).hex()) == 0
+    try:
+        assert s.get_offload_rpc_read_count() == 0
+        vals = {f"o{i}": bytes([i]) * 50_000 for i in range(40)}
+        for k, v in vals.items():
+            assert s.put(k, v) == 0
+        assert s.get("o39") == vals["o39"]                  # in DRAM
+        assert s.get_offload_rpc_read_count() == 0
+        assert s.get("o0") == vals["o0"]                    # evicted to the SSD tier
+        assert s.get_offload_rpc_read_count() == 1
+        assert s.init_all("tcp", "") == -600
+        assert s.alloc_from_mem_pool(4096) == 0
+        caplog.set_level(logging.ERROR, logger="mooncake_te.compat.store")
+        assert s.mount_segment("/dev/shm/x", 1 << 20) == {"ret": -1012, "segment_ids": []}
+        assert s.allocate_and_mount_segment(1 << 20)["ret"] == -1012
+        assert s.unmount_segment(["seg"]) == -1012
+        assert s.unmount_and_free_segment(["seg"], grace_period_seconds=1) == -1012
+        assert s.unmount_local_disk_segment() == -1012
+        assert s._get_pyclient_capsule() is None
+        assert store_mod._get_pyclient_from_wrapper(s) is None
+        assert store_mod.get_alloc_func_addr() == 0 == store_mod.get_free_func_addr()
+        assert "master" in caplog.text and "global_segment_size" in caplog.text
+        assert s.get("o1") == vals["o1"]                    # nothing was touched
+    finally:
+        s.close()
+
+
+def test_bind_to_numa_node(caplog):
+    """The calling thread runs on the node's CPUs (sysfs cpulist) afterwards; an
+    unknown node is a warning and changes nothing (as Mooncake's)."""
+    import logging
+    import threading
+    from mooncake_te.compat.store import _cpulist, bind_to_numa_node
+    assert _cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    root = "/sys/devices/system/node"
+    if not os.path.isdir(f"{root}/node0"):
+        pytest.skip("no NUMA nodes in sysfs")
+    want = _cpulist(open(f"{root}/node0/cpulist").read()) & os.sched_getaffinity(0)
+    got: dict = {}
+
+    def run():
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {min(before)})
+        bind_to_numa_node(0)
+        got["after"] = os.sched_getaffinity(0)
+        bind_to_numa_node(4096)
+        got["unknown"] = os.sched_getaffinity(0)
+    caplog.set_level(logging.WARNING, logger="mooncake_te.compat.store")
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(10)
+    assert got["after"] == want and got["unknown"] == want
+    assert "Invalid NUMA node: 4096" in caplog.text
+
+
+def test_copy_and_move_tasks(index_url):
+    """``create_copy_task`` copies an object into other stores, ``create_move_task``
+    moves a replica (the source no longer holds it, the target serves it);
+    ``query_task`` reports them; bad requests get Mooncake's codes."""
+    from mooncake_te.compat.store import QueryTaskResponse, TaskStatus, TaskType
+    tenant = "task-" + os.urandom(3).hex()
+    a, b, c = _store(index_url, tenant), _store(index_url, tenant), _store(index_url, tenant)
+    try:
+        big = os.urandom(300_000)
+        assert a.put("t1", big) == 0 and a.put("t2", b"two" * 1000) == 0
+        assert a.put("t3", b"three") == 0
+        tid, rc = a.create_copy_task("t1", [b.get_hostname(), c.get_hostname()])
+        assert rc == 0 and tid != (0, 0)
+        resp, rc = a.query_task(tid)
+        assert rc == 0 and isinstance(resp, QueryTaskResponse)
+        assert (resp.id, resp.type, resp.status) == (tid, TaskType.REPLICA_COPY,
+                                                      TaskStatus.SUCCESS)
+        tid2, rc = a.create_move_task("t2", a.get_hostname(), b.get_hostname())
+        assert rc == 0 and a.query_task(tid2)[0].status == TaskStatus.SUCCESS
+        assert c.get("t2") == b"two" * 1000                  # found through the index
+        for s in (a, c):                                    # a no longer holds it
+            desc = s.get_replica_desc("t2")
+            assert [d.get_memory_descriptor().buffer_descriptor.transport_endpoint
+                    for d in desc] == [b.get_hostname()]
+        assert a.create_copy_task("t1", []) == ((0, 0), -600)
+        assert a.create_copy_task("t1", ["nowhere:1"]) == ((0, 0), -600)
+        assert a.create_copy_task("none", [b.get_hostname()]) == ((0, 0), -704)
+        assert a.create_move_task("t3", a.get_hostname(), a.get_hostname()) == \
+            ((0, 0), -600)
+        assert a.create_move_task("t3", b.get_hostname(), c.get_hostname()) == \
+            ((0, 0), -600)                                  # b holds no replica of t3
+        assert a.query_task((1, 2)) == (None, -1400)
+        a.close()                                           # the copies outlive a
+        assert b.get("t1") == big and c.get("t1") == big
+        assert c.get("t2") == b"two" * 1000
+        b.close()                                           # the moved replica was b's
+        assert c.get("t2") == b"" and c.get("t1") == big
+    finally:
+        a.close()
+        b.close()
+        c.close()

@@ -134,6 +134,65 @@ def test_pointer_calls_use_shared_memory(dummy):
         assert dummy.remove(k) == 0
 
 
+def test_session_and_metadata_calls_through_a_dummy(dummy):
+    from mooncake_te.compat.store import TaskStatus
+    """The session calls and ``put_from_with_metadata`` run in the real client, on the
+    dummy's shared buffer (both pointers of ``put_from_with_metadata`` translated);
+    ``get_offload_rpc_read_count`` is a dummy's own 0, as Mooncake's."""
+    ptr = dummy.alloc_from_mem_pool(8192)
+    assert ptr and dummy.register_buffer(ptr, 8192) == 0
+    try:
+        ctypes.memmove(ptr, b"meta" + b"D" * 100, 104)
+        assert dummy.put_from_with_metadata("d-wm", ptr + 4, ptr, 100, 4) == 0
+        assert dummy.get("d-wm") == b"meta" + b"D" * 100
+        assert dummy.put_from_with_metadata("d-wm2", ptr + 8192 - 10, ptr, 100, 4) == -600
+        assert dummy.batch_put_session_start(["d-s"], [200]) == [0]
+        assert dummy.batch_put_from_multi_buffer_ranges(["d-s"], [[ptr, ptr + 4]],
+                                                        [[4, 100]], [[100, 0]]) == [104]
+        assert dummy.batch_put_session_end(["d-s"]) == [0]
+        assert dummy.get("d-s") == b"D" * 100 + b"meta" + bytes(96)
+        assert dummy.batch_get_session_start(["d-s"]) == [0]
+        assert dummy.batch_get_into_multi_buffer_ranges(["d-s"], [[ptr + 4096]], [[8]],
+                                                        [[98]]) == [8]
+        assert ctypes.string_at(ptr + 4096, 8) == b"DDmetaxx".replace(b"xx", bytes(2))
+        assert dummy.batch_get_session_end(["d-s"]) == 0
+        assert dummy.get_offload_rpc_read_count() == 0
+        assert dummy._real_segment                          # the real client's store
+        tid, rc = dummy.create_copy_task("d-s", [dummy._real_segment])
+        assert rc == 0 and isinstance(tid, tuple) and len(tid) == 2
+        resp, rc = dummy.query_task(tid)
+        assert rc == 0 and resp.status is TaskStatus.SUCCESS and resp.id == tid
+        assert dummy.create_copy_task("d-s", ["nowhere:1"]) == ((0, 0), -600)
+        assert dummy.query_task((1, 2)) == (None, -1400)
+        assert dummy.batch_get_session_end(["d-s"]) == 0
+    finally:
+        assert dummy.unregister_buffer(ptr) == 0
+    for k in ("d-wm", "d-s"):
+        assert dummy.remove(k) == 0
+
+
+def test_host_mem_allocator_buffers(dummy):
+    """``MooncakeHostMemAllocator``: the process's shared buffers, which a dummy
+    registers whole and uses in place; ``free`` refuses a registered or unknown one."""
+    from mooncake_te.compat.store import MooncakeHostMemAllocator
+    alloc = MooncakeHostMemAllocator()
+    ptr = alloc.alloc(4096)
+    assert ptr
+    ctypes.memmove(ptr, b"host-mem", 8)
+    assert dummy.register_buffer(ptr, 4096) == 0
+    assert dummy.put_from("d-host", ptr, 8) == 0 and dummy.get("d-host") == b"host-mem"
+    assert dummy.get_into("d-host", ptr + 100, 8) == 8
+    assert ctypes.string_at(ptr + 100, 8) == b"host-mem"
+    assert alloc.free(ptr) == -1                            # still registered
+    assert dummy.unregister_buffer(ptr) == 0
+    assert alloc.free(ptr) == 0 and alloc.free(ptr) == -1
+    with pytest.raises(RuntimeError):
+        alloc.alloc(0)
+    assert dummy.remove("d-host") == 0
+    dummy.close()
+    assert dummy.health_check() == 1                        # closed (Mooncake's code)
+
+
 def test_only_whole_pool_buffers_register(dummy):
     local = ctypes.create_string_buffer(4096)
     assert dummy.register_buffer(ctypes.addressof(local), 4096) == INVALID_PARAMS
