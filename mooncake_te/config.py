@@ -109,7 +109,6 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "prior_load_ssd_s_per_block": (_NUM, 1e-3, None),
         "affinity": (_NUM, 0.0, None),
         "load_bound": (_NUM, 1.25, None),
-        "work_weight": (_NUM, 1.0, None),
         "gpu_blocks": (_INT, 0, None),
         "policy": (_STR, "cost", ("cost", "round_robin", "least_loaded")),
         "kv_events": ((list,), [], None),
@@ -149,8 +148,6 @@ _BOUNDS: dict[str, tuple] = {
                          "(0: no prefix affinity)"),
     "load_bound": (0, 100, "a multiple of the mean load between 0 and 100 (0: no bound; "
                            "1.25 lets an instance take a quarter more than its share)"),
-    "work_weight": (0, 100, "a weight between 0 and 100 of the time a prefill holds its "
-                            "instance (0: expected TTFT alone)"),
     "gpu_blocks": (0, None, "a number of KV blocks, 0 to read it from vLLM's /metrics"),
 }
 

@@ -83,9 +83,6 @@ class Priors:
     # Bounded load: an instance takes a request only while its outstanding requests, this
     # one included, stay within ceil(load_bound * mean) over the candidates (0: off).
     load_bound: float = 1.25
-    # Weight of the time a prefill holds its instance in the ranking, scaled by how busy
-    # the candidates are (:func:`order`; 0: expected TTFT alone).
-    work_weight: float = 1.0
     full_kv_usage: float = 0.98              # a decode/plain instance this full is skipped
     max_inflight: int = 64                   # requests routed to one instance, unanswered
 
@@ -145,7 +142,6 @@ class Estimate:
     keys: list = field(default_factory=list)  # block keys sent (set once routed)
     ahead: int = 0                            # requests ahead when estimated
     ahead_tokens: int = 0                     # their uncached tokens
-    work_s: float = 0.0                       # the instance's time its prefill takes
 
     @property
     def local(self) -> int:
@@ -164,8 +160,7 @@ def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: 
     queue = inst.queued_tokens * t["ahead_tok"] + ahead * t["wait"]
     load = sum(blocks.get(k, 0) * t.get(f"load_{k}", 0.0) for k in TIERS)
     return Estimate(inst.name, queue + t["base"] + uncached * t["tok"] + load, queue,
-                    uncached, dict(blocks), ahead=ahead, ahead_tokens=inst.queued_tokens,
-                    work_s=uncached * t["tok"])
+                    uncached, dict(blocks), ahead=ahead, ahead_tokens=inst.queued_tokens)
 
 
 def rank_prefill(states, n_tokens: int, hits: dict, block_size: int, priors: Priors,
@@ -187,28 +182,10 @@ def outstanding(inst: InstanceState) -> int:
     return max(inst.inflight, inst.waiting)
 
 
-def busy(est: list, states: dict) -> float:
-    """How busy the candidates are, 0..1: requests outstanding per instance, at most 1."""
-    if not est:
-        return 0.0
-    return min(1.0, sum(outstanding(states[e.name]) for e in est) / len(est))
-
-
 def order(est: list, states: dict, priors: Priors) -> list:
-    """Estimates best first: by expected TTFT plus, on a busy cluster, the time the
-    prefill holds the instance (:func:`busy` times ``work_s``; ties: fewer in flight, then
-    name), the instances within the load bound ahead of the others, then prefix
-    affinity.
-
-    The second term prices what one request's TTFT does not: the uncached tokens it
-    makes an instance compute are time the requests routed there after it wait. On an
-    idle cluster nobody waits behind it and the expected TTFT alone decides; with a
-    request outstanding per instance or more, a prompt whose prefix one instance holds
-    goes there unless the queue in front of it costs more than computing the prefix
-    elsewhere costs that other instance and its next requests."""
-    lam = busy(est, states) if priors.work_weight else 0.0
-    est = sorted(est, key=lambda e: (e.ttft_s + lam * priors.work_weight * e.work_s,
-                                     states[e.name].inflight, e.name))
+    """Estimates best first: by expected TTFT (ties: fewer in flight, then name), the
+    instances within the load bound ahead of the others, then prefix affinity."""
+    est = sorted(est, key=lambda e: (e.ttft_s, states[e.name].inflight, e.name))
     return with_affinity(within_load_bound(est, states, priors.load_bound),
                          priors.affinity)
 
