@@ -322,6 +322,47 @@ def get_tensor_into_cuda_copies_through_the_host():
 
 
 @check
+def byte_calls_take_cuda_tensors():
+    """Mooncake's test_cuda_local_copy_paths: get_into a CUDA tensor's ``data_ptr()``
+    (never registered) returns the bytes, put_from one stores them, a range past the
+    CUDA allocation is -600 with nothing written, and a put_from made on a side stream
+    waits for it. Without CUDA: an unregistered CPU tensor is still refused."""
+    raw_bytes = bytes(range(32))
+    assert A.put("cuda-raw", raw_bytes) == 0
+    cpu = torch.zeros(32, dtype=torch.uint8)
+    assert B.get_into("cuda-raw", cpu.data_ptr(), 32) == -600    # not registered
+    assert not cpu.any()
+    if not torch.cuda.is_available():
+        return
+    from mooncake_te import cuda
+    dst = torch.empty(32, dtype=torch.uint8, device="cuda")
+    assert B.get_into("cuda-raw", dst.data_ptr(), 32) == 32
+    assert torch.equal(dst, torch.tensor(list(raw_bytes), dtype=torch.uint8, device="cuda"))
+    src = torch.arange(64, dtype=torch.uint8, device="cuda")
+    assert B.put_from("cuda-from", src.data_ptr(), 64) == 0
+    assert A.get("cuda-from") == bytes(range(64))
+    base, size = cuda.allocation_range(dst.data_ptr())
+    tail = base + size - 16
+    keep = torch.empty(16, dtype=torch.uint8)
+    cuda.memcpy(keep.data_ptr(), tail, 16)
+    assert B.get_into("cuda-from", tail, 64) == -600
+    now = torch.empty(16, dtype=torch.uint8)
+    cuda.memcpy(now.data_ptr(), tail, 16)
+    assert torch.equal(keep, now)
+    if hasattr(torch.cuda, "_sleep"):
+        side, cur = torch.cuda.Stream(), torch.cuda.Stream()
+        big = torch.zeros(4 * MIB, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)
+            big.fill_(7)
+        with torch.cuda.stream(cur):           # the current stream: not the legacy one
+            cur.wait_stream(side)
+            assert B.put_from("cuda-late", big.data_ptr(), big.numel()) == 0
+        assert A.get("cuda-late") == b"\x07" * big.numel()
+
+
+@check
 def safetensors_files():
     import tempfile
     t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
