@@ -408,6 +408,40 @@ def dummy_client_tensor_calls():
         real.close()
 
 
+@check
+def dummy_tensor_puts_bounded_by_the_dummys_local_buffer():
+    """Mooncake's dummy stages a tensor object in its own local buffer and the real
+    client stores it with batch_put_from: a 16 MiB tensor (test_dummy_client.py's CUDA
+    IPC readiness payload) goes through a real client whose local buffer is 16 MiB
+    (mooncake_client's default), alone and in a batch; one larger than the dummy's
+    local buffer is -200 (NO_AVAILABLE_HANDLE)."""
+    import socket
+    from mooncake_te.compat.dummy import RealClient
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    R = MooncakeDistributedStore()
+    assert R.setup("127.0.0.1", URL, 96 * MIB, 16 * MIB, "tcp", "", "127.0.0.1:50051",
+                   tenant_id=TENANT) == 0
+    real = RealClient(R, "127.0.0.1", port)
+    C = MooncakeDistributedStore()
+    try:
+        assert C.setup_dummy(64 * MIB, 24 * MIB, real.addr) == 0
+        big = torch.full((16 * MIB,), 0xA7, dtype=torch.uint8)
+        assert C.put_tensor("dbig", big) == 0
+        assert same(C.get_tensor("dbig"), big) and same(A.get_tensor("dbig"), big)
+        two = [torch.full((16 * MIB,), v, dtype=torch.uint8) for v in (1, 2)]
+        assert C.batch_put_tensor(["dbig1", "dbig2"], two) == [0, 0]   # one at a time
+        assert all(same(C.get_tensor(k), t) for k, t in zip(["dbig1", "dbig2"], two))
+        assert C.upsert_tensor("dbig", two[0]) == 0 and same(A.get_tensor("dbig"), two[0])
+        assert C.put_tensor("dhuge", torch.zeros(40 * MIB, dtype=torch.uint8)) == -200
+        assert C.is_exist("dhuge") == 0
+    finally:
+        C.close()
+        real.close()
+        R.close()
+
+
 # --- the *_with_parallelism calls ------------------------------------------------------
 def axis(kind, rank, size, split_dim=None, expert_id=None, stage_id=None):
     """Built field by field, as Mooncake's scripts do (its ParallelAxis takes no
