@@ -37,7 +37,8 @@ import numpy as np
 
 from .. import errors as E
 from .store_service import call
-from .store_types import (INTERNAL_ERROR, INVALID_PARAMS, OK, BufferHandle,
+from .store_types import (INTERNAL_ERROR, INVALID_PARAMS, NO_AVAILABLE_HANDLE, OK,
+                          BufferHandle,
                           QueryTaskResponse, ReplicaDescriptor, ReplicateConfig, TaskStatus,
                           TaskType, _parse_size)
 
@@ -275,6 +276,8 @@ def become_dummy(store, dummy_class: type, mem_pool_size, local_buffer_size,
     store._registered_host = set()
     store._mem_pool_size = mem_pool_size
     store._local_buffer = local_buffer_size
+    store._stage = None
+    store._stage_lock = threading.Lock()
     store._real_segment = str(rh.get("segment", ""))
     log.info("dummy client of %s (segment %s)", addr, store._real_segment)
     return OK
@@ -291,6 +294,9 @@ class DummyClient:
     _shm: dict = {}
     _registered_host: set = set()
     _real_segment: str = ""
+    #: the shared local buffer the tensor calls stage objects in (:meth:`_put_objects`)
+    _stage = None
+    _stage_lock = threading.Lock()
     #: the store calls sent to the real client (set by :func:`add_forwarders`); the real
     #: client runs these and no others
     forwarded: frozenset = frozenset()
@@ -311,6 +317,67 @@ class DummyClient:
         except E.MooncakeError as e:
             log.error("%s through the real client %s: %s", name, self._real, e)
             return _failure(name, args, kwargs)
+
+    def _put_objects(self, keys: list, blobs: list, config, replace: bool) -> list:
+        """Store tensor objects (uint8 arrays) as Mooncake's dummy client does when it
+        does not use CUDA IPC: each object is staged in the dummy's local buffer (shared
+        memory of setup_dummy's ``local_buffer_size``, made and registered with the
+        real client on first use, which maps it) and the real client stores it from
+        there (``batch_put_from`` / ``batch_upsert_from``, unbounded by its own
+        ``local_buffer_size``, which its ``put`` applies: a 16 MiB tensor would not
+        fit a real client's default 16 MB). Objects go in groups that fit the buffer
+        together; one larger than the buffer is -200 (``NO_AVAILABLE_HANDLE``, as
+        Mooncake's failed ``allocate_client_buffer``). A code per key."""
+        out = [NO_AVAILABLE_HANDLE] * len(keys)
+        with self._stage_lock:
+            stage = self._stage_buffer()
+            if stage is None:
+                return out
+            fits = []
+            for i, (k, b) in enumerate(zip(keys, blobs)):
+                if b.nbytes > stage.size:
+                    log.error("%r: the object's %d bytes do not fit the dummy client's "
+                              "local buffer (local_buffer_size %d of setup_dummy)", k,
+                              b.nbytes, stage.size)
+                else:
+                    fits.append(i)
+            # the forwarders add_forwarders made: the real client runs them
+            fn = getattr(self, "batch_upsert_from" if replace else "batch_put_from")
+            while fits:
+                group, ptrs, off = [], [], 0
+                while fits and off + blobs[fits[0]].nbytes <= stage.size:
+                    i = fits.pop(0)
+                    ctypes.memmove(stage.addr + off, blobs[i].ctypes.data, blobs[i].nbytes)
+                    group.append(i)
+                    ptrs.append(stage.addr + off)
+                    off += blobs[i].nbytes
+                codes = fn([keys[i] for i in group], ptrs, [blobs[i].nbytes for i in group],
+                           config)
+                for i, c in zip(group, codes):
+                    out[i] = c
+        return out
+
+    def _stage_buffer(self):
+        """The local buffer, made and registered on first use; None (logged) if it
+        cannot be (``local_buffer_size`` 0, or the real client does not map it)."""
+        if self._stage is not None and self._stage.registered:
+            return self._stage
+        n = int(getattr(self, "_local_buffer", 0) or 0)
+        if n <= 0:
+            log.error("tensor put: the dummy client has no local buffer (local_buffer_size "
+                      "0 in setup_dummy); it stages tensor objects there")
+            return None
+        ptr = self.alloc_from_mem_pool(n)
+        if not ptr:
+            return None
+        if self.register_buffer(ptr, n) != OK:
+            log.error("tensor put: the real client did not map the dummy client's local "
+                      "buffer")
+            shm = self._shm.pop(ptr)
+            shm.close()
+            return None
+        self._stage = self._shm[ptr]
+        return self._stage
 
     def setup(self, *a, **kw) -> int:
         log.error("setup: this store is a dummy client already (setup_dummy); use a "
@@ -405,6 +472,7 @@ class DummyClient:
             except E.MooncakeError as e:
                 log.info("close: %s", e)
         shm, self._shm = self._shm, {}
+        self._stage = None
         for s in shm.values():
             s.close()
         for s in self._registered_host:           # the real client dropped its maps

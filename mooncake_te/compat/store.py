@@ -38,8 +38,10 @@ checked before a byte is copied, so a wrong one is a return code, never a crash 
 35): ``register_buffer`` takes only a range this process has mapped readable and
 writable (``/proc/self/maps``), and every piece a zero-copy call names must be a
 non-NULL pointer with a size of 0 or more lying inside one buffer registered with
-``register_buffer`` (or a region of the engine), as Mooncake requires; otherwise that
-key gets -600 ``INVALID_PARAMS`` and the log says which range was refused.
+``register_buffer`` (or a region of the engine), as Mooncake requires, or inside one
+CUDA allocation (device memory needs no registering: Mooncake's local copy takes it
+with ``cudaMemcpy``, ours with ``cuMemcpy``, never ``memmove``); otherwise that key gets
+-600 ``INVALID_PARAMS`` and the log says which range was refused.
 ``docs/compat.md`` lists every method and where the semantics differ.
 """
 from __future__ import annotations
@@ -58,6 +60,7 @@ import weakref
 
 import numpy as np
 
+from .. import cuda
 from .. import errors as E
 from ..kvcache.keys import as_key
 from ..kvcache.record import HEADER_SIZE, slot_size_for
@@ -509,33 +512,65 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
         return OK
 
     def _pieces(self, key, ptrs, lens, what: str) -> "list | None":
-        """``[(address, size), ...]`` of one key's buffers, each checked: a non-NULL
-        integer pointer, a size of 0 or more, the range inside one buffer registered with
-        register_buffer (or a region of the engine). None, logged, when one is not."""
+        """``[(address, size, device), ...]`` of one key's buffers, each checked: a
+        non-NULL integer pointer, a size of 0 or more, the range inside one buffer
+        registered with register_buffer (or a region of the engine), or else inside one
+        CUDA allocation (:meth:`_where`). None, logged, when one is not. Copy each piece
+        with :func:`_copy` and its ``device``."""
         try:
             if len(ptrs) != len(lens):
                 raise E.InvalidArgumentError(f"{len(ptrs)} buffers but {len(lens)} sizes")
             out = []
             for p, n in zip(ptrs, lens):
                 p, n = _pointer(p, "buffer pointer"), _size(n, "size", minimum=0)
-                if n and not self._registered(p, n):
-                    raise E.InvalidArgumentError(
-                        f"[{p:#x}, +{n}) is not inside a buffer registered with "
-                        f"register_buffer(); register the buffer first, and pass sizes "
-                        f"that fit in it")
-                out.append((p, n))
+                out.append((p, n, self._where(p, n) if n else HOST))
             return out
         except (E.MooncakeError, TypeError, ValueError, OverflowError) as e:
             log.error("%s %r: %s", what, key, e)
             return None
 
-    def _registered(self, ptr: int, n: int) -> bool:
+    def _where(self, p: int, n: int) -> int:
+        """Where ``[p, p + n)`` is: :data:`HOST` inside a buffer registered with
+        register_buffer or a host region of the engine, else the ordinal of the CUDA
+        device whose allocation holds it whole (an engine region on a GPU, or device
+        memory the driver knows: a tensor's ``data_ptr()`` needs no registering, as
+        Mooncake copies with ``cudaMemcpy`` there). CUDA is asked only about pointers
+        in no registered buffer, and only in a process that loaded it
+        (:func:`_cuda_usable`). InvalidArgumentError, saying why, for anything else."""
+        r = self._region_of(p, n)
+        if r is not None:
+            dev = _region_device(r)
+            if dev is None:
+                raise E.InvalidArgumentError(
+                    f"[{p:#x}, +{n}) lies in an engine region on {r.location}, which this "
+                    f"store cannot copy to or from")
+            return dev
+        dev = _cuda_device(p, n)
+        if dev == HOST:
+            raise E.InvalidArgumentError(
+                f"[{p:#x}, +{n}) is not inside a buffer registered with "
+                f"register_buffer() nor in CUDA device memory; register the buffer "
+                f"first, and pass sizes that fit in it")
+        return dev
+
+    def _regions(self) -> list:
+        """The buffers registered with register_buffer and the engine's regions."""
         with self._lock:
             regions: list = list(self._buffers.values())
         eng = self._eng
         if eng is not None:
             regions += list(getattr(eng, "regions", ()))
-        return any(r.contains(ptr, n) for r in regions)
+        return regions
+
+    def _region_of(self, ptr: int, n: int):
+        """The registered buffer or engine region holding ``[ptr, ptr + n)``, or None."""
+        return next((r for r in self._regions() if r.contains(ptr, n)), None)
+
+    def _registered(self, ptr: int, n: int) -> bool:
+        """``[ptr, ptr + n)`` lies in a registered buffer (or engine region) of host
+        memory: bytes this process may read and write in place."""
+        r = self._region_of(ptr, n)
+        return r is not None and _region_device(r) == HOST
 
     # --- the core: put and get of gathered / scattered objects ---------------------------
     def _check_config(self, config) -> None:
@@ -969,13 +1004,14 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
             objs = dict(zip(wanted, self._get_many(wanted))) if wanted else {}
             for i in range(n):
                 ptr = int(buffer_ptrs[i])
-                cap = self._capacity(ptr)
+                cap, dev = self._capacity(ptr)
                 keys = all_keys[i]
                 if not ptr or not cap or not (len(keys) == len(all_dst_offsets[i]) ==
                                               len(all_src_offsets[i]) == len(all_sizes[i])):
                     if not cap:
                         log.error("get_into_ranges: buffer %#x is not inside a buffer "
-                                  "registered with register_buffer()", ptr)
+                                  "registered with register_buffer() nor in CUDA device "
+                                  "memory", ptr)
                     continue
                 for j, key in enumerate(keys):
                     dsts, srcs, lens = (all_dst_offsets[i][j], all_src_offsets[i][j],
@@ -990,7 +1026,7 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
                         d, sr, ln = int(d), int(sr), int(ln)
                         if min(d, sr, ln) < 0 or d + ln > cap or sr + ln > obj.nbytes:
                             continue                      # stays INVALID_PARAMS
-                        ctypes.memmove(ptr + d, obj.ctypes.data + sr, ln)
+                        _copy(ptr + d, obj.ctypes.data + sr, ln, dev)
                         res[i][j][k] = ln
             return res
         return self._guard(go, shape())
@@ -1036,15 +1072,16 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
             return list(dict.fromkeys(k for k, f in zip(cand, found) if f))
         return self._guard(go, [])
 
-    def _capacity(self, ptr: int) -> int:
-        """Bytes from ``ptr`` to the end of the registered buffer it lies in; 0 if none."""
-        with self._lock:
-            regions: list = list(self._buffers.values())
-        eng = self._eng
-        if eng is not None:
-            regions += list(getattr(eng, "regions", ()))
-        return max((r.address + r.length - ptr for r in regions
-                    if r.address <= ptr < r.address + r.length), default=0)
+    def _capacity(self, ptr: int) -> "tuple[int, int]":
+        """Bytes from ``ptr`` to the end of the registered buffer (or engine region) it
+        lies in, else of the CUDA allocation it lies in, and where that is (as
+        :meth:`_where`); ``(0, HOST)`` if none."""
+        best = max((r for r in self._regions() if r.address <= ptr < r.address + r.length),
+                   key=lambda r: r.address + r.length, default=None)
+        if best is not None:
+            dev = _region_device(best)
+            return (0, HOST) if dev is None else (best.address + best.length - ptr, dev)
+        return _cuda_extent(ptr)
 
     def upsert_from(self, key: str, buffer_ptr: int, size: int,
                     config: ReplicateConfig | None = None) -> int:
@@ -1072,10 +1109,10 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
                 pieces = self._pieces(key, ptrs, lens, "put_from")
                 if pieces is None:
                     continue
-                buf = np.empty(sum(n for _, n in pieces), np.uint8)
+                buf = np.empty(sum(n for _, n, _ in pieces), np.uint8)
                 off = 0
-                for p, n in pieces:
-                    ctypes.memmove(buf.ctypes.data + off, p, n)
+                for p, n, dev in pieces:
+                    _copy(buf.ctypes.data + off, p, n, dev)
                     off += n
                 good.append(i)
                 datas.append(buf)
@@ -1102,17 +1139,17 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
                     good.append(i)
                     where.append(pieces)
             got = self._get_many([keys[i] for i in good],
-                                 [sum(n for _, n in pieces) for pieces in where]) if good else []
+                                 [sum(n for _, n, _ in pieces) for pieces in where]) if good else []
             for i, g, pieces in zip(good, got, where):
                 if isinstance(g, int):
                     out[i] = g
                     continue
                 src, left = g.ctypes.data, g.nbytes
-                for p, n in pieces:
+                for p, n, dev in pieces:
                     k = min(n, left)
                     if k <= 0:
                         break
-                    ctypes.memmove(p, src, k)
+                    _copy(p, src, k, dev)
                     src += k
                     left -= k
                 out[i] = g.nbytes
@@ -1372,9 +1409,9 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
                     if ranges is None:
                         continue
                     base = sess.data.ctypes.data
-                    for p, n, off in ranges:
-                        ctypes.memmove(base + off, p, n)
-                    out[i] = sum(n for _, n, _ in ranges)
+                    for p, n, off, dev in ranges:
+                        _copy(base + off, p, n, dev)
+                    out[i] = sum(n for _, n, _, _ in ranges)
             return out
         return self._session_guard(go, "batch_put_from_multi_buffer_ranges", keys)
 
@@ -1483,7 +1520,7 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
             need: dict = {}             # chunk key -> its bytes (None: gone)
             for (i, sess, ranges), ck in zip(plans, cks):
                 first = sess.chunk - _OBJ.size
-                for _, n, off in ranges:
+                for _, n, off, _ in ranges:
                     if n and off + n > first:
                         lo = max(off, first)
                         for j in range((lo - first) // sess.chunk + 1,
@@ -1503,7 +1540,7 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
                                 keys[i])
                     out[i] = OBJECT_NOT_FOUND
                     continue
-                for p, n, off in ranges:
+                for p, n, off, dev in ranges:
                     done = 0
                     while done < n:
                         pos = off + done
@@ -1515,9 +1552,9 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
                             lo = first + (j - 1) * sess.chunk
                             src = np.asarray(need[ck[j - 1]], np.uint8)[pos - lo:]
                         k = min(n - done, src.nbytes)
-                        ctypes.memmove(p + done, src.ctypes.data, k)
+                        _copy(p + done, src.ctypes.data, k, dev)
                         done += k
-                out[i] = sum(n for _, n, _ in ranges)
+                out[i] = sum(n for _, n, _, _ in ranges)
             return out
         return self._session_guard(go, "batch_get_into_multi_buffer_ranges", keys)
 
@@ -1532,7 +1569,7 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
         return OK
 
     def _ranges(self, key, ptrs, lens, offsets, limit: int) -> "list | None":
-        """``[(address, size, object offset), ...]`` of one key's ranges, each checked
+        """``[(address, size, object offset, device), ...]`` of one key's ranges, each checked
         (as :meth:`_pieces`, and ``offset + size <= limit``); None, logged, if one is
         not."""
         try:
@@ -1546,12 +1583,12 @@ class MooncakeDistributedStore(TensorCalls, ParallelismCalls):
         pieces = self._pieces(key, ptrs, lens, "ranges of")
         if pieces is None:
             return None
-        for (p, n), off in zip(pieces, offs):
+        for (p, n, _), off in zip(pieces, offs):
             if n > limit or off > limit - n:
                 log.error("ranges of %r: [%d, +%d) runs past the object's %d bytes", key,
                           off, n, limit)
                 return None
-        return [(p, n, off) for (p, n), off in zip(pieces, offs)]
+        return [(p, n, off, dev) for (p, n, dev), off in zip(pieces, offs)]
 
     def _session_guard(self, fn, what: str, keys):
         """Mooncake's session calls answer an empty list when the client is not set
@@ -1750,6 +1787,96 @@ def _pointer(value, what: str) -> int:
 def _size(value, what: str, minimum: int) -> int:
     from ..arguments import integer
     return integer(value, what, minimum=minimum, maximum=1 << 62)
+
+
+# --- raw pointers in CUDA device memory ------------------------------------------------
+#: where a checked piece lies, for :func:`_copy`: host memory (else a CUDA ordinal)
+HOST = -1
+#: ``"ok"``: whether CUDA may be asked about pointers (cached once CUDA is loaded)
+_CUDA_STATE: dict = {}
+
+
+def _cuda_usable() -> bool:
+    """Whether a pointer in no registered buffer may be CUDA device memory worth asking
+    the driver about: the driver is loaded in this process already (by PyTorch, CuPy,
+    ...; never loaded here: initialising CUDA in a process that never used it would
+    break the CUDA of children it forks) and sees a GPU. Cached once CUDA is loaded, so
+    a machine without CUDA pays one probe, and only on the path that refuses a pointer."""
+    ok = _CUDA_STATE.get("ok")
+    if ok is None:
+        if not cuda.loaded():
+            return False
+        ok = _CUDA_STATE["ok"] = cuda.available()[0]
+    return ok
+
+
+def _cuda_extent(p: int) -> "tuple[int, int]":
+    """(bytes from ``p`` to the end of its CUDA allocation, device ordinal), or
+    ``(0, HOST)`` when ``p`` is not device memory (or CUDA is not in use)."""
+    if not _cuda_usable():
+        return 0, HOST
+    try:
+        is_dev, ordinal = cuda.pointer_info(p)
+        if not is_dev:
+            return 0, HOST
+        base, size = cuda.allocation_range(p)
+    except E.MooncakeError as e:
+        log.debug("CUDA does not know %#x: %s", p, e)
+        return 0, HOST
+    return base + size - p, ordinal
+
+
+def _cuda_device(p: int, n: int) -> int:
+    """The ordinal of the CUDA device whose allocation holds ``[p, p + n)`` whole;
+    :data:`HOST` when ``p`` is not device memory; InvalidArgumentError when it is but
+    the range runs past the allocation (-600, as a range past a registered buffer)."""
+    left, dev = _cuda_extent(p)
+    if dev != HOST and n > left:
+        raise E.InvalidArgumentError(
+            f"[{p:#x}, +{n}) runs past the end of the CUDA allocation it starts in (cuda:"
+            f"{dev}, {left} bytes from {p:#x}); pass sizes that fit in it")
+    return dev
+
+
+def _region_device(region) -> "int | None":
+    """Where a registered buffer or engine region is: :data:`HOST`, a CUDA ordinal, or
+    None for memory this store cannot copy (another kind of device)."""
+    loc = str(getattr(region, "location", "cpu"))
+    if loc.startswith("cpu"):
+        return HOST
+    if loc.startswith("cuda:") and loc[5:].isdigit():
+        return int(loc[5:])
+    return None
+
+
+def _torch_sync(ordinal: int) -> None:
+    """Wait for PyTorch's current stream on device ``ordinal`` (when this process uses
+    PyTorch's CUDA): a tensor's bytes are read, or written, after the work queued before
+    the call, as ``tensor.to("cpu")`` waits for it. ``cuMemcpy`` alone orders only with
+    the legacy default stream, not with PyTorch's side streams."""
+    torch = sys.modules.get("torch")
+    cuda_mod = getattr(torch, "cuda", None)
+    if cuda_mod is None or not cuda_mod.is_initialized():
+        return
+    cuda_mod.current_stream(ordinal).synchronize()
+
+
+def _copy(dst: int, src: int, n: int, device: int) -> None:
+    """Copy ``n`` bytes between a checked piece and the store's host memory: ``device``
+    is where the piece lies (:meth:`MooncakeDistributedStore._where`). Host memory is
+    ``memmove``d; a device pointer never reaches ``memmove`` (it would fault): CUDA
+    memory is copied with ``cuMemcpy`` (unified addressing, host <-> device), after
+    PyTorch's current stream, and the legacy stream is synchronized before returning,
+    so the bytes are in place when the call answers (as Mooncake's ``cudaMemcpy``)."""
+    if device == HOST:
+        ctypes.memmove(dst, src, n)
+        return
+    if n <= 0:
+        return
+    with cuda.device(device):
+        _torch_sync(device)
+        cuda.memcpy(dst, src, n)
+        cuda.synchronize_stream(cuda.LEGACY_STREAM, device)
 
 
 #: stores set up and not closed: closed at interpreter exit (their finalizers cannot

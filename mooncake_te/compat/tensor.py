@@ -291,15 +291,16 @@ def deserialize_tensor(payload):
 # --- the store's tensor calls -------------------------------------------------------------
 class TensorCalls:
     """Mooncake Store's tensor calls, mixed into ``MooncakeDistributedStore``. They run in
-    the calling process (a dummy client's too) over the store's byte calls; return values
-    are Mooncake's: a put returns 0 or a negative code, a get the tensor or None."""
+    the calling process (a dummy client's too) over the store's byte calls (a dummy's
+    puts stage the objects in its shared local buffer and have the real client store
+    them from there: ``DummyClient._put_objects``); return values are Mooncake's: a put
+    returns 0 or a negative code, a get the tensor or None."""
 
     # the byte calls each path needs -------------------------------------------------------
     def _tensor_write(self, keys, blobs, config, replace: bool) -> list:
         st: Any = self
-        if getattr(st, "_real", ""):                 # a dummy client: through its calls
-            fn = st.upsert if replace else st.put
-            return [fn(k, b.tobytes(), config) for k, b in zip(keys, blobs)]
+        if getattr(st, "_real", ""):                 # a dummy client: its local buffer
+            return st._put_objects(list(keys), list(blobs), config, replace)
         return st._guard(lambda: st._put_many(list(keys), list(blobs), config,
                                               replace=replace),
                          [INTERNAL_ERROR] * len(keys))

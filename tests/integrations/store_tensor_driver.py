@@ -322,6 +322,47 @@ def get_tensor_into_cuda_copies_through_the_host():
 
 
 @check
+def byte_calls_take_cuda_tensors():
+    """Mooncake's test_cuda_local_copy_paths: get_into a CUDA tensor's ``data_ptr()``
+    (never registered) returns the bytes, put_from one stores them, a range past the
+    CUDA allocation is -600 with nothing written, and a put_from made on a side stream
+    waits for it. Without CUDA: an unregistered CPU tensor is still refused."""
+    raw_bytes = bytes(range(32))
+    assert A.put("cuda-raw", raw_bytes) == 0
+    cpu = torch.zeros(32, dtype=torch.uint8)
+    assert B.get_into("cuda-raw", cpu.data_ptr(), 32) == -600    # not registered
+    assert not cpu.any()
+    if not torch.cuda.is_available():
+        return
+    from mooncake_te import cuda
+    dst = torch.empty(32, dtype=torch.uint8, device="cuda")
+    assert B.get_into("cuda-raw", dst.data_ptr(), 32) == 32
+    assert torch.equal(dst, torch.tensor(list(raw_bytes), dtype=torch.uint8, device="cuda"))
+    src = torch.arange(64, dtype=torch.uint8, device="cuda")
+    assert B.put_from("cuda-from", src.data_ptr(), 64) == 0
+    assert A.get("cuda-from") == bytes(range(64))
+    base, size = cuda.allocation_range(dst.data_ptr())
+    tail = base + size - 16
+    keep = torch.empty(16, dtype=torch.uint8)
+    cuda.memcpy(keep.data_ptr(), tail, 16)
+    assert B.get_into("cuda-from", tail, 64) == -600
+    now = torch.empty(16, dtype=torch.uint8)
+    cuda.memcpy(now.data_ptr(), tail, 16)
+    assert torch.equal(keep, now)
+    if hasattr(torch.cuda, "_sleep"):
+        side, cur = torch.cuda.Stream(), torch.cuda.Stream()
+        big = torch.zeros(4 * MIB, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(100_000_000)
+            big.fill_(7)
+        with torch.cuda.stream(cur):           # the current stream: not the legacy one
+            cur.wait_stream(side)
+            assert B.put_from("cuda-late", big.data_ptr(), big.numel()) == 0
+        assert A.get("cuda-late") == b"\x07" * big.numel()
+
+
+@check
 def safetensors_files():
     import tempfile
     t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
@@ -365,6 +406,40 @@ def dummy_client_tensor_calls():
     finally:
         C.close()
         real.close()
+
+
+@check
+def dummy_tensor_puts_bounded_by_the_dummys_local_buffer():
+    """Mooncake's dummy stages a tensor object in its own local buffer and the real
+    client stores it with batch_put_from: a 16 MiB tensor (test_dummy_client.py's CUDA
+    IPC readiness payload) goes through a real client whose local buffer is 16 MiB
+    (mooncake_client's default), alone and in a batch; one larger than the dummy's
+    local buffer is -200 (NO_AVAILABLE_HANDLE)."""
+    import socket
+    from mooncake_te.compat.dummy import RealClient
+    with socket.socket() as so:
+        so.bind(("127.0.0.1", 0))
+        port = so.getsockname()[1]
+    R = MooncakeDistributedStore()
+    assert R.setup("127.0.0.1", URL, 96 * MIB, 16 * MIB, "tcp", "", "127.0.0.1:50051",
+                   tenant_id=TENANT) == 0
+    real = RealClient(R, "127.0.0.1", port)
+    C = MooncakeDistributedStore()
+    try:
+        assert C.setup_dummy(64 * MIB, 24 * MIB, real.addr) == 0
+        big = torch.full((16 * MIB,), 0xA7, dtype=torch.uint8)
+        assert C.put_tensor("dbig", big) == 0
+        assert same(C.get_tensor("dbig"), big) and same(A.get_tensor("dbig"), big)
+        two = [torch.full((16 * MIB,), v, dtype=torch.uint8) for v in (1, 2)]
+        assert C.batch_put_tensor(["dbig1", "dbig2"], two) == [0, 0]   # one at a time
+        assert all(same(C.get_tensor(k), t) for k, t in zip(["dbig1", "dbig2"], two))
+        assert C.upsert_tensor("dbig", two[0]) == 0 and same(A.get_tensor("dbig"), two[0])
+        assert C.put_tensor("dhuge", torch.zeros(40 * MIB, dtype=torch.uint8)) == -200
+        assert C.is_exist("dhuge") == 0
+    finally:
+        C.close()
+        real.close()
+        R.close()
 
 
 # --- the *_with_parallelism calls ------------------------------------------------------

@@ -765,3 +765,152 @@ def test_copy_and_move_tasks(index_url):
         a.close()
         b.close()
         c.close()
+
+
+# --- raw pointers in CUDA device memory (Mooncake's local copy path: cudaMemcpy) -----------
+class _FakeDevice:
+    """Host memory that a patched ``mooncake_te.cuda`` calls device memory of cuda:0 (one
+    allocation): the store's CUDA path, run on a machine without a GPU. Records which
+    addresses CUDA was asked about and which copies went through ``cuda.memcpy``."""
+
+    def __init__(self, monkeypatch, n=64):
+        import contextlib
+
+        from mooncake_te import cuda
+        from mooncake_te.compat import store as S
+        self.mem, self.base = _buf(n)
+        self.n = n
+        self.asked: list = []
+        self.copies: list = []
+        self.syncs = 0
+        monkeypatch.setattr(S, "_cuda_usable", lambda: True)
+        monkeypatch.setattr(cuda, "pointer_info", self.pointer_info)
+        monkeypatch.setattr(cuda, "allocation_range", lambda p: (self.base, self.n))
+        monkeypatch.setattr(cuda, "device", lambda o: contextlib.nullcontext())
+        monkeypatch.setattr(cuda, "memcpy", self.memcpy)
+        monkeypatch.setattr(cuda, "synchronize_stream", self.sync)
+
+    def pointer_info(self, p):
+        self.asked.append(p)
+        return (True, 0) if self.base <= p < self.base + self.n else (False, -1)
+
+    def memcpy(self, dst, src, n):
+        self.copies.append((dst, src, n))
+        ctypes.memmove(dst, src, n)
+
+    def sync(self, handle, ordinal=0):
+        self.syncs += 1
+
+
+def test_pointer_calls_copy_cuda_memory_with_cuda_memcpy(index_url, monkeypatch):
+    """A pointer in no registered buffer that CUDA calls device memory is taken, as
+    Mooncake's cudaMemcpy takes it: copied with cuda.memcpy (never memmove), in the
+    byte, multi-buffer, ranged and session calls; a range past its allocation is -600
+    with nothing written; CUDA is never asked about registered host buffers, and an
+    unregistered host pointer is still -600. (The GPU itself: the gpu test below.)"""
+    s = _store(index_url, "cudafake-" + os.urandom(3).hex())
+    try:
+        dev = _FakeDevice(monkeypatch)
+        host_b, host = _buf(64)
+        assert s.register_buffer(host, 64) == 0
+        raw = bytes(range(32))
+        assert s.put("raw", raw) == 0
+        assert s.get_into("raw", dev.base, 32) == 32
+        assert bytes(dev.mem[:32]) == raw and dev.copies == [(dev.base, dev.copies[0][1], 32)]
+        assert dev.syncs == 1                              # in place when get_into answers
+        ctypes.memset(dev.base, 0x5A, 64)
+        assert s.get_into("raw", dev.base + 40, 32) == -600        # past the allocation
+        assert bytes(dev.mem) == b"\x5a" * 64 and len(dev.copies) == 1
+        assert s.put_from("from", dev.base, 64) == 0
+        assert s.get("from") == b"\x5a" * 64
+        assert s.put_from("over", dev.base + 1, 64) == -600 and s.is_exist("over") == 0
+        # a piece in a registered host buffer beside one in device memory
+        ctypes.memmove(host, b"h" * 16, 16)
+        assert s.batch_put_from_multi_buffers(["mix"], [[host, dev.base]], [[16, 8]]) == [0]
+        assert s.get("mix") == b"h" * 16 + b"\x5a" * 8
+        assert s.batch_get_into_multi_buffers(["raw"], [[host, dev.base]], [[8, 24]]) == [32]
+        assert bytes(host_b[:8]) == raw[:8] and bytes(dev.mem[:24]) == raw[8:]
+        res = s.get_into_ranges([dev.base], [["raw"]], [[[60, 0]]], [[[0, 4]]], [[[8, 4]]])
+        assert res == [[[-600, 4]]] and bytes(dev.mem[:4]) == raw[4:8]   # 60 + 8 > 64
+        head = bytes(dev.mem[:8])
+        assert s.batch_put_session_start(["sess"], [16]) == [0]
+        assert s.batch_put_from_multi_buffer_ranges(["sess"], [[dev.base]], [[8]],
+                                                    [[8]]) == [8]
+        assert s.batch_put_session_end(["sess"]) == [0]
+        assert s.get("sess") == bytes(8) + head
+        assert s.batch_get_session_start(["raw"]) == [0]
+        assert s.batch_get_into_multi_buffer_ranges(["raw"], [[dev.base + 56]], [[8]],
+                                                    [[24]]) == [8]
+        assert bytes(dev.mem[56:]) == raw[24:]
+        assert not any(host <= p < host + 64 for p in dev.asked)  # registered: not asked
+        other_b, other = _buf(32)
+        assert s.get_into("raw", other, 32) == -600                # neither: refused
+        assert bytes(other_b) == bytes(32)
+        assert all(d != other and sr != other for d, sr, _ in dev.copies)
+    finally:
+        s.close()
+
+
+def test_pointer_calls_never_ask_cuda_without_it(index_url, monkeypatch):
+    """In a process that has not loaded CUDA (this one, unless a GPU test ran first:
+    then the registered half still holds), registered host buffers work and an
+    unregistered pointer is -600, and the driver is never asked about either."""
+    from mooncake_te import cuda
+
+    def refuse(*a):
+        raise AssertionError("CUDA was asked about a pointer")
+
+    monkeypatch.setattr(cuda, "pointer_info", refuse)
+    monkeypatch.setattr(cuda, "memcpy", refuse)
+    s = _store(index_url, "nocuda-" + os.urandom(3).hex())
+    try:
+        b, p = _buf(32)
+        assert s.register_buffer(p, 32) == 0
+        assert s.put("k", b"k" * 32) == 0
+        assert s.get_into("k", p, 32) == 32 and bytes(b) == b"k" * 32
+        assert s.put_from("k2", p, 32) == 0 and s.get("k2") == b"k" * 32
+        if not cuda.loaded():
+            other_b, other = _buf(32)
+            assert s.get_into("k", other, 32) == -600 and bytes(other_b) == bytes(32)
+            assert s.put_from("k3", other, 32) == -600
+    finally:
+        s.close()
+
+
+@pytest.mark.gpu
+def test_pointer_calls_take_cuda_memory(index_url):
+    """On a GPU: get_into an unregistered CUDA buffer (Mooncake's
+    test_cuda_local_copy_paths: ``get_into(key, dst.data_ptr(), n)``), put_from one,
+    ranges and a multi-buffer get into device memory, a range past the CUDA allocation
+    -600 with nothing written."""
+    import cupy as cp
+
+    from mooncake_te import cuda
+    s = _store(index_url, "cuda-" + os.urandom(3).hex())
+    try:
+        raw = bytes(range(32))
+        assert s.put("raw", raw) == 0
+        dst = cp.zeros(32, cp.uint8)
+        assert s.get_into("raw", dst.data.ptr, 32) == 32
+        assert cp.asnumpy(dst).tobytes() == raw
+        src = cp.arange(64, dtype=cp.uint8)
+        assert s.put_from("from", src.data.ptr, 64) == 0
+        assert s.get("from") == bytes(range(64))
+        two = cp.zeros(64, cp.uint8)
+        assert s.batch_get_into_multi_buffers(["from"], [[two.data.ptr, two.data.ptr + 40]],
+                                              [[40, 24]]) == [64]
+        assert cp.asnumpy(two).tobytes() == bytes(range(64))
+        assert s.get_into_ranges([dst.data.ptr], [["from"]], [[[0]]], [[[8]]],
+                                 [[[4]]]) == [[[4]]]
+        assert cp.asnumpy(dst)[:4].tobytes() == bytes(range(8, 12))
+        base, size = cuda.allocation_range(dst.data.ptr)
+        tail = base + size - 16
+        before = np.empty(16, np.uint8)
+        cuda.memcpy(before.ctypes.data, tail, 16)
+        assert s.get_into("from", tail, 64) == -600               # 48 bytes past its end
+        after = np.empty(16, np.uint8)
+        cuda.memcpy(after.ctypes.data, tail, 16)
+        assert after.tobytes() == before.tobytes()
+        assert s.put_from("over", tail, 64) == -600 and s.is_exist("over") == 0
+    finally:
+        s.close()

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from servers import ROOT
@@ -260,3 +261,28 @@ def test_mooncake_client_entry_point_through_the_shim(index_url, tmp_path):
     finally:
         p.terminate()
         assert p.wait(timeout=30) == 0                       # SIGTERM: a clean exit
+
+
+def test_tensor_objects_staged_in_the_dummys_local_buffer(real_client):
+    """The tensor puts of a dummy client (here without torch: the objects as arrays)
+    stage each object in the dummy's shared local buffer and have the real client store
+    it from there, as Mooncake's dummy does: a 16 MiB tensor object goes through a real
+    client whose own local buffer (16 MB, mooncake_client's default) refuses it as a
+    put; objects go together while they fit; one larger than the dummy's local buffer
+    is -200 and nothing is stored; upsert replaces."""
+    s = MooncakeDistributedStore()
+    assert s.setup_dummy(64 * MIB, 20 * MIB, real_client) == 0
+    try:
+        big = np.full(16 * MIB + 304, 0xA7, np.uint8)
+        assert s.put("dz-put", big.tobytes()) == INVALID_PARAMS   # the real client's bound
+        small = np.arange(1000, dtype=np.uint32).view(np.uint8)
+        huge = np.zeros(21 * MIB, np.uint8)
+        assert s._put_objects(["dz-big", "dz-small", "dz-huge"], [big, small, huge], None,
+                              False) == [0, 0, -200]
+        assert s.get("dz-big") == big.tobytes() and s.get("dz-small") == small.tobytes()
+        assert s.is_exist("dz-huge") == 0
+        assert s._put_objects(["dz-small"], [big[:10]], None, True) == [0]
+        assert s.get("dz-small") == big[:10].tobytes()
+        assert s.batch_remove(["dz-big", "dz-small"]) == [0, 0]
+    finally:
+        s.close()

@@ -174,7 +174,7 @@ def test_tensor_calls_under_torch(index_url, tmp_path):
                        capture_output=True, text=True, env=env, timeout=240)
     oks = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
     print(f"{len(oks)} checks passed under {py}")
-    assert r.returncode == 0 and len(oks) == 22, r.stdout[-8000:] + r.stderr[-4000:]
+    assert r.returncode == 0 and len(oks) == 24, r.stdout[-8000:] + r.stderr[-4000:]
 
 
 def test_importing_the_store_does_not_import_torch():
