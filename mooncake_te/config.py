@@ -108,7 +108,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "prior_load_remote_s_per_block": (_NUM, 5e-4, None),
         "prior_load_ssd_s_per_block": (_NUM, 1e-3, None),
         "affinity": (_NUM, 0.0, None),
-        "load_bound": (_NUM, 1.25, None),
+        "load_bound": (_NUM, 2.0, None),
         "gpu_blocks": (_INT, 0, None),
         "policy": (_STR, "cost", ("cost", "round_robin", "least_loaded")),
         "kv_events": ((list,), [], None),

@@ -23,8 +23,8 @@ from collections import OrderedDict
 from ..integrations.vllm.pool.keys import block_keys, namespace_root
 from ..objdir import area_prefix, parse_tier
 from .events import GpuBlocks
-from .cost import (InstanceState, Priors, Sample, expected_ttft, order, prefix_by_tier,
-                   rank_decode, refit)
+from .cost import (InstanceState, Priors, Sample, expected_ttft, in_flight_tokens, order,
+                   prefix_by_tier, rank_decode, refit)
 from .registry import InstanceRecord
 
 log = logging.getLogger("mooncake_te.conductor")
@@ -183,9 +183,10 @@ class Cluster:
         return GpuView(self.events.get(name), self.pending[name], self.shadows[name], now)
 
     def measured(self, name: str, uncached: int, blocks: dict, seconds: float,
-                 ahead: int = 0, ahead_tokens: int = 0) -> None:
+                 ahead: int = 0, ahead_tokens: int = 0, elsewhere_tokens: int = 0) -> None:
         """A request's measured TTFT on ``name`` (``ahead``, ``ahead_tokens``: the requests
-        and their uncached tokens ahead of it when it was routed): the served time and
+        and their uncached tokens ahead of it when it was routed; ``elsewhere_tokens``: the
+        uncached tokens then in flight on the other candidates): the served time and
         the fitted terms of that instance, or of every instance of its model
         (:attr:`Priors.fit_per_instance` False). The whole TTFT is the sample: the queue
         terms are fitted with the others, not assumed (module docstring of ``cost``)."""
@@ -193,7 +194,7 @@ class Cluster:
         if st is None:
             return
         sample = Sample(int(uncached), dict(blocks), float(seconds), int(ahead),
-                        int(ahead_tokens))
+                        int(ahead_tokens), int(elsewhere_tokens))
         st.served_s = seconds if not st.served_s else 0.8 * st.served_s + 0.2 * seconds
         st.samples.append(sample)
         if self.priors.fit_per_instance:
@@ -307,8 +308,9 @@ class Cluster:
         """``(estimates best first, hits by name)``."""
         hits = self.hits(keys, answers, now)
         ok = {s.name: s for s in cands if s.healthy and not s.full(self.priors, now)}
+        total = in_flight_tokens(cands)
         est = [expected_ttft(s, len(tokens), hits.get(n, {}), self.records[n].block_size,
-                             self.priors) for n, s in ok.items()]
+                             self.priors, total - s.queued_tokens) for n, s in ok.items()]
         return order(est, ok, self.priors), hits
 
     def rank_prefill(self, tokens, roles=("prefill",), now: float = 0.0) -> tuple:

@@ -5,13 +5,28 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
 
     ttft_i = queue_i + base_i + uncached_i * tok_i + sum_t blocks_i[t] * load_i[t]
 
-- ``queue_i``: the prefill work already routed to ``i`` and not answered yet:
-  ``queued_tokens * ahead_tok_i + max(inflight, waiting) * wait_i`` (vLLM's waiting count
-  from its ``/metrics`` covers work the conductor did not send, and its own). ``wait_i``
-  is what one request ahead adds to a TTFT there and ``ahead_tok_i`` what one of their
-  uncached tokens adds: measured like the other terms. Until they are, the priors assume
-  a server of one request at a time (``wait_i`` = the moving average of the TTFT
-  measured there, ``served_i``, at least ``base_i``; ``ahead_tok_i`` = ``tok_i``).
+- ``queue_i``: the prefill work already routed to ``i`` and not answered yet, and to the
+  other candidates: ``queued_tokens * ahead_tok_i + max(inflight, waiting) * wait_i +
+  elsewhere_tokens * shared_tok_i`` (vLLM's waiting count from its ``/metrics`` covers
+  work the conductor did not send, and its own). ``wait_i`` is what one request ahead
+  adds to a TTFT there, ``ahead_tok_i`` what one of their uncached tokens adds, and
+  ``shared_tok_i`` what one uncached token in flight on another instance adds: measured
+  like the other terms. Until they are, the priors assume a server of one request at a
+  time with compute of its own (``wait_i`` = ``base_i``, ``ahead_tok_i`` = ``tok_i``:
+  what is ahead is done first; ``shared_tok_i`` = 0). The prior ``wait_i`` was the
+  moving average of the TTFT measured there, which counts the work ahead twice (that
+  TTFT already holds the tokens ``ahead_tok_i`` prices): with one idle instance always
+  at hand no request was ever sent where one was ahead, so ``wait_i`` could never be
+  measured and the assumption never left (a benchmark run: 150 of 150 requests routed
+  to idle instances, ``wait_i`` 448 ms, hits below round-robin's).
+  ``shared_tok`` is how the model learns whether instances share compute: about 0 where
+  each has its own accelerator (or CPU), about ``ahead_tok`` where they share the cores
+  of one host. Since every candidate of a decision has the same total in flight, only
+  ``ahead_tok - shared_tok`` of its own queue tells them apart: on shared compute an idle
+  instance is no faster than a busy one, and the cached prefix decides. Without this
+  term the fit put the whole host's load on ``ahead_tok`` (0.3 ms per token ahead
+  against 0.06 ms per token computed, three instances on two cores) and sent prompts
+  away from their cached prefixes to idle instances that were not faster.
   vLLM batches continuously: a request ahead shares the steps with the new one rather
   than finishing first, so on a busy instance the measured ``wait_i`` is usually a
   fraction of ``served_i``, and a cached prefix on a busy instance can beat an idle
@@ -24,9 +39,10 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
   the owner index, whose records say the tier), ``remote`` (another instance's DRAM pool,
   read over the transfer engine, for instances that read other pools; another
   instance's SSD is private, no hit for ``i``);
-- ``base_i``, ``tok_i``, ``load_i[t]``, ``wait_i``, ``ahead_tok_i``: measured. Every
-  answered request is a :class:`Sample` ``(uncached, blocks by tier, requests and
-  uncached tokens ahead of it when routed) -> measured TTFT``; a non-negative least-
+- ``base_i``, ``tok_i``, ``load_i[t]``, ``wait_i``, ``ahead_tok_i``, ``shared_tok_i``:
+  measured. Every answered request is a :class:`Sample` ``(uncached, blocks by tier,
+  requests and uncached tokens ahead of it when routed, uncached tokens in flight on the
+  other candidates) -> measured TTFT``; a non-negative least-
   squares fit over the last :attr:`Priors.window` samples replaces the priors once
   :attr:`Priors.min_samples` are in (a term the samples cannot tell apart keeps its
   prior; samples far off the first fit, a stall of the shared host, are dropped once).
@@ -82,7 +98,7 @@ class Priors:
     affinity: float = 0.0
     # Bounded load: an instance takes a request only while its outstanding requests, this
     # one included, stay within ceil(load_bound * mean) over the candidates (0: off).
-    load_bound: float = 1.25
+    load_bound: float = 2.0
     full_kv_usage: float = 0.98              # a decode/plain instance this full is skipped
     max_inflight: int = 64                   # requests routed to one instance, unanswered
 
@@ -107,14 +123,16 @@ class InstanceState:
     fit: "dict | None" = None                # measured terms (see Model.refit)
 
     def terms(self, priors: Priors) -> dict:
-        """The model's terms here: the fit's where it has them, else the priors (``wait``
-        and ``ahead_tok``: a server of one request at a time, module docstring)."""
+        """The model's terms here: the fit's where it has them, else the priors (``wait``,
+        ``ahead_tok`` and ``shared_tok``: a server of one request at a time with compute
+        of its own, module docstring)."""
         t = {"base": priors.base_s, "tok": priors.prefill_s_per_token,
              **{f"load_{k}": v for k, v in priors.load_s_per_block.items()}}
         if self.fit:
             t.update(self.fit)
-        t.setdefault("wait", max(t["base"], self.served_s))
+        t.setdefault("wait", t["base"])
         t.setdefault("ahead_tok", t["tok"])
+        t.setdefault("shared_tok", 0.0)
         return t
 
     def full(self, priors: Priors, now: float = 0.0) -> bool:
@@ -130,6 +148,7 @@ class Sample(NamedTuple):
     seconds: float                            # measured TTFT
     ahead: int = 0                            # requests ahead of it when routed
     ahead_tokens: int = 0                     # their uncached tokens
+    elsewhere_tokens: int = 0                 # uncached tokens in flight on the others
 
 
 @dataclass
@@ -142,6 +161,7 @@ class Estimate:
     keys: list = field(default_factory=list)  # block keys sent (set once routed)
     ahead: int = 0                            # requests ahead when estimated
     ahead_tokens: int = 0                     # their uncached tokens
+    elsewhere_tokens: int = 0                 # uncached tokens in flight on the others
 
     @property
     def local(self) -> int:
@@ -150,17 +170,20 @@ class Estimate:
 
 
 def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: int,
-                  priors: Priors) -> Estimate:
+                  priors: Priors, elsewhere_tokens: int = 0) -> Estimate:
     """:class:`Estimate` of the TTFT of ``n_tokens`` on ``inst`` whose reusable prefix is
-    ``blocks`` (tier -> number of blocks, in :data:`TIERS` order from the first block)."""
+    ``blocks`` (tier -> number of blocks, in :data:`TIERS` order from the first block);
+    ``elsewhere_tokens``: the uncached tokens in flight on the other candidates."""
     t = inst.terms(priors)
     cached = sum(blocks.get(k, 0) for k in TIERS)
     uncached = max(1, int(n_tokens) - cached * int(block_size))
     ahead = outstanding(inst)
-    queue = inst.queued_tokens * t["ahead_tok"] + ahead * t["wait"]
+    queue = (inst.queued_tokens * t["ahead_tok"] + ahead * t["wait"]
+             + int(elsewhere_tokens) * t["shared_tok"])
     load = sum(blocks.get(k, 0) * t.get(f"load_{k}", 0.0) for k in TIERS)
     return Estimate(inst.name, queue + t["base"] + uncached * t["tok"] + load, queue,
-                    uncached, dict(blocks), ahead=ahead, ahead_tokens=inst.queued_tokens)
+                    uncached, dict(blocks), ahead=ahead, ahead_tokens=inst.queued_tokens,
+                    elsewhere_tokens=int(elsewhere_tokens))
 
 
 def rank_prefill(states, n_tokens: int, hits: dict, block_size: int, priors: Priors,
@@ -169,10 +192,17 @@ def rank_prefill(states, n_tokens: int, hits: dict, block_size: int, priors: Pri
     :class:`Estimate` over the healthy instances that are not full. ``hits``: instance
     name -> tier -> blocks (missing: nothing cached there). Ties go to the instance with
     fewer requests in flight, then by name (stable)."""
+    states = list(states)
     by_name = {s.name: s for s in states if s.healthy and not s.full(priors, now)}
-    est = [expected_ttft(s, n_tokens, hits.get(s.name, {}), block_size, priors)
-           for s in by_name.values()]
+    total = in_flight_tokens(states)
+    est = [expected_ttft(s, n_tokens, hits.get(s.name, {}), block_size, priors,
+                         total - s.queued_tokens) for s in by_name.values()]
     return order(est, by_name, priors)
+
+
+def in_flight_tokens(states) -> int:
+    """Uncached tokens routed to the healthy ``states`` and not answered yet."""
+    return sum(s.queued_tokens for s in states if s.healthy)
 
 
 def outstanding(inst: InstanceState) -> int:
@@ -266,7 +296,8 @@ def prefix_by_tier(keys, gpu_keys, owners, engine: str, remote: bool = True,
 
 #: the fitted terms and the sample field each is the coefficient of
 _COLUMNS = {"tok": lambda r: r.uncached, "ahead_tok": lambda r: r.ahead_tokens,
-            "wait": lambda r: r.ahead, "load_dram": lambda r: r.blocks.get("dram", 0),
+            "wait": lambda r: r.ahead, "shared_tok": lambda r: r.elsewhere_tokens,
+            "load_dram": lambda r: r.blocks.get("dram", 0),
             "load_ssd": lambda r: r.blocks.get("ssd", 0),
             "load_remote": lambda r: r.blocks.get("remote", 0)}
 
@@ -274,7 +305,10 @@ _COLUMNS = {"tok": lambda r: r.uncached, "ahead_tok": lambda r: r.ahead_tokens,
 def refit(inst: InstanceState, priors: Priors) -> "dict | None":
     """Non-negative least squares of ``base`` and the :data:`_COLUMNS` terms from
     ``inst.samples`` (:class:`Sample`); None below ``min_samples``. A column that never
-    varies is left out (its term is not identifiable: the prior stays). Then samples
+    varies, or is non-zero in fewer than ``min_samples // 2`` samples, is left out (its
+    term is not identifiable: the prior stays; one sample alone would set it, whatever
+    stall it met: a single request routed where one was ahead, slowed 1 s by the shared
+    host, made every busy instance cost 16 ms per token ahead). Then samples
     whose residual is more than 4 times the median residual off (a stall of the shared
     host, a first request compiling something) are dropped and the fit is done once
     more: a few 900 ms outliers among 20 ms requests otherwise decide every term."""
@@ -285,7 +319,7 @@ def refit(inst: InstanceState, priors: Priors) -> "dict | None":
     cols = {"base": np.ones(len(rows))}
     for k, f in _COLUMNS.items():
         c = np.array([f(r) for r in rows], dtype=float)
-        if np.ptp(c) > 0:
+        if np.ptp(c) > 0 and np.count_nonzero(c) >= priors.min_samples // 2:
             cols[k] = c
     names = list(cols)
     a = np.stack([cols[k] for k in names], axis=1)
@@ -304,7 +338,7 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient at least 0: columns whose coefficient comes
     out negative are set to 0 and the rest solved again, the most negative first (an
     active-set loop; scipy's ``nnls`` does the same, and scipy is not a dependency for
-    this one call over at most 7 columns)."""
+    this one call over at most 8 columns)."""
     free = list(range(a.shape[1]))
     coef = np.zeros(a.shape[1])
     while free:

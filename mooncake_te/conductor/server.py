@@ -299,6 +299,8 @@ class Conductor:
                       {"instance": n}, t["tok"]))
             g.append(("mooncake_te_conductor_instance_wait_seconds_per_request",
                       {"instance": n}, t["wait"]))
+            g.append(("mooncake_te_conductor_instance_shared_seconds_per_token",
+                      {"instance": n}, t["shared_tok"]))
             v = self.cluster.events.get(n)
             if v is not None:
                 g.append(("mooncake_te_conductor_instance_gpu_blocks", {"instance": n},
@@ -389,7 +391,7 @@ class Conductor:
         if est and log.isEnabledFor(logging.DEBUG):
             log.debug("route: %d tokens -> %s; %s", len(tokens), est[0].name, "; ".join(
                 f"{e.name} {e.ttft_s * 1e3:.0f} ms (queue {e.queue_s * 1e3:.0f}, ahead "
-                f"{e.ahead}, {'/'.join(f'{t}={n}' for t, n in e.blocks.items() if n) or 'no hit'})"
+                f"{e.ahead}/{e.ahead_tokens} tok, elsewhere {e.elsewhere_tokens} tok, {'/'.join(f'{t}={n}' for t, n in e.blocks.items() if n) or 'no hit'})"
                 for e in est))
         self.counters.inc("mooncake_te_conductor_route_seconds_total", time.perf_counter() - t0)
         self.counters.inc("mooncake_te_conductor_prompt_tokens_total", len(tokens))
@@ -472,7 +474,7 @@ class Conductor:
                           instance=e.name)
         self.counters.inc("mooncake_te_conductor_ttft_samples_total", instance=e.name)
         self.cluster.measured(e.name, e.uncached, e.blocks, measured, e.ahead,
-                              e.ahead_tokens)
+                              e.ahead_tokens, e.elsewhere_tokens)
 
     def _failed(self, name: str, why: str, full: bool = False) -> None:
         st = self.cluster.states.get(name)
@@ -639,5 +641,6 @@ class _Decode:
     uncached: int = 0
     ahead: int = 0
     ahead_tokens: int = 0
+    elsewhere_tokens: int = 0
     blocks: dict = field(default_factory=dict)
     keys: list = field(default_factory=list)

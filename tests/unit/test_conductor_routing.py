@@ -8,7 +8,7 @@ import pytest
 
 from mooncake_te.conductor import (Cluster, GpuShadow, InstanceRecord, Priors, Sample,
                                    expected_ttft, prefix_by_tier, refit, static_root)
-from mooncake_te.conductor.cost import InstanceState, outstanding, rank_decode
+from mooncake_te.conductor.cost import InstanceState, outstanding, rank_decode, rank_prefill
 from mooncake_te.conductor.metrics import Counters, parse_vllm_metrics
 from mooncake_te.integrations.vllm.pool.keys import block_keys, namespace_root
 
@@ -180,10 +180,12 @@ def test_refit_measures_the_queue_terms():
     """What a request ahead adds is fitted from the whole TTFT, not assumed: samples
     of an engine that batches (a request ahead adds 5 ms, whatever its own TTFT) give
     ``wait`` 5 ms and ``ahead_tok``; until then the priors assume one request at a time
-    (``wait`` = the served time). A few stalls of the shared host do not move the fit."""
+    (what is ahead is done first: ``wait`` = ``base``, ``ahead_tok`` = ``tok``; not the
+    served time, which holds the tokens ahead a second time). A few stalls of the shared
+    host do not move the fit."""
     p = Priors(min_samples=12)
     s = InstanceState("x", served_s=0.08)
-    assert s.terms(p)["wait"] == 0.08 and s.terms(p)["ahead_tok"] == p.prefill_s_per_token
+    assert s.terms(p)["wait"] == p.base_s and s.terms(p)["ahead_tok"] == p.prefill_s_per_token
     rng = np.random.default_rng(2)
     for i in range(100):
         u, ahead = int(rng.integers(1, 1000)), int(rng.integers(0, 4))
@@ -206,6 +208,56 @@ def test_refit_measures_the_queue_terms():
     assert "wait" not in refit(q, p) and "ahead_tok" not in refit(q, p)
 
 
+def test_shared_compute_is_measured_and_lets_the_cached_prefix_win():
+    """Instances on one host's cores: a TTFT grows with the tokens in flight anywhere,
+    not only ahead on its own instance. The fit finds ``shared_tok`` about equal to
+    ``ahead_tok`` there, so an idle instance is no longer priced as faster than a busy
+    one that holds the prompt's prefix; with compute of their own (``shared_tok`` 0) the
+    same state sends the prompt to the idle one."""
+    p = Priors(min_samples=12, load_bound=0)
+    rng = np.random.default_rng(4)
+
+    def fitted(shared: float) -> dict:
+        s = InstanceState("x")
+        for _ in range(120):
+            u, own, other = (int(rng.integers(1, 1000)), int(rng.integers(0, 1500)),
+                             int(rng.integers(0, 3000)))
+            y = 0.01 + u * 6e-5 + own * 3e-4 + other * shared
+            s.samples.append(Sample(u, {}, y, int(own > 0), own, other))
+        return refit(s, p)
+
+    fit = fitted(3e-4)
+    assert fit["shared_tok"] == pytest.approx(3e-4, rel=1e-3)
+    assert fit["ahead_tok"] == pytest.approx(3e-4, rel=1e-3)
+    assert InstanceState("y").terms(p)["shared_tok"] == 0.0      # the prior: own compute
+    busy = InstanceState("busy", inflight=1, queued_tokens=1000, fit=fit)
+    idle = InstanceState("idle", fit=fit)
+    hits = {"busy": {"gpu": 28}}                                  # 896 of 1024 tokens
+    assert [e.name for e in rank_prefill([busy, idle], 1024, hits, 32, p)][0] == "busy"
+    own = fitted(0.0)
+    assert own.get("shared_tok", 0.0) == pytest.approx(0.0, abs=1e-9)
+    busy.fit = idle.fit = own
+    assert [e.name for e in rank_prefill([busy, idle], 1024, hits, 32, p)][0] == "idle"
+
+
+def test_a_term_seen_in_too_few_samples_keeps_its_prior():
+    """One request routed where another was ahead, stalled 1 s by the shared host, must
+    not set what every request ahead costs: a column non-zero in fewer than
+    ``min_samples // 2`` samples is left out; from that many on it is fitted."""
+    p = Priors(min_samples=12)
+    s = InstanceState("x")
+    for u in range(1, 40):
+        s.samples.append(Sample(u * 20, {}, 0.01 + u * 20 * 5e-5))
+    s.samples.append(Sample(32, {}, 1.09, 1, 32))
+    fit = refit(s, p)
+    assert "wait" not in fit and "ahead_tok" not in fit
+    s.fit = fit
+    assert s.terms(p)["ahead_tok"] == fit["tok"]
+    for i in range(5):
+        s.samples.append(Sample(100, {}, 0.015 + 0.02, 1, 400 + 100 * i))
+    assert "wait" in refit(s, p)
+
+
 def test_nnls_keeps_every_term_non_negative():
     from mooncake_te.conductor.cost import _nnls
     a = np.array([[1.0, 0.0], [1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
@@ -215,9 +267,9 @@ def test_nnls_keeps_every_term_non_negative():
 
 
 def test_a_measured_small_wait_lets_a_busy_holder_keep_its_prefix():
-    """With the priors a request ahead costs the whole served time, so an idle instance
-    beats a busy one holding the prompt's prefix; once the samples show a request ahead
-    adds little (vLLM batches), the holder keeps the prompt."""
+    """With the priors what is ahead is done first (its 4,000 tokens at ``tok`` each), so
+    an idle instance beats a busy one holding the prompt's prefix; once the samples show
+    a request ahead adds little (vLLM batches), the holder keeps the prompt."""
     def first(fit):
         c = cluster(2, FakeIndexStore())
         c.priors.load_bound = 0
@@ -227,6 +279,7 @@ def test_a_measured_small_wait_lets_a_busy_holder_keep_its_prefix():
             c.states[n].served_s = 0.2
             c.states[n].fit = fit
         c.states["e0"].inflight = 1
+        c.states["e0"].queued_tokens = 4000
         return c.rank_prefill(toks, ("plain",))[0][0].name
 
     assert first(None) == "e1"
@@ -330,16 +383,16 @@ def test_top_shows_the_conductor():
 
 
 def test_a_request_ahead_costs_what_requests_there_take():
-    # Requests on one instance share its compute: one in flight where requests have
-    # taken 300 ms outweighs a 20-block hit (the synthetic-trace run stacked requests on
-    # hit holders while least-loaded spread them).
+    # Requests on one instance share its compute: one in flight with 6,000 uncached
+    # tokens (300 ms at the prior's 50 us) outweighs a 20-block hit (the synthetic-trace
+    # run stacked requests on hit holders while least-loaded spread them).
     c = cluster(2, FakeIndexStore())
     toks = list(range(640))
     c.shadows["e0"].add(block_keys(toks, BS, c.default_root)[:20])
     assert c.rank_prefill(toks, ("plain",))[0][0].name == "e0"
     c.states["e0"].inflight = 1
     assert c.rank_prefill(toks, ("plain",))[0][0].name == "e0"     # priors: worth it
-    c.states["e0"].served_s = 0.3
+    c.states["e0"].queued_tokens = 6000
     assert c.rank_prefill(toks, ("plain",))[0][0].name == "e1"
 
 
@@ -430,11 +483,11 @@ def test_affinity_keeps_a_prefix_family_where_it_is():
         if cached:
             c.shadows["e0"].add(block_keys(toks, BS, c.default_root)[:20])
         c.states["e0"].inflight = inflight0
-        c.states["e0"].served_s = c.states["e1"].served_s = 0.05
+        c.states["e0"].queued_tokens = 800 * inflight0          # 40 ms each at 50 us
         est, _, _ = c.rank_prefill(toks, ("plain",))
         return [e.name for e in est]
 
-    # one request ahead on e0 (50 ms) against a 20-block hit (16 ms of prefill saved):
+    # one request ahead on e0 (10 + 40 ms) against a 20-block hit (16 ms of prefill saved):
     # the cost model alone prefers the idle e1, affinity keeps the family on e0
     assert route(1, affinity=0.0) == ["e1", "e0"]
     assert route(1) == ["e0", "e1"]
