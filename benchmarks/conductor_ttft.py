@@ -455,6 +455,7 @@ def main() -> int:
                         "mooncake_te_conductor_instance_prefill_seconds_per_token{",
                         "mooncake_te_conductor_instance_wait_seconds_per_request{",
                         "mooncake_te_conductor_instance_shared_seconds_per_token{",
+                        "mooncake_te_conductor_instance_fit_residual_seconds{",
                         "mooncake_te_conductor_hit_tokens_total{",
                         "mooncake_te_conductor_instance_kv_events_complete{",
                         "mooncake_te_conductor_instance_kv_events_gaps{",

@@ -108,6 +108,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "prior_load_remote_s_per_block": (_NUM, 5e-4, None),
         "prior_load_ssd_s_per_block": (_NUM, 1e-3, None),
         "affinity": (_NUM, 0.0, None),
+        "affinity_residuals": (_NUM, 2.0, None),
         "load_bound": (_NUM, 2.0, None),
         "gpu_blocks": (_INT, 0, None),
         "policy": (_STR, "cost", ("cost", "round_robin", "least_loaded")),
@@ -146,6 +147,8 @@ _BOUNDS: dict[str, tuple] = {
     "prior_load_ssd_s_per_block": (0, None, "seconds, 0 or more"),
     "affinity": (0, 100, "a fraction of the best expected TTFT between 0 and 100 "
                          "(0: no prefix affinity)"),
+    "affinity_residuals": (0, 100, "a multiple of the fit's median absolute residual "
+                                   "between 0 and 100 (0: ties only by affinity)"),
     "load_bound": (0, 100, "a multiple of the mean load between 0 and 100 (0: no bound; "
                            "1.25 lets an instance take a quarter more than its share)"),
     "gpu_blocks": (0, None, "a number of KV blocks, 0 to read it from vLLM's /metrics"),

@@ -27,6 +27,7 @@ def build(cfg: Config, tokenizer=None, env=None) -> Conductor:
                                       "remote": c["prior_load_remote_s_per_block"]},
                     full_kv_usage=c["full_kv_usage"], max_inflight=c["max_inflight"],
                     fit_per_instance=c["fit_per_instance"], affinity=c["affinity"],
+                    affinity_residuals=c["affinity_residuals"],
                     load_bound=c["load_bound"])
     store = None
     if c["metadata_server"]:

@@ -53,12 +53,17 @@ For a prompt of ``n`` tokens whose first blocks are cached somewhere, on instanc
 Bounded load. Instances whose outstanding requests would pass ``load_bound`` times the
 mean go behind the others (:func:`within_load_bound`).
 
-Prefix affinity (off by default). Among the instances whose expected TTFT is within
-:attr:`Priors.affinity` times the best one's of it, the one holding the most of the prefix
-itself (``gpu`` + ``dram`` + ``ssd``: what only it can serve that cheaply) is picked, so a
-prompt family stays where its blocks are instead of following the shortest queue by a
-few milliseconds: a hit saves the compute of its tokens on the instance, which the
-requests behind it get back, and which a per-request TTFT alone does not price.
+Prefix affinity. Estimates closer than the model can tell apart are ties, and a tie
+goes to the instance holding the most of the prefix itself (``gpu`` + ``dram`` + ``ssd``:
+what only it can serve that cheaply), so a prompt family stays where its blocks are
+instead of following the shortest queue by a few milliseconds: a hit saves the compute
+of its tokens on the instance, which the requests behind it get back, and which a
+per-request TTFT alone does not price. How close is a tie: within
+:attr:`Priors.affinity_residuals` times the fit's median absolute residual (its typical
+error, measured with the terms: 10 ms on instances with a CPU each, 40 ms on three
+sharing two cores, where TTFT did not follow the uncached tokens at all) of the best
+estimate, or within :attr:`Priors.affinity` times the best estimate, whichever is wider.
+Only instances within the load bound take part.
 
 A decode instance is picked by room: the lowest ``kv_usage + running / max_running`` among
 those that are not full. Full: KV usage at or above ``full_kv_usage``, or
@@ -94,8 +99,10 @@ class Priors:
     # for instances on unlike hardware: per-instance fits chase noise, docs/conductor.md).
     fit_per_instance: bool = False
     # Prefix affinity: instances whose expected TTFT is within this fraction of the best
-    # one's count as tied, and the one holding most of the prefix locally wins (0: off).
+    # one's, or within affinity_residuals times the fit's median absolute residual of it,
+    # count as tied, and the one holding most of the prefix locally wins (0, 0: off).
     affinity: float = 0.0
+    affinity_residuals: float = 2.0
     # Bounded load: an instance takes a request only while its outstanding requests, this
     # one included, stay within ceil(load_bound * mean) over the candidates (0: off).
     load_bound: float = 2.0
@@ -214,37 +221,44 @@ def outstanding(inst: InstanceState) -> int:
 
 def order(est: list, states: dict, priors: Priors) -> list:
     """Estimates best first: by expected TTFT (ties: fewer in flight, then name), the
-    instances within the load bound ahead of the others, then prefix affinity."""
+    instances within the load bound ahead of the others, prefix affinity among those."""
     est = sorted(est, key=lambda e: (e.ttft_s, states[e.name].inflight, e.name))
-    return with_affinity(within_load_bound(est, states, priors.load_bound),
-                         priors.affinity)
+    ok, over = within_load_bound(est, states, priors.load_bound)
+    if ok:
+        best = states[ok[0].name]
+        margin = max(priors.affinity * ok[0].ttft_s,
+                     priors.affinity_residuals * ((best.fit or {}).get("residual") or 0.0))
+        ok = with_affinity(ok, margin)
+    return ok + over
 
 
-def within_load_bound(est: list, states: dict, bound: float) -> list:
-    """``est`` with the instances whose outstanding requests, this one included, would
-    exceed ``ceil(bound * (total + 1) / n)`` moved behind the others (kept for retries).
+def within_load_bound(est: list, states: dict, bound: float) -> tuple:
+    """``(within, over)``: ``est`` split, in order, by whether an instance's outstanding
+    requests, this one included, would exceed ``ceil(bound * (total + 1) / n)`` (the
+    ``over`` ones are kept behind the others for retries).
 
     Consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, 2018) applied
     to the cost order: an expected TTFT is an estimate, and on a shared host its queue
     term is the part most often wrong, so a cached prefix may pull a request onto an
-    instance only while that instance stays near the mean load. Without the bound, the
-    cost policy stacked 81 of 150 requests on one of three instances and its TTFT p90 was
-    2-3x least-loaded's (benchmarks/results/conductor-2026-12-05b)."""
+    instance only while that instance stays near the mean load. Without the bound (and
+    with the queue assumed, not measured), the cost policy stacked 81 of 150 requests on
+    one of three instances and its TTFT p90 was 2-3x least-loaded's
+    (benchmarks/results/conductor-2026-12-05b)."""
     if bound <= 0 or len(est) < 2:
-        return est
+        return list(est), []
     loads = {e.name: outstanding(states[e.name]) for e in est}
     limit = math.ceil(bound * (sum(loads.values()) + 1) / len(est))
-    ok = [e for e in est if loads[e.name] + 1 <= limit]
-    return ok + [e for e in est if loads[e.name] + 1 > limit]
+    return ([e for e in est if loads[e.name] + 1 <= limit],
+            [e for e in est if loads[e.name] + 1 > limit])
 
 
-def with_affinity(est: list, affinity: float) -> list:
+def with_affinity(est: list, margin: float) -> list:
     """``est`` (best first by expected TTFT) with the instance holding most of the prefix
-    locally moved to the front, among those within ``affinity`` times the best expected
-    TTFT of it (ties: the better TTFT). The others keep their order (retries)."""
-    if affinity <= 0 or len(est) < 2:
+    locally moved to the front, among those within ``margin`` seconds of the best
+    expected TTFT (ties: the better TTFT). The others keep their order (retries)."""
+    if margin <= 0 or len(est) < 2:
         return est
-    limit = est[0].ttft_s * (1.0 + affinity)
+    limit = est[0].ttft_s + margin
     near = [e for e in est if e.ttft_s <= limit]
     pick = max(near, key=lambda e: e.local)          # first of the most: best TTFT
     if pick.local <= est[0].local:
@@ -329,6 +343,8 @@ def refit(inst: InstanceState, priors: Priors) -> "dict | None":
     if priors.min_samples <= keep.sum() < len(rows):
         coef = _nnls(a[keep], y[keep])
     fit = {k: float(c) for k, c in zip(names, coef)}
+    # not a term: the fit's typical error, within which two estimates are a tie (order)
+    fit["residual"] = float(np.median(np.abs(a @ coef - y)))
     if fit.get("tok", 1.0) <= 0.0:
         fit.pop("tok")                # no signal yet: keep the prior per-token cost
     return fit

@@ -39,6 +39,9 @@ _HELP = {
         ("gauge", "the per-token prefill time in use (measured, else the prior)"),
     "mooncake_te_conductor_instance_wait_seconds_per_request":
         ("gauge", "what one request ahead adds to a TTFT there (measured, else the prior)"),
+    "mooncake_te_conductor_instance_fit_residual_seconds":
+        ("gauge", "the fit's median absolute residual: estimates closer than "
+                  "affinity_residuals times this are ties, won by the prefix holder"),
     "mooncake_te_conductor_instance_shared_seconds_per_token":
         ("gauge", "what one uncached token in flight on another instance adds to a TTFT "
                   "there: about 0 where instances have compute of their own (measured)"),

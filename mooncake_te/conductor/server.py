@@ -301,6 +301,8 @@ class Conductor:
                       {"instance": n}, t["wait"]))
             g.append(("mooncake_te_conductor_instance_shared_seconds_per_token",
                       {"instance": n}, t["shared_tok"]))
+            g.append(("mooncake_te_conductor_instance_fit_residual_seconds",
+                      {"instance": n}, t.get("residual", 0.0)))
             v = self.cluster.events.get(n)
             if v is not None:
                 g.append(("mooncake_te_conductor_instance_gpu_blocks", {"instance": n},
@@ -388,12 +390,13 @@ class Conductor:
                    for q in self.cluster.queries(keys)}
         est, hits = self.cluster.rank(cands, tokens, keys, answers, time.monotonic())
         est = self._baseline(est)
+        self.counters.inc("mooncake_te_conductor_route_seconds_total", time.perf_counter() - t0)
         if est and log.isEnabledFor(logging.DEBUG):
             log.debug("route: %d tokens -> %s; %s", len(tokens), est[0].name, "; ".join(
                 f"{e.name} {e.ttft_s * 1e3:.0f} ms (queue {e.queue_s * 1e3:.0f}, ahead "
-                f"{e.ahead}/{e.ahead_tokens} tok, elsewhere {e.elsewhere_tokens} tok, {'/'.join(f'{t}={n}' for t, n in e.blocks.items() if n) or 'no hit'})"
+                f"{e.ahead}/{e.ahead_tokens} tok, elsewhere {e.elsewhere_tokens} tok, "
+                f"{'/'.join(f'{t}={n}' for t, n in e.blocks.items() if n) or 'no hit'})"
                 for e in est))
-        self.counters.inc("mooncake_te_conductor_route_seconds_total", time.perf_counter() - t0)
         self.counters.inc("mooncake_te_conductor_prompt_tokens_total", len(tokens))
         try:
             if pd:

@@ -498,6 +498,33 @@ def test_affinity_keeps_a_prefix_family_where_it_is():
     assert route(0, cached=False) == ["e0", "e1"]
 
 
+def test_estimates_within_the_fits_error_are_a_tie_the_holder_wins():
+    """Two estimates closer than ``affinity_residuals`` times the fit's median absolute
+    residual cannot be told apart: the instance holding more of the prefix gets the
+    prompt. Past that margin, or with the margin off, the lower estimate wins; a holder
+    past the load bound takes no part."""
+    def route(residual, queued=600, bound=0.0, margin=2.0):
+        c = cluster(2, FakeIndexStore())
+        c.priors.load_bound = bound
+        c.priors.affinity_residuals = margin
+        toks = list(range(9000, 9000 + 640))                # 40 blocks
+        c.shadows["e0"].add(block_keys(toks, BS, c.default_root)[:10])
+        fit = {"base": 0.01, "tok": 5e-5, "wait": 0.01, "ahead_tok": 5e-5,
+               "residual": residual}
+        for n in ("e0", "e1"):
+            c.states[n].fit = fit
+        c.states["e0"].inflight, c.states["e0"].queued_tokens = 1, queued
+        est, _, _ = c.rank_prefill(toks, ("plain",))
+        return [e.name for e in est]
+
+    # e0: 10 + 30 ms ahead, 480 uncached tokens (24 ms) = 74 ms; e1 idle: 42 ms
+    assert route(0.005) == ["e1", "e0"]                     # 32 ms apart: not a tie
+    assert route(0.020) == ["e0", "e1"]                     # within 2 x 20 ms
+    assert route(0.020, margin=0) == ["e1", "e0"]
+    assert route(0.020, queued=2000) == ["e1", "e0"]        # 100 ms ahead: no tie
+    assert route(0.020, bound=1.0) == ["e1", "e0"]          # e0 over the bound
+
+
 def test_load_bound_keeps_a_cached_prefix_from_stacking_requests():
     """A cached prefix pulls requests to its holder only while the holder stays within
     ``load_bound`` times the mean load (consistent hashing with bounded loads); past
